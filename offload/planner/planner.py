@@ -1,0 +1,198 @@
+"""HybridOffloadPlanner: per-group chunk contents and the restorable-prefix lookup.
+
+A hit of N tokens is only safe when *every* group can be restored at exactly N
+(seed 003: a hybrid hit is the minimum over groups, and an attention-only
+restore silently corrupts output). The planner states, per group, what one
+(chunk, group) file holds and which files a hit of N needs, and answers the
+lookup with a binary search over the part that is monotone (full attention)
+followed by a short walk down over the part that is not (Mamba states and
+windowed KV exist only at some boundaries).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from offload.planner.spec import ChunkIndex, GroupIndex, GroupKind, GroupSpec
+
+DEFAULT_MIN_CHUNK_TOKENS = 256
+
+# present(group, chunk) -> is that (chunk, group) file stored? The planner calls
+# it O(log chunks) times per lookup; the store decides how it is answered.
+PresenceProbe = Callable[[GroupIndex, ChunkIndex], bool]
+
+
+class ChunkSizeError(ValueError):
+    """`hybrid_chunk_size` does not fit the model's KV cache groups."""
+
+
+@dataclass(frozen=True)
+class GroupChunk:
+    """What one (chunk, group) file holds.
+
+    `blocks` are absolute block indices in the group's own block size (empty
+    for Mamba); `state_at` is the token boundary whose recurrent state a Mamba
+    file holds (None for attention groups).
+    """
+
+    group: GroupIndex
+    chunk: ChunkIndex
+    blocks: range
+    state_at: int | None = None
+
+
+class HybridOffloadPlanner:
+    """Chunks every KV cache group by `chunk_size` tokens.
+
+    Invariants: `chunk_size` is a positive multiple of every group's block
+    size, so chunk boundaries are block boundaries in every group; a reported
+    hit is a multiple of `chunk_size` and at most `num_tokens - 1` (the last
+    prompt token is always recomputed to produce logits).
+    """
+
+    def __init__(self, groups: Sequence[GroupSpec], chunk_size: int | None = None) -> None:
+        if not groups:
+            raise ValueError("a model needs at least one KV cache group")
+        self.groups: tuple[GroupSpec, ...] = tuple(groups)
+        if chunk_size is None:
+            chunk_size = self.default_chunk_size(self.groups)
+        self.validate_chunk_size(self.groups, chunk_size)
+        self.chunk_size = chunk_size
+        self._full = [GroupIndex(i) for i, g in enumerate(self.groups) if g.kind is GroupKind.FULL_ATTENTION]
+        self._other = [GroupIndex(i) for i, g in enumerate(self.groups) if g.kind is not GroupKind.FULL_ATTENTION]
+
+    # ---- chunk size -------------------------------------------------------------
+
+    @staticmethod
+    def block_lcm(groups: Sequence[GroupSpec]) -> int:
+        return math.lcm(*(g.block_size for g in groups))
+
+    @classmethod
+    def default_chunk_size(
+        cls, groups: Sequence[GroupSpec], min_tokens: int = DEFAULT_MIN_CHUNK_TOKENS
+    ) -> int:
+        """Smallest multiple of every block size that is at least `min_tokens`."""
+        lcm = cls.block_lcm(groups)
+        return lcm * max(1, -(-min_tokens // lcm))
+
+    @classmethod
+    def validate_chunk_size(cls, groups: Sequence[GroupSpec], chunk_size: int) -> None:
+        if isinstance(chunk_size, int) and chunk_size > 0:
+            if all(chunk_size % g.block_size == 0 for g in groups):
+                return
+        sizes = ", ".join(f"group {i} {g.kind.value}: {g.block_size}" for i, g in enumerate(groups))
+        lcm = cls.block_lcm(groups)
+        raise ChunkSizeError(
+            f"hybrid_chunk_size={chunk_size!r} must be a positive multiple of every KV cache "
+            f"group's block size ({sizes}); valid values are multiples of {lcm}, "
+            f"e.g. {cls.default_chunk_size(groups)}"
+        )
+
+    # ---- what a file holds, what a hit needs ------------------------------------------
+
+    def _window_start(self, spec: GroupSpec, boundary: int) -> int:
+        """First token whose KV a windowed group needs to continue at `boundary`.
+
+        Sliding window: one token more than the window, so either convention
+        for the window's edge is covered.
+        """
+        assert spec.window is not None
+        if spec.kind is GroupKind.SLIDING_WINDOW:
+            return max(0, boundary - spec.window)
+        return boundary // spec.window * spec.window  # CHUNKED_LOCAL
+
+    def stored(self, group: GroupIndex, chunk: ChunkIndex) -> GroupChunk:
+        """Contents of the (chunk, group) file.
+
+        Full attention: every block of the chunk. Windowed: only the blocks of
+        the chunk some later boundary can still see (the earliest such boundary,
+        the chunk's own end, sees the most). Mamba: the state at the chunk end.
+        """
+        spec = self.groups[group]
+        start, end = chunk * self.chunk_size, (chunk + 1) * self.chunk_size
+        bs = spec.block_size
+        if spec.kind is GroupKind.MAMBA:
+            return GroupChunk(group, chunk, range(0), state_at=end)
+        if spec.kind is GroupKind.FULL_ATTENTION:
+            return GroupChunk(group, chunk, range(start // bs, end // bs))
+        first = max(start, self._window_start(spec, end)) // bs
+        return GroupChunk(group, chunk, range(min(first, end // bs), end // bs))
+
+    def needed(self, group: GroupIndex, n_chunks: int, computed_tokens: int = 0) -> list[GroupChunk]:
+        """Files of `group` a hit of `n_chunks` needs beyond `computed_tokens`
+        (vLLM's own block-aligned prefix-cache hit, already in place)."""
+        spec = self.groups[group]
+        boundary = n_chunks * self.chunk_size
+        if spec.kind is GroupKind.MAMBA:
+            return [self.stored(group, ChunkIndex(n_chunks - 1))]
+        if spec.kind is GroupKind.FULL_ATTENTION:
+            first_token = computed_tokens
+        else:
+            first_token = max(computed_tokens, self._window_start(spec, boundary))
+        if first_token >= boundary:
+            return []
+        first_chunk = first_token // self.chunk_size
+        return [self.stored(group, ChunkIndex(c)) for c in range(first_chunk, n_chunks)]
+
+    def blocks_to_load(self, group: GroupIndex, n_chunks: int, computed_tokens: int) -> set[int]:
+        """Block indices of `group` a hit restores (Mamba: the state's block).
+
+        The state for boundary N lives in block N // block_size - 1 of vLLM's
+        'align' block table; attention blocks are positional.
+        """
+        spec = self.groups[group]
+        boundary = n_chunks * self.chunk_size
+        if spec.kind is GroupKind.MAMBA:
+            return {boundary // spec.block_size - 1}
+        first_block = -(-computed_tokens // spec.block_size)
+        out: set[int] = set()
+        for gc in self.needed(group, n_chunks, computed_tokens):
+            out.update(b for b in gc.blocks if b >= first_block and b < boundary // spec.block_size)
+        return out
+
+    # ---- lookup -------------------------------------------------------------------
+
+    def max_hit_chunks(self, num_tokens: int) -> int:
+        """Largest chunk count a request of `num_tokens` may hit (<= num_tokens - 1)."""
+        return max(0, (num_tokens - 1) // self.chunk_size)
+
+    def lookup(self, num_tokens: int, present: PresenceProbe, computed_tokens: int = 0) -> int:
+        """Longest restorable hit, in chunks, that extends past `computed_tokens`.
+
+        Full-attention presence is treated as prefix-closed (files are written in
+        chunk order and evicted from the tail), so a binary search finds its end
+        in O(log chunks) probes. Mamba states and windowed KV exist only at some
+        boundaries, so from there the candidate walks down until every group can
+        be restored. Returns 0 when no hit beyond `computed_tokens` is possible.
+        """
+        max_n = self.max_hit_chunks(num_tokens)
+        min_n = computed_tokens // self.chunk_size + 1
+        if max_n < min_n:
+            return 0
+        start_chunk = computed_tokens // self.chunk_size
+        # First chunk index in [start_chunk, max_n) missing from a full group.
+        lo, hi = start_chunk, max_n
+        if self._full:
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if all(present(g, ChunkIndex(mid)) for g in self._full):
+                    lo = mid + 1
+                else:
+                    hi = mid
+        else:
+            lo = max_n
+        for n in range(lo, min_n - 1, -1):
+            if all(
+                present(gc.group, gc.chunk)
+                for g in self._other
+                for gc in self.needed(g, n, computed_tokens)
+            ):
+                return n
+        return 0
+
+    def completed_chunks(self, computed_before: int, computed_after: int) -> range:
+        """Chunks whose last token was computed in a step that advanced the
+        request from `computed_before` to `computed_after` tokens."""
+        return range(computed_before // self.chunk_size, computed_after // self.chunk_size)

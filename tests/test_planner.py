@@ -1,0 +1,191 @@
+"""HybridOffloadPlanner as pure logic, on the group shapes of real hybrid models."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from offload.planner import ChunkSizeError, GroupKind, GroupSpec, HybridOffloadPlanner
+
+MAMBA, FULL, SW, CL = (
+    GroupKind.MAMBA,
+    GroupKind.FULL_ATTENTION,
+    GroupKind.SLIDING_WINDOW,
+    GroupKind.CHUNKED_LOCAL,
+)
+
+
+def qwen35_like(bs: int = 528) -> list[GroupSpec]:
+    # 18 GDN + 6 attention layers: vLLM groups them 6 layers per group.
+    return [GroupSpec(MAMBA, bs, 6 * 1_000_000, 6) for _ in range(3)] + [GroupSpec(FULL, bs, 6 * 270_336, 6)]
+
+
+def nemotron_h_like(bs: int = 256) -> list[GroupSpec]:
+    return [GroupSpec(FULL, bs, 300_000, 1)] + [GroupSpec(MAMBA, bs, 900_000, 1) for _ in range(3)]
+
+
+def gemma3_like(bs: int = 16, window: int = 512) -> list[GroupSpec]:
+    return [GroupSpec(SW, bs, 5 * 8192, 5, window=window), GroupSpec(FULL, bs, 8192, 1)]
+
+
+def pure_attention(bs: int = 16) -> list[GroupSpec]:
+    return [GroupSpec(FULL, bs, 65536, 2)]
+
+
+ALL_SHAPES = {
+    "qwen35": qwen35_like(),
+    "nemotron_h": nemotron_h_like(),
+    "gemma3": gemma3_like(),
+    "llama": pure_attention(),
+}
+
+
+def brute_force(p: HybridOffloadPlanner, num_tokens: int, present, computed: int) -> int:
+    """The definition, probing everything: largest n whose every needed file exists."""
+    best = 0
+    for n in range(computed // p.chunk_size + 1, p.max_hit_chunks(num_tokens) + 1):
+        if all(present(gc.group, gc.chunk) for g in range(len(p.groups)) for gc in p.needed(g, n, computed)):
+            best = n
+    return best
+
+
+@pytest.mark.parametrize(
+    "groups,expected",
+    [(qwen35_like(), 528), (nemotron_h_like(), 256), (gemma3_like(), 256), (pure_attention(), 256),
+     ([GroupSpec(FULL, 96, 1, 1), GroupSpec(MAMBA, 64, 1, 1)], 384)],
+)
+def test_default_chunk_size_is_smallest_valid_multiple_at_least_256(groups, expected):
+    assert HybridOffloadPlanner(groups).chunk_size == expected
+
+
+def test_invalid_chunk_size_names_sizes_and_a_valid_value():
+    with pytest.raises(ChunkSizeError) as e:
+        HybridOffloadPlanner(qwen35_like(), chunk_size=256)
+    msg = str(e.value)
+    assert "hybrid_chunk_size=256" in msg and "mamba: 528" in msg and "full_attention: 528" in msg
+    assert "e.g. 528" in msg
+    for bad in (0, -256, 100):
+        with pytest.raises(ChunkSizeError):
+            HybridOffloadPlanner(pure_attention(), chunk_size=bad)
+
+
+@pytest.mark.parametrize("name", list(ALL_SHAPES))
+def test_full_presence_hits_largest_aligned_prefix_below_last_token(name):
+    p = HybridOffloadPlanner(ALL_SHAPES[name])
+    c = p.chunk_size
+    for num_tokens in (1, c, c + 1, 5 * c, 5 * c + 1, 5 * c + 7):
+        n = p.lookup(num_tokens, lambda g, ch: True)
+        assert n * c <= num_tokens - 1
+        assert n == (num_tokens - 1) // c
+
+
+def test_qwen35_hit_needs_every_mamba_group_at_exact_boundary():
+    p = HybridOffloadPlanner(qwen35_like())
+    # All attention chunks exist; group 1's state is missing at boundary 10,
+    # group 2's at boundary 9: the hit falls to 8 chunks.
+    missing = {(1, 9), (2, 8)}
+    n = p.lookup(10 * p.chunk_size + 1, lambda g, ch: (g, ch) not in missing)
+    assert n == 8
+    # Attention KV alone is never a hit.
+    assert p.lookup(10 * p.chunk_size + 1, lambda g, ch: g == 3) == 0
+
+
+def test_nemotron_missing_attention_chunk_caps_the_hit():
+    p = HybridOffloadPlanner(nemotron_h_like())
+    n = p.lookup(20 * p.chunk_size, lambda g, ch: not (g == 0 and ch >= 4))
+    assert n == 4
+
+
+def test_gemma3_sliding_window_stores_only_the_window_and_needs_only_it():
+    groups = gemma3_like(bs=16, window=100)
+    p = HybridOffloadPlanner(groups, chunk_size=256)
+    stored = p.stored(0, 3)  # chunk [768, 1024): window of 1024 starts at 924 -> block 57
+    assert stored.blocks == range(924 // 16, 64)
+    assert p.stored(1, 3).blocks == range(48, 64)
+    # A hit at 4 chunks needs SW chunk 3 only; SW chunks 0..2 may be missing.
+    assert [gc.chunk for gc in p.needed(0, 4)] == [3]
+    present = lambda g, ch: g == 1 or ch == 3  # noqa: E731
+    assert p.lookup(4 * 256 + 1, present) == 4
+    # Without the window chunk the hit drops to a boundary whose window exists.
+    assert p.lookup(4 * 256 + 1, lambda g, ch: g == 1 or ch == 1) == 2
+
+
+def test_sliding_window_wider_than_a_chunk_spans_chunks():
+    p = HybridOffloadPlanner(gemma3_like(bs=16, window=600), chunk_size=256)
+    assert [gc.chunk for gc in p.needed(0, 4)] == [1, 2, 3]  # window [424, 1024)
+    assert p.stored(0, 1).blocks == range(16, 32)  # all of [256, 512): inside 1024's window
+
+
+def test_chunked_local_needs_nothing_at_local_chunk_edge():
+    p = HybridOffloadPlanner([GroupSpec(CL, 16, 1, 1, window=512), GroupSpec(FULL, 16, 1, 1)], chunk_size=256)
+    assert p.needed(0, 2) == []  # boundary 512 starts a new local chunk
+    assert [gc.chunk for gc in p.needed(0, 3)] == [2]  # [512, 768)
+
+
+def test_pure_attention_hits_every_chunk_and_respects_computed_prefix():
+    p = HybridOffloadPlanner(pure_attention(), chunk_size=64)
+    assert p.lookup(1000, lambda g, ch: ch < 9) == 9
+    # vLLM already holds 3 chunks + 1 block: hit must go past it.
+    assert p.lookup(1000, lambda g, ch: ch < 9, computed_tokens=3 * 64 + 16) == 9
+    assert p.lookup(1000, lambda g, ch: ch < 3, computed_tokens=3 * 64) == 0
+    assert p.blocks_to_load(0, 5, computed_tokens=3 * 64 + 16) == set(range(13, 20))
+
+
+def test_mamba_state_block_is_last_block_of_hit():
+    p = HybridOffloadPlanner(nemotron_h_like(bs=128), chunk_size=256)
+    assert p.blocks_to_load(1, 3, computed_tokens=256) == {5}
+    assert p.blocks_to_load(0, 3, computed_tokens=256) == {2, 3, 4, 5}
+
+
+@pytest.mark.parametrize("name", list(ALL_SHAPES))
+def test_lookup_equals_brute_force_on_random_stores(name):
+    p = HybridOffloadPlanner(ALL_SHAPES[name])
+    rng = random.Random(hash(name) & 0xFFFF)
+    for _ in range(300):
+        chunks = rng.randint(0, 40)
+        num_tokens = chunks * p.chunk_size + rng.randint(0, p.chunk_size)
+        full_end = rng.randint(0, chunks)  # full attention prefix-closed
+        other = {(g, c) for g in range(len(p.groups)) for c in range(chunks) if rng.random() < 0.7}
+
+        def present(g, ch):
+            if p.groups[g].kind is FULL:
+                return ch < full_end
+            return (g, ch) in other
+
+        computed = rng.choice([0, 0, rng.randint(0, max(0, num_tokens - 1)) // 16 * 16])
+        assert p.lookup(num_tokens, present, computed) == brute_force(p, num_tokens, present, computed)
+
+
+def test_lookup_probe_count_is_logarithmic():
+    p = HybridOffloadPlanner(nemotron_h_like(bs=256), chunk_size=256)
+    chunks = 512  # a 128K-token prompt
+    calls = 0
+
+    def present(g, ch):
+        nonlocal calls
+        calls += 1
+        return ch < 300
+
+    n = p.lookup(chunks * 256 + 1, present)
+    assert n == 300
+    # One full-attention group: binary search, then the 3 Mamba states at the candidate.
+    assert calls <= math.ceil(math.log2(chunks)) + 1 + 3
+
+
+def test_completed_chunks():
+    p = HybridOffloadPlanner(pure_attention(), chunk_size=256)
+    assert list(p.completed_chunks(0, 640)) == [0, 1]
+    assert list(p.completed_chunks(256, 512)) == [1]
+    assert list(p.completed_chunks(300, 500)) == []
+
+
+def test_group_spec_validation():
+    with pytest.raises(ValueError):
+        GroupSpec(SW, 16, 1, 1)
+    with pytest.raises(ValueError):
+        GroupSpec(FULL, 16, 1, 1, window=4)
+    with pytest.raises(ValueError):
+        GroupSpec(FULL, 0, 1, 1)
+    assert GroupKind.FULL_ATTENTION.grows_with_sequence and not GroupKind.MAMBA.grows_with_sequence
