@@ -76,7 +76,7 @@ def test_full_presence_hits_largest_aligned_prefix_below_last_token(name):
     p = HybridOffloadPlanner(ALL_SHAPES[name])
     c = p.chunk_size
     for num_tokens in (1, c, c + 1, 5 * c, 5 * c + 1, 5 * c + 7):
-        n = p.lookup(num_tokens, lambda g, ch: True)
+        n = p.lookup(num_tokens, lambda g, ch: True).chunks
         assert n * c <= num_tokens - 1
         assert n == (num_tokens - 1) // c
 
@@ -86,15 +86,15 @@ def test_qwen35_hit_needs_every_mamba_group_at_exact_boundary():
     # All attention chunks exist; group 1's state is missing at boundary 10,
     # group 2's at boundary 9: the hit falls to 8 chunks.
     missing = {(1, 9), (2, 8)}
-    n = p.lookup(10 * p.chunk_size + 1, lambda g, ch: (g, ch) not in missing)
+    n = p.lookup(10 * p.chunk_size + 1, lambda g, ch: (g, ch) not in missing).chunks
     assert n == 8
     # Attention KV alone is never a hit.
-    assert p.lookup(10 * p.chunk_size + 1, lambda g, ch: g == 3) == 0
+    assert p.lookup(10 * p.chunk_size + 1, lambda g, ch: g == 3).chunks == 0
 
 
 def test_nemotron_missing_attention_chunk_caps_the_hit():
     p = HybridOffloadPlanner(nemotron_h_like())
-    n = p.lookup(20 * p.chunk_size, lambda g, ch: not (g == 0 and ch >= 4))
+    n = p.lookup(20 * p.chunk_size, lambda g, ch: not (g == 0 and ch >= 4)).chunks
     assert n == 4
 
 
@@ -107,9 +107,9 @@ def test_gemma3_sliding_window_stores_only_the_window_and_needs_only_it():
     # A hit at 4 chunks needs SW chunk 3 only; SW chunks 0..2 may be missing.
     assert [gc.chunk for gc in p.needed(0, 4)] == [3]
     present = lambda g, ch: g == 1 or ch == 3  # noqa: E731
-    assert p.lookup(4 * 256 + 1, present) == 4
+    assert p.lookup(4 * 256 + 1, present).chunks == 4
     # Without the window chunk the hit drops to a boundary whose window exists.
-    assert p.lookup(4 * 256 + 1, lambda g, ch: g == 1 or ch == 1) == 2
+    assert p.lookup(4 * 256 + 1, lambda g, ch: g == 1 or ch == 1).chunks == 2
 
 
 def test_sliding_window_wider_than_a_chunk_spans_chunks():
@@ -126,10 +126,10 @@ def test_chunked_local_needs_nothing_at_local_chunk_edge():
 
 def test_pure_attention_hits_every_chunk_and_respects_computed_prefix():
     p = HybridOffloadPlanner(pure_attention(), chunk_size=64)
-    assert p.lookup(1000, lambda g, ch: ch < 9) == 9
+    assert p.lookup(1000, lambda g, ch: ch < 9).chunks == 9
     # vLLM already holds 3 chunks + 1 block: hit must go past it.
-    assert p.lookup(1000, lambda g, ch: ch < 9, computed_tokens=3 * 64 + 16) == 9
-    assert p.lookup(1000, lambda g, ch: ch < 3, computed_tokens=3 * 64) == 0
+    assert p.lookup(1000, lambda g, ch: ch < 9, computed_tokens=3 * 64 + 16).chunks == 9
+    assert p.lookup(1000, lambda g, ch: ch < 3, computed_tokens=3 * 64).chunks == 0
     assert p.blocks_to_load(0, 5, computed_tokens=3 * 64 + 16) == set(range(13, 20))
 
 
@@ -155,7 +155,7 @@ def test_lookup_equals_brute_force_on_random_stores(name):
             return (g, ch) in other
 
         computed = rng.choice([0, 0, rng.randint(0, max(0, num_tokens - 1)) // 16 * 16])
-        assert p.lookup(num_tokens, present, computed) == brute_force(p, num_tokens, present, computed)
+        assert p.lookup(num_tokens, present, computed).chunks == brute_force(p, num_tokens, present, computed)
 
 
 def test_lookup_probe_count_is_logarithmic():
@@ -168,7 +168,7 @@ def test_lookup_probe_count_is_logarithmic():
         calls += 1
         return ch < 300
 
-    n = p.lookup(chunks * 256 + 1, present)
+    n = p.lookup(chunks * 256 + 1, present).chunks
     assert n == 300
     # One full-attention group: binary search, then the 3 Mamba states at the candidate.
     assert calls <= math.ceil(math.log2(chunks)) + 1 + 3

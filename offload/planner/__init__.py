@@ -1,7 +1,7 @@
 """HybridOffloadPlanner: what to store per chunk and group, and which prefix a
 lookup may report as a hit. Pure logic: imports nothing from vLLM."""
 
-from offload.planner.planner import ChunkSizeError, GroupChunk, HybridOffloadPlanner
+from offload.planner.planner import ChunkSizeError, GroupChunk, HybridOffloadPlanner, Lookup
 from offload.planner.spec import ChunkIndex, GroupIndex, GroupKind, GroupSpec
 
 __all__ = [
@@ -12,4 +12,5 @@ __all__ = [
     "GroupKind",
     "GroupSpec",
     "HybridOffloadPlanner",
+    "Lookup",
 ]

@@ -29,6 +29,16 @@ class ChunkSizeError(ValueError):
 
 
 @dataclass(frozen=True)
+class Lookup:
+    """Result of a lookup: `chunks` restorable now, and `full_prefix`, the
+    chunks every full-attention group is known to hold (they need not be
+    stored again)."""
+
+    chunks: int
+    full_prefix: int
+
+
+@dataclass(frozen=True)
 class GroupChunk:
     """What one (chunk, group) file holds.
 
@@ -158,19 +168,19 @@ class HybridOffloadPlanner:
         """Largest chunk count a request of `num_tokens` may hit (<= num_tokens - 1)."""
         return max(0, (num_tokens - 1) // self.chunk_size)
 
-    def lookup(self, num_tokens: int, present: PresenceProbe, computed_tokens: int = 0) -> int:
+    def lookup(self, num_tokens: int, present: PresenceProbe, computed_tokens: int = 0) -> Lookup:
         """Longest restorable hit, in chunks, that extends past `computed_tokens`.
 
         Full-attention presence is treated as prefix-closed (files are written in
         chunk order and evicted from the tail), so a binary search finds its end
         in O(log chunks) probes. Mamba states and windowed KV exist only at some
         boundaries, so from there the candidate walks down until every group can
-        be restored. Returns 0 when no hit beyond `computed_tokens` is possible.
+        be restored. `chunks` is 0 when no hit beyond `computed_tokens` exists.
         """
         max_n = self.max_hit_chunks(num_tokens)
         min_n = computed_tokens // self.chunk_size + 1
         if max_n < min_n:
-            return 0
+            return Lookup(0, 0)
         start_chunk = computed_tokens // self.chunk_size
         # First chunk index in [start_chunk, max_n) missing from a full group.
         lo, hi = start_chunk, max_n
@@ -189,8 +199,8 @@ class HybridOffloadPlanner:
                 for g in self._other
                 for gc in self.needed(g, n, computed_tokens)
             ):
-                return n
-        return 0
+                return Lookup(n, lo if self._full else 0)
+        return Lookup(0, lo if self._full else 0)
 
     def completed_chunks(self, computed_before: int, computed_after: int) -> range:
         """Chunks whose last token was computed in a step that advanced the

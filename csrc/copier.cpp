@@ -1,0 +1,622 @@
+// offload._copier: CPU-side byte movers for the KV offload connector.
+//
+// Everything here works on raw addresses passed from Python as ints, so the
+// module needs no torch headers and builds in seconds.  The Python side
+// (offload/copier.py) owns validation against tensor shapes; this file only
+// checks what it can know: sizes it is told, and sign/range of indices.
+// All heavy functions release the GIL.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+// ---------------------------------------------------------------- CRC-32C --
+// All internal functions work on the raw CRC register (no pre/post
+// inversion); the public entry points apply ~seed / ~result so that seeds
+// chain: crc32c(b, seed=crc32c(a)) == crc32c(a + b).
+
+constexpr uint32_t kPoly = 0x82F63B78u;  // Castagnoli, reflected
+
+struct SoftTables {
+  uint32_t t[8][256];
+  SoftTables() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (kPoly & (0u - (c & 1u)));
+      t[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; ++i)
+      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFF];
+  }
+};
+const SoftTables& soft_tables() {
+  static const SoftTables tables;
+  return tables;
+}
+
+inline uint64_t load_u64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);  // unaligned-safe; compiles to a plain load
+  return v;
+}
+
+// Slice-by-8 (little-endian hosts only, which is all we target).
+uint32_t crc_raw_soft(uint32_t crc, const uint8_t* p, size_t n) {
+  const auto& T = soft_tables().t;
+  while (n && (reinterpret_cast<uintptr_t>(p) & 7)) {
+    crc = (crc >> 8) ^ T[0][(crc ^ *p++) & 0xFF];
+    --n;
+  }
+  while (n >= 8) {
+    uint64_t v = load_u64(p) ^ crc;
+    crc = T[7][v & 0xFF] ^ T[6][(v >> 8) & 0xFF] ^ T[5][(v >> 16) & 0xFF] ^
+          T[4][(v >> 24) & 0xFF] ^ T[3][(v >> 32) & 0xFF] ^ T[2][(v >> 40) & 0xFF] ^
+          T[1][(v >> 48) & 0xFF] ^ T[0][(v >> 56) & 0xFF];
+    p += 8;
+    n -= 8;
+  }
+  while (n--) crc = (crc >> 8) ^ T[0][(crc ^ *p++) & 0xFF];
+  return crc;
+}
+
+#if defined(__x86_64__)
+// The crc32 instruction has 3-cycle latency but 1/cycle throughput, so one
+// dependency chain runs at 1/3 of peak.  We hash three independent lanes of
+// kLane bytes and merge them with a precomputed "append kLane zero bytes"
+// operator (the CRC register update is linear over GF(2)).
+constexpr size_t kLane = 8192;
+
+struct ShiftTable {
+  uint32_t t[4][256];  // byte-sliced 32x32 GF(2) matrix: state -> state after kLane zeros
+  ShiftTable() {
+    uint32_t col[32];
+    static const uint8_t zeros[kLane] = {};
+    for (int b = 0; b < 32; ++b) col[b] = crc_raw_soft(1u << b, zeros, kLane);
+    for (int k = 0; k < 4; ++k)
+      for (uint32_t v = 0; v < 256; ++v) {
+        uint32_t r = 0;
+        for (int bit = 0; bit < 8; ++bit)
+          if (v & (1u << bit)) r ^= col[8 * k + bit];
+        t[k][v] = r;
+      }
+  }
+  uint32_t shift(uint32_t c) const {
+    return t[0][c & 0xFF] ^ t[1][(c >> 8) & 0xFF] ^ t[2][(c >> 16) & 0xFF] ^ t[3][c >> 24];
+  }
+};
+const ShiftTable& shift_table() {
+  static const ShiftTable table;
+  return table;
+}
+
+__attribute__((target("sse4.2"))) uint32_t crc_raw_hw(uint32_t crc, const uint8_t* p, size_t n) {
+  while (n && (reinterpret_cast<uintptr_t>(p) & 7)) {
+    crc = _mm_crc32_u8(crc, *p++);
+    --n;
+  }
+  if (n >= 3 * kLane) {
+    const ShiftTable& st = shift_table();
+    while (n >= 3 * kLane) {
+      uint64_t c0 = crc, c1 = 0, c2 = 0;
+      const uint8_t* p1 = p + kLane;
+      const uint8_t* p2 = p + 2 * kLane;
+      for (size_t i = 0; i < kLane; i += 8) {
+        c0 = _mm_crc32_u64(c0, load_u64(p + i));
+        c1 = _mm_crc32_u64(c1, load_u64(p1 + i));
+        c2 = _mm_crc32_u64(c2, load_u64(p2 + i));
+      }
+      crc = st.shift(st.shift(static_cast<uint32_t>(c0)) ^ static_cast<uint32_t>(c1)) ^
+            static_cast<uint32_t>(c2);
+      p += 3 * kLane;
+      n -= 3 * kLane;
+    }
+  }
+  uint64_t c = crc;
+  while (n >= 8) {
+    c = _mm_crc32_u64(c, load_u64(p));
+    p += 8;
+    n -= 8;
+  }
+  crc = static_cast<uint32_t>(c);
+  while (n--) crc = _mm_crc32_u8(crc, *p++);
+  return crc;
+}
+
+bool have_sse42() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("sse4.2") != 0;
+  }();
+  return ok;
+}
+#endif
+
+uint32_t crc_raw(uint32_t crc, const uint8_t* p, size_t n) {
+#if defined(__x86_64__)
+  if (have_sse42()) return crc_raw_hw(crc, p, n);
+#endif
+  return crc_raw_soft(crc, p, n);
+}
+
+uint32_t crc32c_impl(uintptr_t ptr, size_t n, uint32_t seed) {
+  return ~crc_raw(~seed, reinterpret_cast<const uint8_t*>(ptr), n);
+}
+
+// -------------------------------------------------------------- PageTable --
+struct Layer {
+  uintptr_t base;
+  int64_t block_stride;
+  // Runs of segments that are adjacent in memory, merged: (offset, bytes).
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  int64_t page_bytes;      // bytes of one block of this layer
+  bool dense;              // one run covering the whole stride at offset 0
+};
+
+struct Copy {
+  uint8_t* dst;
+  const uint8_t* src;
+  size_t len;
+};
+
+// One thread saturates neither DRAM bandwidth nor (with fresh destination
+// pages) the page-fault path, so big transfers are split by bytes across
+// threads.  Small ones stay on the calling thread: spawning costs ~20us.
+constexpr size_t kParallelMin = size_t(16) << 20;
+
+void run_copies(const std::vector<Copy>& copies, int num_threads) {
+  size_t total = 0;
+  for (const Copy& c : copies) total += c.len;
+  const size_t nt = std::max<size_t>(
+      1, std::min<size_t>(static_cast<size_t>(std::max(num_threads, 1)), total / (kParallelMin / 4)));
+  if (nt == 1 || total < kParallelMin) {
+    for (const Copy& c : copies) std::memcpy(c.dst, c.src, c.len);
+    return;
+  }
+  // Thread k copies bytes [k*total/nt, (k+1)*total/nt) of the concatenated list.
+  auto work = [&](size_t k) {
+    const size_t lo = k * total / nt, hi = (k + 1) * total / nt;
+    size_t pos = 0;
+    for (const Copy& c : copies) {
+      const size_t a = std::max(lo, pos), b = std::min(hi, pos + c.len);
+      if (a < b) std::memcpy(c.dst + (a - pos), c.src + (a - pos), b - a);
+      pos += c.len;
+      if (pos >= hi) break;
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(nt - 1);
+  for (size_t k = 1; k < nt; ++k) threads.emplace_back(work, k);
+  work(0);
+  for (auto& t : threads) t.join();
+}
+
+class PageTable {
+ public:
+  using LayerSpec = std::tuple<uint64_t, int64_t, std::vector<int64_t>, int64_t>;
+
+  PageTable(const std::vector<LayerSpec>& specs, int num_threads) : num_threads_(num_threads) {
+    if (specs.empty()) throw py::value_error("PageTable needs at least one layer");
+    if (num_threads < 1) throw py::value_error("num_threads must be >= 1");
+    for (const auto& s : specs) {
+      Layer L;
+      L.base = static_cast<uintptr_t>(std::get<0>(s));
+      L.block_stride = std::get<1>(s);
+      const auto& offs = std::get<2>(s);
+      const int64_t seg = std::get<3>(s);
+      if (L.block_stride < 0 || seg < 0)
+        throw py::value_error("block_stride and seg_bytes must be >= 0");
+      if (offs.empty()) throw py::value_error("a layer needs at least one segment");
+      for (int64_t off : offs) {
+        if (!L.runs.empty() && L.runs.back().first + L.runs.back().second == off)
+          L.runs.back().second += seg;
+        else
+          L.runs.emplace_back(off, seg);
+      }
+      L.page_bytes = static_cast<int64_t>(offs.size()) * seg;
+      L.dense = L.runs.size() == 1 && L.runs[0].first == 0 && L.runs[0].second == L.block_stride;
+      page_bytes_ += L.page_bytes;
+      layers_.push_back(std::move(L));
+    }
+  }
+
+  int64_t page_bytes() const { return page_bytes_; }
+  size_t num_layers() const { return layers_.size(); }
+  int num_threads() const { return num_threads_; }
+
+  void gather(const std::vector<int64_t>& ids, uint64_t dst_ptr, int64_t dst_bytes) const {
+    for (int64_t b : ids)
+      if (b < 0) throw py::value_error("negative block id " + std::to_string(b));
+    const int64_t want = static_cast<int64_t>(ids.size()) * page_bytes_;
+    if (dst_bytes != want)
+      throw py::value_error("gather: dst_bytes=" + std::to_string(dst_bytes) + " but " +
+                            std::to_string(ids.size()) + " blocks need " + std::to_string(want));
+    py::gil_scoped_release nogil;
+    std::vector<Copy> copies;
+    auto* dst = reinterpret_cast<uint8_t*>(dst_ptr);
+    for (const Layer& L : layers_) {
+      const size_t n = ids.size();
+      for (size_t i = 0; i < n;) {
+        // Dense layers: a run of consecutive block ids is one contiguous range
+        // on both sides (dst is layer-major), so it is one copy.
+        size_t j = i + 1;
+        if (L.dense)
+          while (j < n && ids[j] == ids[j - 1] + 1) ++j;
+        const uint8_t* blk = reinterpret_cast<const uint8_t*>(L.base + ids[i] * L.block_stride);
+        if (L.dense) {
+          const size_t len = (j - i) * static_cast<size_t>(L.page_bytes);
+          copies.push_back({dst, blk, len});
+          dst += len;
+        } else {
+          for (const auto& r : L.runs) {
+            copies.push_back({dst, blk + r.first, static_cast<size_t>(r.second)});
+            dst += r.second;
+          }
+        }
+        i = j;
+      }
+    }
+    run_copies(copies, num_threads_);
+  }
+
+  void scatter(uint64_t src_ptr, int64_t src_bytes, int64_t n_src,
+               const std::vector<std::pair<int64_t, int64_t>>& pairs) const {
+    if (n_src < 0) throw py::value_error("n_src_blocks must be >= 0");
+    if (src_bytes != n_src * page_bytes_)
+      throw py::value_error("scatter: src_bytes=" + std::to_string(src_bytes) + " but " +
+                            std::to_string(n_src) + " blocks need " +
+                            std::to_string(n_src * page_bytes_));
+    for (const auto& pr : pairs) {
+      if (pr.first < 0 || pr.first >= n_src)
+        throw py::value_error("scatter: src index " + std::to_string(pr.first) +
+                              " out of range [0, " + std::to_string(n_src) + ")");
+      if (pr.second < 0) throw py::value_error("negative block id " + std::to_string(pr.second));
+    }
+    py::gil_scoped_release nogil;
+    std::vector<Copy> copies;
+    const auto* src = reinterpret_cast<const uint8_t*>(src_ptr);
+    for (const Layer& L : layers_) {
+      const size_t n = pairs.size();
+      for (size_t i = 0; i < n;) {
+        size_t j = i + 1;
+        if (L.dense)
+          while (j < n && pairs[j].first == pairs[j - 1].first + 1 &&
+                 pairs[j].second == pairs[j - 1].second + 1)
+            ++j;
+        const uint8_t* s = src + pairs[i].first * L.page_bytes;
+        uint8_t* blk = reinterpret_cast<uint8_t*>(L.base + pairs[i].second * L.block_stride);
+        if (L.dense) {
+          copies.push_back({blk, s, (j - i) * static_cast<size_t>(L.page_bytes)});
+        } else {
+          for (const auto& r : L.runs) {
+            copies.push_back({blk + r.first, s, static_cast<size_t>(r.second)});
+            s += r.second;
+          }
+        }
+        i = j;
+      }
+      src += n_src * L.page_bytes;
+    }
+    // Duplicate destinations must resolve as "last pair wins", which a
+    // parallel split would not guarantee; they are rare, so go serial then.
+    bool dup = false;
+    if (num_threads_ > 1) {
+      std::vector<int64_t> dsts;
+      dsts.reserve(pairs.size());
+      for (const auto& pr : pairs) dsts.push_back(pr.second);
+      std::sort(dsts.begin(), dsts.end());
+      dup = std::adjacent_find(dsts.begin(), dsts.end()) != dsts.end();
+    }
+    run_copies(copies, dup ? 1 : num_threads_);
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  int64_t page_bytes_ = 0;
+  int num_threads_ = 1;
+};
+
+// ---------------------------------------------------------------- file IO --
+// Errors are collected as (errno, path) while the GIL is released and turned
+// into OSError (with .errno/.filename, and the right subclass such as
+// FileNotFoundError) once it is held again.
+struct IoError {
+  int err = 0;
+  std::string path;
+  std::string value_error;  // non-empty: raise ValueError instead of OSError
+  bool set(int e, const std::string& p) {
+    err = e;
+    path = p;
+    return false;
+  }
+};
+
+[[noreturn]] void raise_io(const IoError& e) {
+  if (!e.value_error.empty()) throw py::value_error(e.value_error);
+  errno = e.err;
+  PyErr_SetFromErrnoWithFilename(PyExc_OSError, e.path.c_str());
+  throw py::error_already_set();
+}
+
+constexpr size_t kMaxIo = size_t(1) << 30;  // Linux caps a single read/write near 2 GiB
+
+bool write_all(int fd, const uint8_t* p, size_t n, IoError& e, const std::string& path) {
+  while (n) {
+    ssize_t w = ::write(fd, p, std::min(n, kMaxIo));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return e.set(errno, path);
+    }
+    if (w == 0) return e.set(EIO, path);
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+  return true;
+}
+
+// Reads exactly n bytes; a short file (EOF first) is reported as EIO, since
+// the caller already checked the size and the file changed under us.
+bool read_all(int fd, uint8_t* p, size_t n, IoError& e, const std::string& path) {
+  while (n) {
+    ssize_t r = ::read(fd, p, std::min(n, kMaxIo));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return e.set(errno, path);
+    }
+    if (r == 0) return e.set(EIO, path);
+    p += r;
+    n -= static_cast<size_t>(r);
+  }
+  return true;
+}
+
+std::string dir_of(const std::string& path) {
+  auto pos = path.find_last_of('/');
+  if (pos == std::string::npos) return ".";
+  if (pos == 0) return "/";
+  return path.substr(0, pos);
+}
+
+bool write_file_impl(const std::string& tmp, const std::string& fin, const std::string& header,
+                     uintptr_t payload, size_t payload_len, bool do_fsync, int mode,
+                     IoError& e) {
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
+  // On EEXIST the tmp file belongs to someone else: never unlink it.
+  if (fd < 0) return e.set(errno, tmp);
+  auto fail = [&](int err, const std::string& p) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    return e.set(err, p);
+  };
+  if (!write_all(fd, reinterpret_cast<const uint8_t*>(header.data()), header.size(), e, tmp))
+    return fail(e.err, e.path);
+  if (!write_all(fd, reinterpret_cast<const uint8_t*>(payload), payload_len, e, tmp))
+    return fail(e.err, e.path);
+  if (do_fsync && ::fdatasync(fd) != 0) return fail(errno, tmp);
+  if (::close(fd) != 0) {  // close can report deferred write errors (NFS, quota)
+    int err = errno;
+    ::unlink(tmp.c_str());
+    return e.set(err, tmp);
+  }
+  if (::rename(tmp.c_str(), fin.c_str()) != 0) {
+    int err = errno;
+    ::unlink(tmp.c_str());
+    return e.set(err, fin);
+  }
+  if (do_fsync) {
+    // Persist the rename itself; the file is already in place, so only report.
+    const std::string dir = dir_of(fin);
+    int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) return e.set(errno, dir);
+    if (::fsync(dfd) != 0 && errno != EINVAL) {  // EINVAL: fs without dir fsync
+      int err = errno;
+      ::close(dfd);
+      return e.set(err, dir);
+    }
+    ::close(dfd);
+  }
+  return true;
+}
+
+void write_file(const std::string& tmp, const std::string& fin, const py::bytes& header_obj,
+                uint64_t payload_ptr, int64_t payload_len, bool do_fsync, int mode) {
+  if (payload_len < 0) throw py::value_error("payload_len must be >= 0");
+  std::string header = header_obj;
+  IoError e;
+  bool ok;
+  {
+    py::gil_scoped_release nogil;
+    ok = write_file_impl(tmp, fin, header, payload_ptr, static_cast<size_t>(payload_len),
+                         do_fsync, mode, e);
+  }
+  if (!ok) raise_io(e);
+}
+
+bool read_file_impl(const std::string& path, size_t header_len, uintptr_t payload,
+                    size_t payload_len, std::string& header, uint32_t& crc, IoError& e) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return e.set(errno, path);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    return e.set(err, path);
+  }
+  const uint64_t want = static_cast<uint64_t>(header_len) + payload_len;
+  if (static_cast<uint64_t>(st.st_size) != want) {
+    ::close(fd);
+    e.value_error = "file " + path + " has size " + std::to_string(st.st_size) +
+                    " but expected " + std::to_string(want) + " (header " +
+                    std::to_string(header_len) + " + payload " + std::to_string(payload_len) +
+                    ")";
+    return false;
+  }
+#ifdef POSIX_FADV_SEQUENTIAL
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+#endif
+  header.resize(header_len);
+  if (!read_all(fd, reinterpret_cast<uint8_t*>(&header[0]), header_len, e, path)) {
+    ::close(fd);
+    return false;
+  }
+  // CRC each chunk right after reading it, while it is still in cache.
+  constexpr size_t kChunk = size_t(1) << 20;
+  auto* p = reinterpret_cast<uint8_t*>(payload);
+  uint32_t raw = ~0u;
+  for (size_t left = payload_len; left;) {
+    const size_t n = std::min(left, kChunk);
+    if (!read_all(fd, p, n, e, path)) {
+      ::close(fd);
+      return false;
+    }
+    raw = crc_raw(raw, p, n);
+    p += n;
+    left -= n;
+  }
+  crc = ~raw;
+  ::close(fd);
+  return true;
+}
+
+py::tuple read_file(const std::string& path, int64_t header_len, uint64_t payload_ptr,
+                    int64_t payload_len) {
+  if (header_len < 0 || payload_len < 0) throw py::value_error("lengths must be >= 0");
+  std::string header;
+  uint32_t crc = 0;
+  IoError e;
+  bool ok;
+  {
+    py::gil_scoped_release nogil;
+    ok = read_file_impl(path, static_cast<size_t>(header_len), payload_ptr,
+                        static_cast<size_t>(payload_len), header, crc, e);
+  }
+  if (!ok) raise_io(e);
+  return py::make_tuple(py::bytes(header), crc);
+}
+
+py::bytes read_header(const std::string& path, int64_t header_len) {
+  if (header_len < 0) throw py::value_error("header_len must be >= 0");
+  std::string header;
+  IoError e;
+  bool ok = false;
+  {
+    py::gil_scoped_release nogil;
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      e.set(errno, path);
+    } else {
+      struct stat st;
+      if (::fstat(fd, &st) != 0) {
+        e.set(errno, path);
+      } else if (static_cast<uint64_t>(st.st_size) < static_cast<uint64_t>(header_len)) {
+        e.value_error = "file " + path + " has size " + std::to_string(st.st_size) +
+                        ", shorter than header_len " + std::to_string(header_len);
+      } else {
+        header.resize(static_cast<size_t>(header_len));
+        ok = read_all(fd, reinterpret_cast<uint8_t*>(&header[0]), header.size(), e, path);
+      }
+      ::close(fd);
+    }
+  }
+  if (!ok) raise_io(e);
+  return py::bytes(header);
+}
+
+uint32_t check_seed(int64_t seed) {
+  if (seed < 0 || seed > 0xFFFFFFFFll) throw py::value_error("seed must be a uint32");
+  return static_cast<uint32_t>(seed);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_copier, m) {
+  m.doc() = "CPU byte movers for kvoffload: CRC-32C, paged gather/scatter, file IO";
+
+  m.def(
+      "crc32c",
+      [](uint64_t ptr, int64_t nbytes, int64_t seed) {
+        if (nbytes < 0) throw py::value_error("nbytes must be >= 0");
+        uint32_t s = check_seed(seed);
+        py::gil_scoped_release nogil;
+        return crc32c_impl(ptr, static_cast<size_t>(nbytes), s);
+      },
+      py::arg("ptr"), py::arg("nbytes"), py::arg("seed") = 0,
+      "CRC-32C of nbytes at ptr; seed continues a previous CRC.");
+  m.def(
+      "crc32c_software",
+      [](uint64_t ptr, int64_t nbytes, int64_t seed) {
+        if (nbytes < 0) throw py::value_error("nbytes must be >= 0");
+        uint32_t s = check_seed(seed);
+        py::gil_scoped_release nogil;
+        return ~crc_raw_soft(~s, reinterpret_cast<const uint8_t*>(ptr),
+                             static_cast<size_t>(nbytes));
+      },
+      py::arg("ptr"), py::arg("nbytes"), py::arg("seed") = 0,
+      "CRC-32C via the table path only (for testing).");
+  m.def(
+      "crc32c_buffer",
+      [](py::buffer buf, int64_t seed) {
+        uint32_t s = check_seed(seed);
+        Py_buffer view;  // PyBUF_SIMPLE: C-contiguous bytes or a BufferError
+        if (PyObject_GetBuffer(buf.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+        uint32_t crc;
+        {
+          py::gil_scoped_release nogil;
+          crc = crc32c_impl(reinterpret_cast<uintptr_t>(view.buf), static_cast<size_t>(view.len), s);
+        }
+        PyBuffer_Release(&view);
+        return crc;
+      },
+      py::arg("buf"), py::arg("seed") = 0,
+      "CRC-32C of any contiguous buffer-protocol object (bytes, bytearray, memoryview).");
+  m.def(
+      "crc32c_hardware_available",
+      []() {
+#if defined(__x86_64__)
+        return have_sse42();
+#else
+        return false;
+#endif
+      },
+      "True when crc32c() uses the SSE4.2 instruction.");
+
+  py::class_<PageTable>(m, "PageTable")
+      .def(py::init<const std::vector<PageTable::LayerSpec>&, int>(), py::arg("layers"),
+           py::arg("num_threads") = 1)
+      .def_property_readonly("page_bytes", &PageTable::page_bytes)
+      .def_property_readonly("num_layers", &PageTable::num_layers)
+      .def_property_readonly("num_threads", &PageTable::num_threads)
+      .def("gather", &PageTable::gather, py::arg("block_ids"), py::arg("dst_ptr"),
+           py::arg("dst_bytes"))
+      .def("scatter", &PageTable::scatter, py::arg("src_ptr"), py::arg("src_bytes"),
+           py::arg("n_src_blocks"), py::arg("pairs"));
+
+  m.def("write_file", &write_file, py::arg("tmp_path"), py::arg("final_path"),
+        py::arg("header"), py::arg("payload_ptr"), py::arg("payload_len"), py::arg("fsync"),
+        py::arg("mode") = 0640);
+  m.def("read_file", &read_file, py::arg("path"), py::arg("header_len"),
+        py::arg("payload_ptr"), py::arg("payload_len"));
+  m.def("read_header", &read_header, py::arg("path"), py::arg("header_len"));
+}

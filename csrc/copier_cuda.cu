@@ -1,0 +1,209 @@
+// offload._copier_cuda: gather/scatter of paged KV blocks that live in GPU
+// memory, with exactly the page-table semantics of offload._copier.PageTable.
+//
+// The other side of the copy is usually pinned host memory (addressed
+// directly thanks to UVA) but may also be device memory.  Each copy is split
+// into pieces of at most kPiece bytes; one thread block moves one piece with
+// 16-byte accesses when all addresses allow it.  A kernel beats one
+// cudaMemcpyAsync per segment because Mamba/GDN pages are many small
+// segments (one per layer per block).
+//
+// Optional: built only with KVOFFLOAD_CUDA=1 (see setup.py); no torch headers.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+struct CopyDesc {
+  uint64_t src;
+  uint64_t dst;
+  uint64_t bytes;
+};
+
+constexpr uint64_t kPiece = 64 * 1024;
+constexpr int kThreads = 256;
+
+__global__ void copy_pieces(const CopyDesc* __restrict__ descs, int64_t n) {
+  for (int64_t d = blockIdx.x; d < n; d += gridDim.x) {
+    const CopyDesc c = descs[d];
+    if (((c.src | c.dst | c.bytes) & 15) == 0) {
+      const int4* s = reinterpret_cast<const int4*>(c.src);
+      int4* t = reinterpret_cast<int4*>(c.dst);
+      const uint64_t n16 = c.bytes >> 4;
+      for (uint64_t i = threadIdx.x; i < n16; i += blockDim.x) t[i] = s[i];
+    } else {
+      const uint8_t* s = reinterpret_cast<const uint8_t*>(c.src);
+      uint8_t* t = reinterpret_cast<uint8_t*>(c.dst);
+      for (uint64_t i = threadIdx.x; i < c.bytes; i += blockDim.x) t[i] = s[i];
+    }
+  }
+}
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+struct Layer {
+  uint64_t base;
+  int64_t block_stride;
+  std::vector<std::pair<int64_t, int64_t>> runs;  // adjacent segments merged
+  int64_t page_bytes;
+};
+
+class PageTable {
+ public:
+  using LayerSpec = std::tuple<uint64_t, int64_t, std::vector<int64_t>, int64_t>;
+
+  explicit PageTable(const std::vector<LayerSpec>& specs) {
+    if (specs.empty()) throw py::value_error("PageTable needs at least one layer");
+    for (const auto& s : specs) {
+      Layer L;
+      L.base = std::get<0>(s);
+      L.block_stride = std::get<1>(s);
+      const auto& offs = std::get<2>(s);
+      const int64_t seg = std::get<3>(s);
+      if (L.block_stride < 0 || seg < 0)
+        throw py::value_error("block_stride and seg_bytes must be >= 0");
+      if (offs.empty()) throw py::value_error("a layer needs at least one segment");
+      for (int64_t off : offs) {
+        if (!L.runs.empty() && L.runs.back().first + L.runs.back().second == off)
+          L.runs.back().second += seg;
+        else
+          L.runs.emplace_back(off, seg);
+      }
+      L.page_bytes = static_cast<int64_t>(offs.size()) * seg;
+      page_bytes_ += L.page_bytes;
+      layers_.push_back(std::move(L));
+    }
+  }
+
+  ~PageTable() {
+    if (dev_descs_) cudaFree(dev_descs_);
+  }
+
+  int64_t page_bytes() const { return page_bytes_; }
+  size_t num_layers() const { return layers_.size(); }
+
+  // Copies blocks (device, table side) -> dst (layer-major), then waits.
+  void gather(const std::vector<int64_t>& ids, uint64_t dst_ptr, int64_t dst_bytes,
+              int device, uint64_t stream) {
+    for (int64_t b : ids)
+      if (b < 0) throw py::value_error("negative block id " + std::to_string(b));
+    const int64_t want = static_cast<int64_t>(ids.size()) * page_bytes_;
+    if (dst_bytes != want)
+      throw py::value_error("gather: dst_bytes=" + std::to_string(dst_bytes) + " but " +
+                            std::to_string(ids.size()) + " blocks need " + std::to_string(want));
+    py::gil_scoped_release nogil;
+    std::vector<CopyDesc> descs;
+    uint64_t dst = dst_ptr;
+    for (const Layer& L : layers_)
+      for (int64_t b : ids) {
+        const uint64_t blk = L.base + static_cast<uint64_t>(b * L.block_stride);
+        for (const auto& r : L.runs) {
+          add(descs, blk + r.first, dst, r.second);
+          dst += r.second;
+        }
+      }
+    run(descs, device, stream);
+  }
+
+  // Copies src (layer-major, n_src blocks) -> table blocks, then waits.
+  void scatter(uint64_t src_ptr, int64_t src_bytes, int64_t n_src,
+               const std::vector<std::pair<int64_t, int64_t>>& pairs, int device,
+               uint64_t stream) {
+    if (n_src < 0) throw py::value_error("n_src_blocks must be >= 0");
+    if (src_bytes != n_src * page_bytes_)
+      throw py::value_error("scatter: src_bytes=" + std::to_string(src_bytes) + " but " +
+                            std::to_string(n_src) + " blocks need " +
+                            std::to_string(n_src * page_bytes_));
+    for (const auto& pr : pairs) {
+      if (pr.first < 0 || pr.first >= n_src)
+        throw py::value_error("scatter: src index " + std::to_string(pr.first) +
+                              " out of range [0, " + std::to_string(n_src) + ")");
+      if (pr.second < 0) throw py::value_error("negative block id " + std::to_string(pr.second));
+    }
+    py::gil_scoped_release nogil;
+    std::vector<CopyDesc> descs;
+    uint64_t layer_src = src_ptr;
+    for (const Layer& L : layers_) {
+      for (const auto& pr : pairs) {
+        uint64_t s = layer_src + static_cast<uint64_t>(pr.first * L.page_bytes);
+        const uint64_t blk = L.base + static_cast<uint64_t>(pr.second * L.block_stride);
+        for (const auto& r : L.runs) {
+          add(descs, s, blk + r.first, r.second);
+          s += r.second;
+        }
+      }
+      layer_src += static_cast<uint64_t>(n_src * L.page_bytes);
+    }
+    run(descs, device, stream);
+  }
+
+ private:
+  static void add(std::vector<CopyDesc>& out, uint64_t src, uint64_t dst, int64_t bytes) {
+    for (uint64_t off = 0; off < static_cast<uint64_t>(bytes); off += kPiece)
+      out.push_back({src + off, dst + off, std::min<uint64_t>(kPiece, bytes - off)});
+  }
+
+  // Synchronous: the descriptor buffer is reused by the next call, and the
+  // caller reads/reuses the host buffer as soon as we return.
+  void run(const std::vector<CopyDesc>& descs, int device, uint64_t stream_handle) {
+    if (descs.empty()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    check(cudaSetDevice(device), "cudaSetDevice");
+    auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+    const size_t need = descs.size() * sizeof(CopyDesc);
+    if (need > dev_cap_ || device != dev_device_) {
+      if (dev_descs_) cudaFree(dev_descs_);
+      dev_descs_ = nullptr;
+      dev_cap_ = 0;
+      check(cudaMalloc(&dev_descs_, need), "cudaMalloc");
+      dev_cap_ = need;
+      dev_device_ = device;
+    }
+    check(cudaMemcpyAsync(dev_descs_, descs.data(), need, cudaMemcpyHostToDevice, stream),
+          "cudaMemcpyAsync");
+    const int64_t n = static_cast<int64_t>(descs.size());
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(n, 65535));
+    copy_pieces<<<grid, kThreads, 0, stream>>>(static_cast<const CopyDesc*>(dev_descs_), n);
+    check(cudaGetLastError(), "copy_pieces launch");
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  }
+
+  std::vector<Layer> layers_;
+  int64_t page_bytes_ = 0;
+  std::mutex mu_;
+  void* dev_descs_ = nullptr;
+  size_t dev_cap_ = 0;
+  int dev_device_ = -1;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_copier_cuda, m) {
+  m.doc() = "CUDA gather/scatter of paged KV blocks (same semantics as offload._copier)";
+  py::class_<PageTable>(m, "PageTable")
+      .def(py::init<const std::vector<PageTable::LayerSpec>&>(), py::arg("layers"))
+      .def_property_readonly("page_bytes", &PageTable::page_bytes)
+      .def_property_readonly("num_layers", &PageTable::num_layers)
+      .def("gather", &PageTable::gather, py::arg("block_ids"), py::arg("dst_ptr"),
+           py::arg("dst_bytes"), py::arg("device"), py::arg("stream") = 0)
+      .def("scatter", &PageTable::scatter, py::arg("src_ptr"), py::arg("src_bytes"),
+           py::arg("n_src_blocks"), py::arg("pairs"), py::arg("device"),
+           py::arg("stream") = 0);
+}

@@ -1,0 +1,1 @@
+"""kvoffload: tiered KV-cache offload for vLLM (hybrid Mamba/GDN + attention)."""

@@ -1,0 +1,205 @@
+"""OffloadConnector: the vLLM glue for one offload tier.
+
+Loaded by vLLM through `kv_connector_module_path: "offload.connector"` in the
+API server, the engine core and every worker, so importing it does nothing
+but define classes. One instance runs in the scheduler (lookup, planning) and
+one per worker (bytes); they agree on keys because both derive them from the
+same KVCacheConfig. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from offload.config import EXTRA_CONFIG, ConfigError, OffloadConfig, parse_config
+from offload.connector.metadata import OffloadMetadata
+from offload.keys import rank_fingerprint
+from offload.layout import base_fingerprint, fingerprint_fields, group_specs
+from offload.planner import ChunkSizeError, GroupKind, HybridOffloadPlanner
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+__all__ = ["OffloadConnector", "ConfigError"]
+
+
+def _share_vllm_logging() -> None:
+    """Our non-vLLM modules log under 'offload'; print them like vLLM's."""
+    ours, theirs = logging.getLogger("offload"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for h in theirs.handlers:
+            ours.addHandler(h)
+        ours.setLevel(theirs.level)
+        ours.propagate = False
+
+
+def _check_directory(path: str) -> None:
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True, mode=0o750)
+    except OSError as e:
+        raise ConfigError(f"{EXTRA_CONFIG}.path={path!r}: cannot create the cache directory ({e.strerror}); "
+                          "choose a directory this user can create or write") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ConfigError(f"{EXTRA_CONFIG}.path={path!r}: directory is not writable by this user; "
+                          "fix its permissions or choose another path")
+
+
+class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    """Offloads KV cache chunks of every group (attention KV, windowed KV,
+    Mamba/GDN state) to canonical per-group files, and restores a prefix only
+    when every group can be restored at exactly that boundary."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        _share_vllm_logging()
+        if kv_cache_config is None:
+            raise ConfigError("OffloadConnector needs vLLM's KVCacheConfig (vLLM >= 0.32)")
+        ktc = vllm_config.kv_transfer_config
+        self.cfg: OffloadConfig = parse_config(ktc.kv_connector_extra_config)
+        pc = vllm_config.parallel_config
+        if pc.pipeline_parallel_size > 1:
+            raise ConfigError("OffloadConnector does not support pipeline parallelism yet "
+                              f"(pipeline_parallel_size={pc.pipeline_parallel_size}); use 1")
+        specs = group_specs(kv_cache_config)
+        try:
+            self.planner = HybridOffloadPlanner(specs, self.cfg.hybrid_chunk_size)
+        except ChunkSizeError as e:
+            raise ConfigError(f"{EXTRA_CONFIG}.{e}") from None
+        fields = fingerprint_fields(vllm_config, kv_cache_config, self.planner.chunk_size, self.cfg.model_id)
+        self.fingerprint = base_fingerprint(fields)
+        self._layout = fields
+        self._num_blocks = kv_cache_config.num_blocks
+        self._sched = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            _check_directory(self.cfg.path)
+            self._startup_checks(vllm_config)
+            from offload.connector.scheduler import SchedulerSide
+
+            self._sched = SchedulerSide(self.cfg, self.planner, self.fingerprint, pc.tensor_parallel_size)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from offload.connector.worker import WorkerSide
+            from offload.store.fs import FileStore
+
+            rank = get_tensor_model_parallel_rank()
+            store = FileStore.open(self.cfg.path, rank_fingerprint(self.fingerprint, rank, pc.tensor_parallel_size),
+                                   fsync=self.cfg.fsync)
+            names = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+            self._worker = WorkerSide(self.cfg, self.planner, store, names)
+
+    def _startup_checks(self, vllm_config: VllmConfig) -> None:
+        ktc = vllm_config.kv_transfer_config
+        groups = ", ".join(f"{g.kind.value}/{g.block_size}" for g in self.planner.groups)
+        how = "set" if self.cfg.hybrid_chunk_size else "defaulted to the smallest valid multiple >= 256 tokens"
+        logger.info("OffloadConnector: store=fs path=%s hybrid_chunk_size=%d (%s); groups: %s",
+                    self.cfg.path, self.planner.chunk_size, how, groups)
+        if ktc.kv_load_failure_policy != "recompute":
+            # A failed or corrupt load must become a miss and a recompute.
+            ktc.kv_load_failure_policy = "recompute"
+            logger.info("OffloadConnector: kv_load_failure_policy set to 'recompute': a failed load "
+                        "of an offloaded prefix is a cache miss, not a request error")
+        if any(g.kind is GroupKind.MAMBA for g in self.planner.groups):
+            step = vllm_config.scheduler_config.max_num_batched_tokens
+            c = self.planner.chunk_size
+            if step % c:
+                logger.warning(
+                    "OffloadConnector: vLLM computes a Mamba state only where a prefill step ends; "
+                    "max_num_batched_tokens=%d is not a multiple of hybrid_chunk_size=%d, so few chunk "
+                    "boundaries get a state and hybrid hits will be rare. Use --max-num-batched-tokens "
+                    "%d (or another multiple of %d).", step, c, (step // c or 1) * c, c)
+            else:
+                logger.info("OffloadConnector: Mamba states are stored every %d tokens of a long prefill "
+                            "(max_num_batched_tokens); lower it to a smaller multiple of %d for denser hits",
+                            step, c)
+
+    # ---- scheduler side ---------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
+        assert self._sched is not None
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._sched is not None:
+            self._sched.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        # Stores copy pages out in the step that computed them, so blocks are
+        # never held past the request's end.
+        assert self._sched is not None
+        return self._sched.request_finished(request)
+
+    # ---- worker side --------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches, self._num_blocks, self._layout)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, OffloadMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and asynchronous
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # Mamba layers never call this; all groups are stored in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, OffloadMetadata)
+        self._worker.wait_for_save(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        return self._worker.get_transfer_results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,232 @@
+"""Scheduler half: lookup, load planning after allocation, store planning per step.
+
+Runs in the engine-core process on the scheduling hot path, so it does no file
+I/O beyond the O(log chunks) existence probes of a lookup, and never blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+from offload.config import OffloadConfig
+from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob
+from offload.keys import ChunkKey, Fingerprint, chunk_keys, rank_fingerprint, request_root
+from offload.planner import ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner
+from offload.store.fs import FileStore
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+NULL_BLOCK = 0
+
+
+@dataclass
+class _Req:
+    request: Request
+    root: bytes
+    keys: list[ChunkKey] = field(default_factory=list)
+    # Chunks below this are known stored for every full/windowed group.
+    stored_chunks: int = 0
+    # (hit chunks, computed tokens) of the last lookup that reported a hit.
+    pending_hit: tuple[int, int] | None = None
+    loading_tokens: int = 0
+    restored_tokens: int = 0
+    load_failed: bool = False
+
+
+class SchedulerSide:
+    def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fp: Fingerprint, tp_size: int) -> None:
+        self.cfg = cfg
+        self.planner = planner
+        self.fp = fp
+        # Rank 0's files stand for the request on every rank; a rank missing
+        # its file fails the load, which is a recompute, never a wrong hit.
+        self.store = FileStore.open(cfg.path, rank_fingerprint(fp, 0, tp_size))
+        self.reqs: dict[str, _Req] = {}
+        self._loads: list[LoadJob] = []
+        self._storable = [
+            i for i, g in enumerate(planner.groups) if g.kind is not GroupKind.MAMBA
+        ]
+        self._mamba = {i for i, g in enumerate(planner.groups) if g.kind is GroupKind.MAMBA}
+
+    # ---- per-request keys -------------------------------------------------------
+
+    def _state(self, request: Request) -> _Req | None:
+        st = self.reqs.get(request.request_id)
+        if st is None:
+            if request.mm_features:  # KV depends on media bytes our keys do not cover
+                return None
+            salt = []
+            if request.lora_request is not None:
+                salt.append(f"lora:{request.lora_request.lora_name}")
+            if request.cache_salt:
+                salt.append(f"salt:{request.cache_salt}")
+            st = _Req(request, request_root(self.fp, salt))
+            self.reqs[request.request_id] = st
+        return st
+
+    def _keys(self, st: _Req, n_chunks: int) -> list[ChunkKey]:
+        """Keys of the first `n_chunks` prompt chunks (computed once per request)."""
+        if len(st.keys) < n_chunks:
+            prompt = st.request.prompt_token_ids or []
+            parent = st.keys[-1] if st.keys else None
+            st.keys.extend(
+                chunk_keys(st.root, prompt, self.planner.chunk_size, start=len(st.keys),
+                           parent=parent, count=n_chunks - len(st.keys))
+            )
+        return st.keys
+
+    def _ref(self, st: _Req, group: int, chunk: int) -> FileRef:
+        gc = self.planner.stored(GroupIndex(group), ChunkIndex(chunk))
+        c = self.planner.chunk_size
+        return FileRef(
+            group=group, kind=self.planner.groups[group].kind, key=st.keys[chunk],
+            token_start=chunk * c, token_end=(chunk + 1) * c,
+            num_pages=1 if gc.state_at is not None else len(gc.blocks),
+        )
+
+    # ---- lookup and load ----------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._state(request)
+        if st is None or st.load_failed or request.skip_reading_prefix_cache:
+            return 0, False
+        prompt_len = len(request.prompt_token_ids or [])
+        max_n = self.planner.max_hit_chunks(min(request.num_tokens, prompt_len + 1))
+        if max_n == 0:
+            return 0, False
+        keys = self._keys(st, max_n)
+        found = self.planner.lookup(
+            request.num_tokens, lambda g, ch: ch < len(keys) and self.store.contains(g, keys[ch]),
+            num_computed_tokens,
+        )
+        # Attention chunks the search saw stored are not stored again.
+        st.stored_chunks = max(st.stored_chunks, found.full_prefix)
+        n = found.chunks
+        if n == 0:
+            st.pending_hit = None
+            return 0, False
+        st.pending_hit = (n, num_computed_tokens)
+        return n * self.planner.chunk_size - num_computed_tokens, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        st = self.reqs.get(request.request_id)
+        if st is None or num_external_tokens == 0:
+            if st is not None:
+                st.pending_hit = None
+            return
+        block_ids = blocks.get_block_ids()
+        hit = st.pending_hit
+        st.pending_hit = None
+        c = self.planner.chunk_size
+        if hit is None or hit[0] * c != hit[1] + num_external_tokens:
+            # The scheduler took a different count than we offered: refuse to
+            # guess which bytes belong where; the request recomputes.
+            self._loads.append(LoadJob(request.request_id, (), (), fail_reason="allocation mismatch"))
+            return
+        n, computed = hit
+        files: list[FileRef] = []
+        pages: list[tuple[tuple[int, int], ...]] = []
+        fail = None
+        for g, spec in enumerate(self.planner.groups):
+            table = block_ids[g]
+            targets = self.planner.blocks_to_load(GroupIndex(g), n, computed)
+            fresh = range(-(-computed // spec.block_size), n * c // spec.block_size)
+            uncovered = [i for i in fresh if table[i] != NULL_BLOCK and i not in targets]
+            if uncovered or any(table[i] == NULL_BLOCK for i in targets):
+                fail = f"group {g}: vLLM block table does not match the planned restore"
+                break
+            for gc in self.planner.needed(GroupIndex(g), n, computed):
+                if gc.state_at is not None:
+                    pairs = ((0, table[gc.state_at // spec.block_size - 1]),)
+                else:
+                    pairs = tuple((i, table[b]) for i, b in enumerate(gc.blocks) if b in targets)
+                if pairs:
+                    files.append(self._ref(st, g, gc.chunk))
+                    pages.append(pairs)
+        st.loading_tokens = num_external_tokens
+        st.stored_chunks = max(st.stored_chunks, n)
+        self._loads.append(LoadJob(request.request_id, tuple(files), tuple(pages), fail_reason=fail))
+
+    # ---- stores -------------------------------------------------------------------
+
+    def build_connector_meta(self, so: SchedulerOutput) -> OffloadMetadata:
+        meta = OffloadMetadata(loads=self._loads)
+        self._loads = []
+        state = so.kv_connector_block_state
+        if state is None:
+            return meta
+        progress: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        progress += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, before in progress:
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            after = before + so.num_scheduled_tokens.get(req_id, 0)
+            self._plan_stores(meta, st, after, state.get_block_ids(req_id))
+        for req_id, entries in state.boundary_state_offloads.items():
+            st = self.reqs.get(req_id)
+            if st is not None:
+                self._plan_state_stores(meta, st, entries)
+        return meta
+
+    def _prompt_chunks(self, st: _Req, computed: int) -> int:
+        """Complete prompt chunks among the first `computed` tokens. Only
+        prompt tokens are stored: they are final when scheduled."""
+        return min(computed, len(st.request.prompt_token_ids or [])) // self.planner.chunk_size
+
+    def _plan_stores(self, meta: OffloadMetadata, st: _Req, after: int, table: tuple[list[int], ...] | None) -> None:
+        end = self._prompt_chunks(st, after)
+        if end <= st.stored_chunks or table is None:
+            return
+        keys = self._keys(st, end)
+        for chunk in range(st.stored_chunks, end):
+            for g in self._storable:
+                gc = self.planner.stored(GroupIndex(g), ChunkIndex(chunk))
+                ids = tuple(table[g][b] for b in gc.blocks)
+                if not ids or NULL_BLOCK in ids:
+                    continue  # windowed blocks vLLM already dropped: nothing to store
+                meta.stores.append(StoreJob(st.request.request_id, self._ref(st, g, chunk), ids))
+        st.stored_chunks = end
+
+    def _plan_state_stores(self, meta: OffloadMetadata, st: _Req, entries: list[tuple[int, int, int]]) -> None:
+        c = self.planner.chunk_size
+        for group, block_id, boundary in entries:
+            # A state is stored only at a chunk boundary inside the prompt.
+            if group not in self._mamba or block_id == NULL_BLOCK or boundary % c or boundary == 0:
+                continue
+            chunk = boundary // c - 1
+            if chunk >= self._prompt_chunks(st, boundary):
+                continue
+            self._keys(st, chunk + 1)
+            meta.stores.append(StoreJob(st.request.request_id, self._ref(st, group, chunk), (block_id,)))
+
+    # ---- completion -----------------------------------------------------------------
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        failed = out.failed_recving or set()
+        for req_id in out.finished_recving or ():
+            st = self.reqs.get(req_id)
+            if st is None:
+                continue
+            if req_id in failed:
+                st.load_failed = True  # its retry must not be offered the same hit
+                st.stored_chunks = 0
+            else:
+                st.restored_tokens += st.loading_tokens
+            st.loading_tokens = 0
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        st = self.reqs.pop(request.request_id, None)
+        if st is None:
+            return False, None
+        return False, {"kvoffload": {"restored_tokens": st.restored_tokens, "load_failed": st.load_failed}}

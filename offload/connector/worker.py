@@ -1,0 +1,216 @@
+"""Worker half: page gather/scatter against the KV cache, file I/O on a pool.
+
+The forward path pays only the gather of a finished chunk's pages into host
+memory (a memcpy; a D2H copy on GPUs); checksums and file writes run on the
+I/O threads. Loads run entirely on the I/O threads: a request waits for its
+load in WAITING_FOR_REMOTE_KVS, so its destination blocks are ours alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.logger import init_logger
+
+from offload.config import OffloadConfig
+from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob
+from offload.copier import GroupPages, LayerPages
+from offload.keys import ChunkKey, Fingerprint
+from offload.planner import HybridOffloadPlanner
+from offload.store.format import ChunkHeader
+from offload.store.fs import ChunkMiss, FileStore
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class WorkerCounters:
+    """Plain counters, logged at shutdown (Prometheus export comes later)."""
+
+    loads_ok: int = 0
+    loads_failed: int = 0
+    chunk_misses: dict[str, int] = field(default_factory=dict)
+    files_written: int = 0
+    files_existing: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    stores_dropped: dict[str, int] = field(default_factory=dict)
+
+
+class WorkerSide:
+    def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, store: FileStore,
+                 layer_names: list[list[str]]) -> None:
+        self.cfg = cfg
+        self.planner = planner
+        self.store = store
+        self.layer_names = layer_names
+        self.pages: list[GroupPages] = []
+        self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvoffload-io")
+        self.counters = WorkerCounters()
+        self._lock = threading.Lock()
+        self._loads: dict[str, Future[str | None]] = {}
+        self._stores: set[Future[None]] = set()
+        self._pending_store_bytes = 0
+        self._closed = False
+
+    # ---- setup ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
+                           layout: dict) -> None:
+        tensors: dict[str, list[str]] = {}
+        for g, names in enumerate(self.layer_names):
+            layers: list[LayerPages] = []
+            for name in names:
+                t = kv_caches[name]
+                for part in t if isinstance(t, (list, tuple)) else [t]:
+                    layers.append(LayerPages.from_tensor(part, num_blocks))
+                    tensors.setdefault(f"g{g}", []).append(
+                        f"{name}:{tuple(part.shape[1:])}:{part.dtype}:{tuple(part.stride()[1:])}"
+                    )
+            device = (kv_caches[names[0]][0] if isinstance(kv_caches[names[0]], (list, tuple))
+                      else kv_caches[names[0]]).device
+            pages = GroupPages(layers, num_blocks, device)
+            expected = self.planner.groups[g].page_bytes
+            if pages.page_bytes != expected:
+                raise RuntimeError(
+                    f"KV cache group {g}: registered tensors hold {pages.page_bytes} bytes per block, "
+                    f"the KV cache spec says {expected}; this backend's layout is not supported"
+                )
+            self.pages.append(pages)
+        self.store.write_layout({**layout, "tensors": tensors})
+
+    # ---- loads ------------------------------------------------------------------
+
+    def _header(self, ref: FileRef) -> ChunkHeader:
+        return ChunkHeader(
+            fingerprint=self.store.fingerprint, key=ChunkKey(ref.key), group=ref.group, kind=ref.kind,
+            token_start=ref.token_start, token_end=ref.token_end, num_pages=ref.num_pages,
+            page_bytes=self.pages[ref.group].page_bytes,
+        )
+
+    def _load(self, job: LoadJob) -> str | None:
+        """Restore one request; returns a failure reason or None."""
+        if job.fail_reason:
+            return job.fail_reason
+        for ref, pairs in zip(job.files, job.pages):
+            pages = self.pages[ref.group]
+            buf = torch.empty(ref.num_pages * pages.page_bytes, dtype=torch.uint8)
+            try:
+                self.store.read_into(self._header(ref), buf)
+            except ChunkMiss as e:
+                with self._lock:
+                    self.counters.chunk_misses[e.reason] = self.counters.chunk_misses.get(e.reason, 0) + 1
+                logger.warning("kvoffload: load of request %s is a miss (%s); it will be recomputed",
+                               job.req_id, e)
+                return e.reason
+            pages.scatter(buf, ref.num_pages, pairs)
+            with self._lock:
+                self.counters.bytes_read += buf.numel()
+        return None
+
+    def start_load_kv(self, meta: OffloadMetadata) -> None:
+        for job in meta.loads:
+            self._loads[job.req_id] = self.pool.submit(self._load_guarded, job)
+
+    def _load_guarded(self, job: LoadJob) -> str | None:
+        try:
+            return self._load(job)
+        except Exception as e:  # a load must never take the engine down
+            logger.exception("kvoffload: load of request %s failed", job.req_id)
+            return f"error: {type(e).__name__}"
+
+    # ---- stores -----------------------------------------------------------------
+
+    def _drop(self, reason: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters.stores_dropped[reason] = self.counters.stores_dropped.get(reason, 0) + n
+
+    def wait_for_save(self, meta: OffloadMetadata) -> None:
+        for job in meta.stores:
+            if self._closed:
+                self._drop("shutdown")
+                continue
+            pages = self.pages[job.file.group]
+            nbytes = len(job.block_ids) * pages.page_bytes
+            with self._lock:
+                if self._pending_store_bytes + nbytes > self.cfg.max_pending_store_bytes:
+                    over = True
+                else:
+                    over = False
+                    self._pending_store_bytes += nbytes
+            if over:
+                self._drop("backpressure")
+                continue
+            try:
+                buf = pages.gather(job.block_ids)  # the only step on the forward path
+            except Exception:
+                logger.exception("kvoffload: gather for request %s failed", job.req_id)
+                self._release(nbytes)
+                self._drop("error")
+                continue
+            fut = self.pool.submit(self._write, job, buf, nbytes)
+            with self._lock:
+                self._stores.add(fut)
+            fut.add_done_callback(self._forget)
+
+    def _forget(self, fut: Future[None]) -> None:
+        with self._lock:
+            self._stores.discard(fut)
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._pending_store_bytes -= nbytes
+
+    def _write(self, job: StoreJob, buf: torch.Tensor, nbytes: int) -> None:
+        try:
+            written = self.store.write(self._header(job.file), buf)
+            with self._lock:
+                if written:
+                    self.counters.files_written += 1
+                    self.counters.bytes_written += nbytes
+                else:
+                    self.counters.files_existing += 1
+        except OSError as e:
+            logger.warning("kvoffload: store of %s dropped: %s", job.file.key.hex()[:16], e)
+            self._drop("no_space" if e.errno == 28 else "error")
+        except Exception:
+            logger.exception("kvoffload: store for request %s failed", job.req_id)
+            self._drop("error")
+        finally:
+            self._release(nbytes)
+
+    # ---- completion ---------------------------------------------------------------
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        done: set[str] = set()
+        failed: set[str] = set()
+        for req_id, fut in list(self._loads.items()):
+            if fut.done():
+                del self._loads[req_id]
+                done.add(req_id)
+                if fut.result() is not None:
+                    failed.add(req_id)
+        with self._lock:
+            self.counters.loads_ok += len(done) - len(failed)
+            self.counters.loads_failed += len(failed)
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def shutdown(self) -> None:
+        """Finish the stores in flight (bounded), so a warm-up run that exits
+        has really stored its prefixes; log whatever had to be dropped."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            pending = set(self._stores)
+        _, not_done = wait(pending, timeout=self.cfg.shutdown_timeout_s)
+        if not_done:
+            self._drop("shutdown", len(not_done))
+            logger.warning("kvoffload: shutdown dropped %d stores still pending after %.0fs",
+                           len(not_done), self.cfg.shutdown_timeout_s)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        logger.info("kvoffload worker counters: %s", self.counters)

@@ -1,0 +1,236 @@
+"""Python face of the ``offload._copier`` byte movers.
+
+A *page* is the bytes of ONE block across all layers of a KV-cache group.
+Buffers produced by :meth:`GroupPages.gather` are layer-major: for each layer,
+for each requested block, that block's segments in order.  The C++ side trusts
+the addresses it is given, so every bounds check against the KV tensors
+happens here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from offload import _copier
+
+try:  # optional; only built with KVOFFLOAD_CUDA=1
+    from offload import _copier_cuda
+except ImportError:
+    _copier_cuda = None
+
+
+@dataclass(frozen=True)
+class LayerPages:
+    """Where block ``b``'s bytes live in one layer's KV tensor.
+
+    The page part of block ``b`` is the concatenation, in order, of
+    ``[base_ptr + b*block_stride + off, +seg_bytes)`` for ``off`` in
+    ``seg_offsets``.  ``tensor`` (if set) keeps the memory alive while a
+    PageTable holds its raw address, and enables the torch fallback on CUDA.
+    """
+
+    base_ptr: int
+    block_stride: int
+    seg_offsets: tuple[int, ...]
+    seg_bytes: int
+    tensor: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor, num_blocks: int) -> "LayerPages":
+        """Describe ``t`` whose FIRST dim of size ``num_blocks`` is the block dim.
+
+        Dims before it (e.g. K/V) become separate segments; dims after it must
+        be contiguous (size-1 dims ignored) so each segment is one memcpy.
+        Padded per-block pages (vLLM's Mamba/GDN state) are fine: only the
+        described bytes are moved, ``block_stride`` skips the padding.
+        """
+        shape, strides, es = tuple(t.shape), t.stride(), t.element_size()
+        d = next((i for i, s in enumerate(shape) if s == num_blocks), None)
+        if d is None:
+            raise ValueError(f"no dim of size num_blocks={num_blocks} in shape {shape}")
+        expected = 1
+        for size, stride in reversed(list(zip(shape[d + 1:], strides[d + 1:]))):
+            if size == 1:
+                continue
+            if stride != expected:
+                raise ValueError(
+                    f"dims after the block dim are not contiguous: shape {shape}, strides {strides}"
+                )
+            expected *= size
+        seg_elems = 1
+        for size in shape[d + 1:]:
+            seg_elems *= size
+        offsets = tuple(
+            sum(i * s for i, s in zip(idx, strides[:d])) * es
+            for idx in itertools.product(*(range(n) for n in shape[:d]))
+        )
+        return cls(t.data_ptr(), strides[d] * es, offsets, seg_elems * es, t)
+
+    @property
+    def page_bytes(self) -> int:
+        return len(self.seg_offsets) * self.seg_bytes
+
+
+class GroupPages:
+    """Gathers/scatters whole pages of a group of layers sharing block ids.
+
+    ``num_threads`` > 1 splits large CPU copies (>= 16 MiB) across threads.
+    """
+
+    def __init__(self, layers: Sequence[LayerPages], num_blocks: int, device: torch.device,
+                 num_threads: int = 1):
+        self.layers = tuple(layers)
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        specs = [(lp.base_ptr, lp.block_stride, list(lp.seg_offsets), lp.seg_bytes) for lp in self.layers]
+        self._table = _copier.PageTable(specs, num_threads)
+        self._cuda = self.device.type == "cuda"
+        # Kernel path needs the extension; otherwise torch ops on the tensors.
+        self._cuda_table = (
+            _copier_cuda.PageTable(specs) if self._cuda and _copier_cuda is not None else None
+        )
+        if self._cuda and self._cuda_table is None and any(lp.tensor is None for lp in self.layers):
+            raise ValueError("CUDA without offload._copier_cuda needs LayerPages.from_tensor")
+
+    @property
+    def page_bytes(self) -> int:
+        return self._table.page_bytes
+
+    def _check_ids(self, ids: Sequence[int]) -> list[int]:
+        ids = [int(b) for b in ids]
+        bad = [b for b in ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad[:8]} out of range [0, {self.num_blocks})")
+        return ids
+
+    def _cuda_args(self) -> tuple[int, int]:
+        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        # Current stream: orders the copy after pending writes to the KV cache.
+        return idx, torch.cuda.current_stream(idx).cuda_stream
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """uint8 CPU tensor with ``len(block_ids)`` pages, layer-major.
+
+        A new tensor unless ``out`` (contiguous uint8 CPU, pinned on CUDA) is
+        given: reusing buffers avoids page-faulting fresh memory, which costs
+        more than the copy itself.
+        """
+        ids = self._check_ids(block_ids)
+        n = len(ids) * self.page_bytes
+        if out is None:
+            # Pinned on CUDA: the kernel writes host memory directly via UVA.
+            out = torch.empty(n, dtype=torch.uint8, pin_memory=self._cuda)
+        else:
+            _check_cpu_u8(out, "out")
+            if out.numel() != n or (self._cuda and not out.is_pinned()):
+                raise ValueError(f"out must hold exactly {n} bytes (pinned when on CUDA)")
+        if not self._cuda:
+            self._table.gather(ids, out.data_ptr(), n)
+        elif self._cuda_table is not None:
+            self._cuda_table.gather(ids, out.data_ptr(), n, *self._cuda_args())
+        else:
+            self._torch_gather(ids, out)
+        return out
+
+    def scatter(self, buf: torch.Tensor, n_buf_blocks: int, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy page ``src`` of ``buf`` (layer-major, ``n_buf_blocks`` pages) into block ``dst``."""
+        pairs = [(int(s), int(d)) for s, d in pairs]
+        self._check_ids([d for _, d in pairs])
+        if buf.dtype != torch.uint8 or not buf.is_contiguous():
+            raise ValueError("buf must be a contiguous uint8 tensor")
+        if not self._cuda:
+            _check_cpu_u8(buf, "buf")
+            self._table.scatter(buf.data_ptr(), buf.numel(), n_buf_blocks, pairs)
+        elif self._cuda_table is not None:
+            # The kernel can read pinned host or device memory, not pageable.
+            if buf.device.type == "cpu" and not buf.is_pinned():
+                buf = buf.to(self.device)
+            self._cuda_table.scatter(buf.data_ptr(), buf.numel(), n_buf_blocks, pairs, *self._cuda_args())
+        else:
+            self._torch_scatter(buf, n_buf_blocks, pairs)
+
+    # -- torch fallback (CUDA without the extension); also valid on CPU ------
+    def _segment_views(self, layer: LayerPages) -> list[torch.Tensor]:
+        """Byte views [num_blocks, seg_bytes] of each segment of ``layer``."""
+        t = layer.tensor
+        assert t is not None
+        st = t.untyped_storage()
+        raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+        base = layer.base_ptr - st.data_ptr()
+        return [
+            raw.as_strided((self.num_blocks, layer.seg_bytes), (layer.block_stride, 1), base + off)
+            for off in layer.seg_offsets
+        ]
+
+    def _torch_gather(self, ids: list[int], out: torch.Tensor) -> None:
+        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = 0
+        for layer in self.layers:
+            part = torch.cat([v.index_select(0, idx) for v in self._segment_views(layer)], dim=1)
+            n = part.numel()
+            out[pos:pos + n].copy_(part.reshape(-1), non_blocking=True)
+            pos += n
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def _torch_scatter(self, buf: torch.Tensor, n_buf: int, pairs: list[tuple[int, int]]) -> None:
+        if buf.numel() != n_buf * self.page_bytes:
+            raise ValueError(f"buf has {buf.numel()} bytes, expected {n_buf * self.page_bytes}")
+        if any(not 0 <= s < n_buf for s, _ in pairs):
+            raise ValueError(f"src index out of range [0, {n_buf})")
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        buf = buf.to(self.device, non_blocking=True)
+        pos = 0
+        for layer in self.layers:
+            n = n_buf * layer.page_bytes
+            part = buf[pos:pos + n].view(n_buf, len(layer.seg_offsets), layer.seg_bytes)
+            for k, v in enumerate(self._segment_views(layer)):
+                v.index_copy_(0, dst, part[:, k].index_select(0, src))
+            pos += n
+        if self._cuda:  # the caller may reuse ``buf`` as soon as we return
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+def _check_cpu_u8(t: torch.Tensor, name: str) -> None:
+    if t.device.type != "cpu" or t.dtype != torch.uint8 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous uint8 CPU tensor, got {t.dtype} on {t.device}")
+
+
+def crc32c(buf: torch.Tensor | bytes | bytearray | memoryview, seed: int = 0) -> int:
+    """CRC-32C (Castagnoli); ``seed`` chains: crc32c(b, crc32c(a)) == crc32c(a + b)."""
+    if isinstance(buf, torch.Tensor):
+        _check_cpu_u8(buf, "buf")
+        return _copier.crc32c(buf.data_ptr(), buf.numel(), seed)
+    return _copier.crc32c_buffer(buf, seed)
+
+
+def write_file(tmp_path: str | os.PathLike, final_path: str | os.PathLike, header: bytes,
+               payload: torch.Tensor, fsync: bool, mode: int = 0o640) -> None:
+    """Write header+payload to a fresh ``tmp_path`` (O_EXCL), then rename to ``final_path``.
+
+    Readers never see a partial file; on error the tmp file is removed and
+    OSError (with errno) is raised.
+    """
+    _check_cpu_u8(payload, "payload")
+    _copier.write_file(os.fspath(tmp_path), os.fspath(final_path), bytes(header),
+                       payload.data_ptr(), payload.numel(), bool(fsync), mode)
+
+
+def read_file(path: str | os.PathLike, header_len: int, out: torch.Tensor) -> tuple[bytes, int]:
+    """Read a file of exactly ``header_len + out.numel()`` bytes; returns (header, crc32c(payload)).
+
+    A file of any other size raises ValueError before anything is read.
+    """
+    _check_cpu_u8(out, "out")
+    return _copier.read_file(os.fspath(path), header_len, out.data_ptr(), out.numel())
+
+
+def read_header(path: str | os.PathLike, header_len: int) -> bytes:
+    """First ``header_len`` bytes of ``path`` (ValueError if shorter)."""
+    return _copier.read_header(os.fspath(path), header_len)

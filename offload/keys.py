@@ -1,0 +1,62 @@
+"""Deterministic cache keys: chained chunk hashes rooted in a layout fingerprint.
+
+SHA-256 over explicit little-endian bytes, never Python's `hash()`, so keys are
+identical across processes, hosts and PYTHONHASHSEED values. Anything that
+changes the bytes of a page (model, dtype, group specs, KV layout, TP rank and
+size, chunk size, format version) goes into the fingerprint, so a different
+model or layout can never match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any, NewType
+
+import numpy as np
+
+FORMAT_VERSION = 1
+
+Fingerprint = NewType("Fingerprint", bytes)  # 32 bytes
+ChunkKey = NewType("ChunkKey", bytes)  # 32 bytes
+
+
+def fingerprint(fields: dict[str, Any]) -> Fingerprint:
+    """SHA-256 of the canonical JSON of `fields` plus the format version."""
+    doc = json.dumps({"format_version": FORMAT_VERSION, **fields}, sort_keys=True, separators=(",", ":"))
+    return Fingerprint(hashlib.sha256(doc.encode()).digest())
+
+
+def rank_fingerprint(base: Fingerprint, tp_rank: int, tp_size: int) -> Fingerprint:
+    """Each tensor-parallel rank holds different heads: its own files."""
+    return fingerprint({"base": base.hex(), "tp_rank": tp_rank, "tp_size": tp_size})
+
+
+def request_root(base: Fingerprint, salt: Sequence[str] = ()) -> bytes:
+    """Root of a request's chain: the fingerprint, plus anything else that
+    changes KV for the same tokens (LoRA adapter, cache salt)."""
+    h = hashlib.sha256(base)
+    for s in salt:
+        h.update(b"\x00" + s.encode())
+    return h.digest()
+
+
+def chunk_keys(root: bytes, token_ids: Sequence[int], chunk_size: int, start: int = 0,
+               parent: bytes | None = None, count: int | None = None) -> list[ChunkKey]:
+    """Keys of chunks `start, start+1, ...` of `token_ids`.
+
+    key(c) = sha256(key(c-1) || tokens of chunk c as little-endian uint32), with
+    key(-1) = root. `parent` is key(start-1) when resuming a chain.
+    """
+    n_full = len(token_ids) // chunk_size
+    end = n_full if count is None else min(n_full, start + count)
+    prev = root if start == 0 else parent
+    if prev is None:
+        raise ValueError("parent key required when start > 0")
+    toks = np.asarray(token_ids[start * chunk_size: end * chunk_size], dtype="<u4")
+    out: list[ChunkKey] = []
+    for i in range(end - start):
+        prev = hashlib.sha256(prev + toks[i * chunk_size:(i + 1) * chunk_size].tobytes()).digest()
+        out.append(ChunkKey(prev))
+    return out

@@ -1,0 +1,1 @@
+"""Where chunk bytes live. Stores never import vLLM."""

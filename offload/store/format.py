@@ -1,0 +1,79 @@
+"""On-disk format of one (chunk, group) file, version 1. See docs/format.md.
+
+A file is a fixed 128-byte little-endian header followed by the payload: the
+group's pages for that chunk, layer-major (layer, then block, then segment),
+exactly as `offload.copier.GroupPages.gather` lays them out. A reader trusts
+nothing it has not verified: magic, version, every identity field against what
+it asked for, the header's own CRC, the payload length and the payload CRC.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from offload.keys import FORMAT_VERSION, ChunkKey, Fingerprint
+from offload.planner import GroupKind
+
+MAGIC = b"KVOFFLD\x00"
+HEADER_LEN = 128
+# magic, version, header_len, group, kind, fingerprint, key, token_start,
+# token_end, num_pages, page_bytes, payload_len, payload_crc, reserved, header_crc
+_STRUCT = struct.Struct("<8sHHHH32s32sQQIIQI8sI")
+assert _STRUCT.size == HEADER_LEN
+KIND_CODES = {GroupKind.FULL_ATTENTION: 1, GroupKind.SLIDING_WINDOW: 2, GroupKind.CHUNKED_LOCAL: 3, GroupKind.MAMBA: 4}
+
+
+class FormatError(ValueError):
+    """A file that is not exactly the chunk that was asked for."""
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    fingerprint: Fingerprint
+    key: ChunkKey
+    group: int
+    kind: GroupKind
+    token_start: int
+    token_end: int
+    num_pages: int
+    page_bytes: int
+    payload_crc: int = 0
+
+    @property
+    def payload_len(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def pack(self) -> bytes:
+        from offload.copier import crc32c
+
+        body = _STRUCT.pack(
+            MAGIC, FORMAT_VERSION, HEADER_LEN, self.group, KIND_CODES[self.kind], self.fingerprint,
+            self.key, self.token_start, self.token_end, self.num_pages, self.page_bytes,
+            self.payload_len, self.payload_crc, b"\x00" * 8, 0,
+        )
+        return body[:-4] + struct.pack("<I", crc32c(body[:-4]))
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> ChunkHeader:
+        from offload.copier import crc32c
+
+        if len(raw) != HEADER_LEN:
+            raise FormatError(f"header is {len(raw)} bytes, expected {HEADER_LEN}")
+        (magic, version, hlen, group, kind, fp, key, t0, t1, npages, pbytes, plen, pcrc, _, hcrc) = _STRUCT.unpack(raw)
+        if magic != MAGIC:
+            raise FormatError("bad magic: not a kvoffload chunk file")
+        if version != FORMAT_VERSION:
+            raise FormatError(f"format version {version}, this build reads {FORMAT_VERSION}")
+        if hlen != HEADER_LEN or crc32c(raw[:-4]) != hcrc:
+            raise FormatError("header checksum mismatch")
+        kinds = {v: k for k, v in KIND_CODES.items()}
+        if kind not in kinds or plen != npages * pbytes:
+            raise FormatError("inconsistent header fields")
+        return cls(Fingerprint(fp), ChunkKey(key), group, kinds[kind], t0, t1, npages, pbytes, pcrc)
+
+    def check_matches(self, expected: ChunkHeader) -> None:
+        """Every identity field must equal what the reader asked for."""
+        for f in ("fingerprint", "key", "group", "kind", "token_start", "token_end", "num_pages", "page_bytes"):
+            if getattr(self, f) != getattr(expected, f):
+                raise FormatError(f"header field {f} does not match the requested chunk")

@@ -1,0 +1,122 @@
+"""Filesystem tier: one canonical file per (chunk, group), shared over NFS.
+
+Layout (version 1, see docs/format.md):
+    <path>/kvoffload-v1/<fingerprint hex>/layout.json
+    <path>/kvoffload-v1/<fingerprint hex>/g<group>/<key[:2]>/<key hex>.kv
+Files appear under their final name only when complete (temporary file in the
+same directory, then rename), so a reader sees a whole file or none. Any read
+that fails verification is a miss and the file is moved to quarantine/, so it
+is not found again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from offload import copier
+from offload.keys import ChunkKey, Fingerprint
+from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
+
+logger = logging.getLogger(__name__)
+
+LAYOUT_VERSION_DIR = "kvoffload-v1"
+DIR_MODE = 0o750
+FILE_MODE = 0o640
+
+
+class ChunkMiss(Exception):
+    """A chunk that cannot be restored; `reason` is a metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class FileStore:
+    root: Path  # <path>/kvoffload-v1/<fingerprint hex>
+    fingerprint: Fingerprint
+    fsync: bool = False
+
+    @classmethod
+    def open(cls, path: str, fp: Fingerprint, fsync: bool = False) -> FileStore:
+        root = Path(path) / LAYOUT_VERSION_DIR / fp.hex()
+        return cls(root, fp, fsync)
+
+    def file_path(self, group: int, key: ChunkKey) -> Path:
+        h = key.hex()
+        return self.root / f"g{group}" / h[:2] / f"{h}.kv"
+
+    def contains(self, group: int, key: ChunkKey) -> bool:
+        return os.path.exists(self.file_path(group, key))
+
+    def write_layout(self, description: dict) -> None:
+        """Record what the fingerprint stands for (for operators and tools).
+
+        If a layout file exists, its tensor layout must equal ours: the same
+        fingerprint with different page bytes would load garbage.
+        """
+        self.root.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        target = self.root / "layout.json"
+        doc = json.dumps(description, indent=2, sort_keys=True)
+        if target.exists():
+            existing = json.loads(target.read_text())
+            if existing.get("tensors") != description.get("tensors"):
+                raise RuntimeError(
+                    f"cache directory {self.root} holds files of another KV tensor layout under the "
+                    f"same fingerprint ({target}); use a different 'path' for this deployment"
+                )
+            return
+        tmp = target.with_name(f".layout.{uuid.uuid4().hex}.tmp")
+        tmp.write_text(doc)
+        os.replace(tmp, target)
+
+    def write(self, header: ChunkHeader, payload: torch.Tensor) -> bool:
+        """Write one chunk file atomically. False if it already existed.
+
+        The payload CRC is computed here, on the I/O thread, not on the
+        forward path.
+        """
+        final = self.file_path(header.group, header.key)
+        if final.exists():
+            return False  # same key, same bytes: another request or instance stored it
+        final.parent.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        full = ChunkHeader(**{**header.__dict__, "payload_crc": copier.crc32c(payload)})
+        tmp = final.with_name(f"{final.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        copier.write_file(str(tmp), str(final), full.pack(), payload, self.fsync, FILE_MODE)
+        return True
+
+    def read_into(self, expected: ChunkHeader, out: torch.Tensor) -> None:
+        """Fill `out` with the verified payload, or raise ChunkMiss."""
+        path = self.file_path(expected.group, expected.key)
+        try:
+            raw, crc = copier.read_file(str(path), HEADER_LEN, out)
+        except FileNotFoundError:
+            raise ChunkMiss("missing", str(path)) from None
+        except (OSError, ValueError) as e:  # unreadable or wrong size (truncated)
+            self.quarantine(path)
+            raise ChunkMiss("corrupt", f"{path}: {e}") from None
+        try:
+            header = ChunkHeader.unpack(raw)
+            header.check_matches(expected)
+            if header.payload_crc != crc:
+                raise FormatError("payload checksum mismatch")
+        except FormatError as e:
+            self.quarantine(path)
+            raise ChunkMiss("corrupt", f"{path}: {e}") from None
+
+    def quarantine(self, path: Path) -> None:
+        """Move a bad file aside so lookups stop finding it; keep it for fsck."""
+        qdir = self.root / "quarantine"
+        try:
+            qdir.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+            os.replace(path, qdir / f"{path.name}.{uuid.uuid4().hex[:8]}")
+        except OSError as e:  # another reader moved it first, or read-only dir
+            logger.debug("quarantine of %s skipped: %s", path, e)
