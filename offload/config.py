@@ -7,6 +7,7 @@ valid, so an operator can fix a kv-transfer-config without reading our code.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,7 +38,10 @@ class OffloadConfig(BaseModel):
         default=1 << 30, ge=1 << 20,
         description="bytes of gathered pages waiting to be written; stores beyond it are dropped",
     )
-    shutdown_timeout_s: float = Field(default=60.0, ge=0, description="how long shutdown waits for pending stores")
+    # Bounded: concurrent.futures.wait overflows (and shutdown crashes) on inf or beyond TIMEOUT_MAX.
+    shutdown_timeout_s: float = Field(
+        default=60.0, ge=0, le=threading.TIMEOUT_MAX, description="how long shutdown waits for pending stores"
+    )
     model_id: str | None = Field(
         default=None, min_length=1,
         description="identity of the model in cache keys (default: the served model path); "

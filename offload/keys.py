@@ -35,10 +35,16 @@ def rank_fingerprint(base: Fingerprint, tp_rank: int, tp_size: int) -> Fingerpri
 
 def request_root(base: Fingerprint, salt: Sequence[str] = ()) -> bytes:
     """Root of a request's chain: the fingerprint, plus anything else that
-    changes KV for the same tokens (LoRA adapter, cache salt)."""
+    changes KV for the same tokens (LoRA adapter, cache salt).
+
+    Injective in `salt`: each item is length-prefixed, so different sequences
+    never hash the same bytes (a separator byte would let ("a\\x00b",) and
+    ("a", "b") share a root, hence KV).
+    """
     h = hashlib.sha256(base)
     for s in salt:
-        h.update(b"\x00" + s.encode())
+        b = s.encode()
+        h.update(len(b).to_bytes(8, "little") + b)
     return h.digest()
 
 

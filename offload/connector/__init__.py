@@ -25,7 +25,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload.config import EXTRA_CONFIG, ConfigError, OffloadConfig, parse_config
 from offload.connector.metadata import OffloadMetadata
-from offload.keys import rank_fingerprint
+from offload.keys import FORMAT_VERSION, rank_fingerprint
 from offload.layout import base_fingerprint, fingerprint_fields, group_specs
 from offload.planner import ChunkSizeError, GroupKind, HybridOffloadPlanner
 
@@ -126,18 +126,29 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
             logger.info("OffloadConnector: kv_load_failure_policy set to 'recompute': a failed load "
                         "of an offloaded prefix is a cache miss, not a request error")
         if any(g.kind is GroupKind.MAMBA for g in self.planner.groups):
-            step = vllm_config.scheduler_config.max_num_batched_tokens
-            c = self.planner.chunk_size
-            if step % c:
-                logger.warning(
-                    "OffloadConnector: vLLM computes a Mamba state only where a prefill step ends; "
-                    "max_num_batched_tokens=%d is not a multiple of hybrid_chunk_size=%d, so few chunk "
-                    "boundaries get a state and hybrid hits will be rare. Use --max-num-batched-tokens "
-                    "%d (or another multiple of %d).", step, c, (step // c or 1) * c, c)
-            else:
-                logger.info("OffloadConnector: Mamba states are stored every %d tokens of a long prefill "
-                            "(max_num_batched_tokens); lower it to a smaller multiple of %d for denser hits",
-                            step, c)
+            self._check_mamba_checkpoints(vllm_config)
+
+    def _check_mamba_checkpoints(self, vllm_config: VllmConfig) -> None:
+        """A hybrid hit at boundary N needs the Mamba state at exactly N. vLLM
+        computes a state only where a prefill step ends, and hands it to a
+        connector only if its retention interval keeps it: say plainly when
+        the engine settings make chunk-boundary states rare."""
+        c = self.planner.chunk_size
+        step = vllm_config.scheduler_config.max_num_batched_tokens
+        retention = self._kv_cache_config.prefix_cache_retention_interval
+        fixes = []
+        if step % c:
+            fixes.append(f"--max-num-batched-tokens {max(1, step // c) * c} (a multiple of {c}; "
+                         f"now {step}: prefill steps must end on chunk boundaries)")
+        if retention is not None and (retention == 0 or c % retention):
+            fixes.append(f"--prefix-cache-retention-interval {c} (now {retention}: vLLM keeps only the "
+                         "prompt's last state, not one per chunk)")
+        if fixes:
+            logger.warning("OffloadConnector: hybrid model, but Mamba states will rarely exist at "
+                           "chunk boundaries, so hits will be rare. Set: %s", "; ".join(fixes))
+        else:
+            logger.info("OffloadConnector: Mamba states are stored at chunk boundaries where a prefill "
+                        "step ends (every %d tokens of a long prefill)", step)
 
     # ---- scheduler side ---------------------------------------------------------
 
@@ -172,7 +183,8 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches, self._num_blocks, self._layout)
+        layout = {**self._layout, "base_fingerprint": self.fingerprint.hex(), "format_version": FORMAT_VERSION}
+        self._worker.register_kv_caches(kv_caches, self._num_blocks, layout)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

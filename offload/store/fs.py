@@ -84,6 +84,9 @@ class FileStore:
         The payload CRC is computed here, on the I/O thread, not on the
         forward path.
         """
+        if payload.numel() != header.payload_len:
+            # The file would contradict its own header and be quarantined by every reader.
+            raise ValueError(f"payload has {payload.numel()} bytes, header says {header.payload_len}")
         final = self.file_path(header.group, header.key)
         if final.exists():
             return False  # same key, same bytes: another request or instance stored it
@@ -94,7 +97,17 @@ class FileStore:
         return True
 
     def read_into(self, expected: ChunkHeader, out: torch.Tensor) -> None:
-        """Fill `out` with the verified payload, or raise ChunkMiss."""
+        """Fill `out` with the verified payload, or raise ChunkMiss.
+
+        `out` must be a contiguous uint8 CPU tensor of exactly
+        `expected.payload_len` bytes (ValueError otherwise).
+        """
+        if (out.dtype != torch.uint8 or out.device.type != "cpu" or not out.is_contiguous()
+                or out.numel() != expected.payload_len):
+            # A caller bug, not a bad file: checked before the read so that a
+            # good file is not reported corrupt and quarantined.
+            raise ValueError(f"out must be a contiguous uint8 CPU tensor of {expected.payload_len} bytes, "
+                             f"got {out.numel()} x {out.dtype} on {out.device}")
         path = self.file_path(expected.group, expected.key)
         try:
             raw, crc = copier.read_file(str(path), HEADER_LEN, out)

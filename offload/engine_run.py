@@ -1,0 +1,124 @@
+"""Serve a prompt set through a fresh vLLM engine process and report per prompt.
+
+A restart is a new process, so every run happens in a subprocess
+(`python -m offload.engine_run SPEC OUT`): the demo, the end-to-end tests and
+the warm-up CLI all measure what an operator's restarted server would see.
+Prompts are served one at a time so that batch composition cannot change a
+near-tie greedy token between runs (random-weight bf16 models have many).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class PromptResult:
+    prompt_tokens: int
+    cached_tokens: int  # vLLM's num_cached_tokens: local prefix cache + connector
+    restored_tokens: int  # loaded by OffloadConnector (0 without it)
+    load_failed: bool
+    ttft_s: float
+    output_ids: list[int]
+
+
+@dataclass
+class RunSpec:
+    model: str
+    prompts: list[list[int]]
+    kv_transfer_config: dict[str, Any] | None = None
+    max_tokens: int = 16
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    results: list[PromptResult]
+    log: str  # the engine's stdout+stderr, for checks on what it logged
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(r.prompt_tokens for r in self.results)
+
+    @property
+    def restored_tokens(self) -> int:
+        return sum(r.restored_tokens for r in self.results)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(r.cached_tokens for r in self.results)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / max(1, self.prompt_tokens)
+
+    @property
+    def median_ttft_s(self) -> float:
+        return statistics.median(r.ttft_s for r in self.results) if self.results else 0.0
+
+    def outputs(self) -> list[list[int]]:
+        return [r.output_ids for r in self.results]
+
+
+def run_engine(spec: RunSpec, env: dict[str, str] | None = None, timeout_s: float = 900) -> RunResult:
+    """Run `spec` in a new Python process; raise with the engine log on failure."""
+    with tempfile.TemporaryDirectory(prefix="kvoffload-run-") as tmp:
+        spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
+        spec_path.write_text(json.dumps(asdict(spec)))
+        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                    **(env or {})}
+        proc = subprocess.run(
+            [sys.executable, "-m", "offload.engine_run", str(spec_path), str(out_path)],
+            env=full_env, capture_output=True, text=True, timeout=timeout_s,
+        )
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0 or not out_path.exists():
+            raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{log[-6000:]}")
+        results = [PromptResult(**r) for r in json.loads(out_path.read_text())]
+        return RunResult(results, log)
+
+
+def _serve(spec: RunSpec) -> list[PromptResult]:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = dict(spec.engine_args)
+    if spec.kv_transfer_config is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(**spec.kv_transfer_config)
+    llm = LLM(model=spec.model, disable_log_stats=False, **kw)
+    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
+    out: list[PromptResult] = []
+    for ids in spec.prompts:
+        t0 = time.monotonic()
+        o = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        wall = time.monotonic() - t0
+        m = o.metrics
+        ttft = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
+        ours = (o.kv_transfer_params or {}).get("kvoffload", {})
+        out.append(PromptResult(
+            prompt_tokens=len(ids), cached_tokens=o.num_cached_tokens or 0,
+            restored_tokens=int(ours.get("restored_tokens", 0)), load_failed=bool(ours.get("load_failed", False)),
+            ttft_s=ttft if ttft > 0 else wall, output_ids=list(o.outputs[0].token_ids),
+        ))
+    del llm  # clean shutdown: the connector finishes its stores in flight
+    return out
+
+
+def main(argv: list[str]) -> int:
+    spec = RunSpec(**json.loads(Path(argv[0]).read_text()))
+    results = _serve(spec)
+    Path(argv[1]).write_text(json.dumps([asdict(r) for r in results]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,54 @@
+"""Shared fixtures: the tiny local models and engine settings for real vLLM runs."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHUNK = 256
+
+
+def engine_args(hybrid: bool) -> dict:
+    """vLLM settings under which a hybrid model has a Mamba state at every
+    chunk boundary of a prefill (docs/architecture.md, "Mamba checkpoints").
+    vLLM refuses a retention interval on models without Mamba/window groups."""
+    args = {"enable_prefix_caching": True, "max_model_len": 4096, "max_num_batched_tokens": CHUNK,
+            "enforce_eager": True}
+    if hybrid:
+        args["prefix_cache_retention_interval"] = CHUNK
+    return args
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory) -> Path:
+    """`make setup` builds the models into .models; build them if missing."""
+    d = REPO / ".models"
+    if not (d / "qwen3-next-tiny" / "config.json").exists() or not (d / "llama-tiny" / "config.json").exists():
+        d = tmp_path_factory.mktemp("models")
+        subprocess.run([sys.executable, str(REPO / "tools" / "tiny_models.py"), str(d)], check=True)
+    return d
+
+
+def fs_kv_config(path: Path, **extra) -> dict:
+    return {
+        "kv_connector": "OffloadConnector",
+        "kv_connector_module_path": "offload.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store": "fs", "path": str(path), **extra},
+    }
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(2, 1000) for _ in range(n)]
+
+
+def layouts(cache: Path) -> dict[str, dict]:
+    """layout.json of every fingerprint directory, by directory name."""
+    return {p.parent.name: json.loads(p.read_text()) for p in cache.glob("kvoffload-v1/*/layout.json")}

@@ -1,0 +1,139 @@
+"""Tests for offload/config.py: every bad kv_connector_extra_config fails at
+start-up with a message naming the key, the value and what is valid."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from offload.config import ConfigError, OffloadConfig, parse_config
+
+GOOD = {"store": "fs", "path": "/var/cache/kvoffload"}
+VALID_KEYS = ["store", "path", "hybrid_chunk_size", "fsync", "io_threads", "max_pending_store_bytes",
+              "shutdown_timeout_s", "model_id"]
+
+
+def without(key: str) -> dict:
+    return {k: v for k, v in GOOD.items() if k != key}
+
+
+# (id, config, key the message must name, extra fragments the message must contain)
+BAD = [
+    ("missing-store", without("store"), "store", ["required", "'fs'"]),
+    ("store-s3", {**GOOD, "store": "s3"}, "store", ["'s3'", "'fs'"]),
+    ("store-FS-case", {**GOOD, "store": "FS"}, "store", ["'FS'"]),
+    ("missing-path", without("path"), "path", ["required", "absolute"]),
+    ("relative-path", {**GOOD, "path": "cache/kv"}, "path", ["'cache/kv'", "absolute"]),
+    ("dot-relative-path", {**GOOD, "path": "./cache"}, "path", ["absolute"]),
+    ("empty-path", {**GOOD, "path": ""}, "path", ["absolute"]),
+    ("dotdot-path", {**GOOD, "path": "/var/cache/../../etc"}, "path", ["'..'"]),
+    ("trailing-dotdot", {**GOOD, "path": "/var/cache/.."}, "path", ["'..'"]),
+    ("path-not-str", {**GOOD, "path": 5}, "path", []),
+    ("typo-key", {**GOOD, "hybird_chunk_size": 256}, "hybird_chunk_size", ["unknown key"] + VALID_KEYS),
+    ("unknown-key", {**GOOD, "bucket": "x"}, "bucket", ["unknown key"] + VALID_KEYS),
+    ("chunk-0", {**GOOD, "hybrid_chunk_size": 0}, "hybrid_chunk_size", ["greater than 0", "tokens per chunk"]),
+    ("chunk-neg", {**GOOD, "hybrid_chunk_size": -1}, "hybrid_chunk_size", ["=-1", "greater than 0"]),
+    ("chunk-str", {**GOOD, "hybrid_chunk_size": "256"}, "hybrid_chunk_size", ["'256'", "integer"]),
+    ("chunk-float", {**GOOD, "hybrid_chunk_size": 2.5}, "hybrid_chunk_size", ["2.5", "integer"]),
+    ("chunk-float-integral", {**GOOD, "hybrid_chunk_size": 256.0}, "hybrid_chunk_size", ["integer"]),
+    ("chunk-bool", {**GOOD, "hybrid_chunk_size": True}, "hybrid_chunk_size", ["True"]),
+    ("fsync-yes", {**GOOD, "fsync": "yes"}, "fsync", ["'yes'", "boolean"]),
+    ("fsync-1", {**GOOD, "fsync": 1}, "fsync", ["boolean"]),
+    ("io-threads-0", {**GOOD, "io_threads": 0}, "io_threads", ["=0", "greater than or equal to 1"]),
+    ("io-threads-1000", {**GOOD, "io_threads": 1000}, "io_threads", ["=1000", "less than or equal to 64"]),
+    ("io-threads-str", {**GOOD, "io_threads": "4"}, "io_threads", ["'4'"]),
+    ("pending-1", {**GOOD, "max_pending_store_bytes": 1}, "max_pending_store_bytes", ["=1:", str(1 << 20)]),
+    ("pending-neg", {**GOOD, "max_pending_store_bytes": -5}, "max_pending_store_bytes", ["=-5"]),
+    ("timeout-neg", {**GOOD, "shutdown_timeout_s": -1}, "shutdown_timeout_s", ["=-1", "greater than or equal to 0"]),
+    ("timeout-nan", {**GOOD, "shutdown_timeout_s": math.nan}, "shutdown_timeout_s", []),
+    ("timeout-inf", {**GOOD, "shutdown_timeout_s": math.inf}, "shutdown_timeout_s", []),
+    ("timeout-huge", {**GOOD, "shutdown_timeout_s": 1e300}, "shutdown_timeout_s", []),
+    ("timeout-str", {**GOOD, "shutdown_timeout_s": "60"}, "shutdown_timeout_s", ["'60'"]),
+    ("model-id-empty", {**GOOD, "model_id": ""}, "model_id", ["=''", "at least 1 character"]),
+    ("model-id-int", {**GOOD, "model_id": 7}, "model_id", ["=7"]),
+]
+
+
+@pytest.mark.parametrize("cfg,key,fragments", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_config_names_key_value_and_fix(cfg, key, fragments):
+    with pytest.raises(ConfigError) as ei:
+        parse_config(cfg)
+    msg = str(ei.value)
+    assert f"kv_connector_extra_config.{key}" in msg, msg
+    for frag in fragments:
+        assert frag in msg, (frag, msg)
+    # The message is for an operator: no pydantic URL noise, no traceback chain.
+    assert "errors.pydantic.dev" not in msg
+    assert ei.value.__cause__ is None and ei.value.__suppress_context__
+
+
+@pytest.mark.parametrize("extra", [[], ["store", "fs"], None, "store=fs", 42, json.dumps(GOOD)],
+                         ids=["empty-list", "list", "None", "string", "int", "json-string"])
+def test_non_dict_config_is_rejected(extra):
+    with pytest.raises(ConfigError) as ei:
+        parse_config(extra)
+    msg = str(ei.value)
+    assert "kv_connector_extra_config" in msg
+    assert "object" in msg
+    assert type(extra).__name__ in msg
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(ConfigError) as ei:
+        parse_config({"store": "s3", "path": "rel", "io_threads": 0, "hybird_chunk_size": 1})
+    msg = str(ei.value)
+    for key in ("store", "path", "io_threads", "hybird_chunk_size"):
+        assert f"kv_connector_extra_config.{key}" in msg, msg
+    assert len(msg.strip().splitlines()) == 5  # title + one line per problem
+
+
+def test_good_config_defaults():
+    cfg = parse_config(dict(GOOD))
+    assert isinstance(cfg, OffloadConfig)
+    assert cfg.store == "fs"
+    assert cfg.path == "/var/cache/kvoffload"
+    assert cfg.hybrid_chunk_size is None
+    assert cfg.fsync is False
+    assert cfg.io_threads == 4
+    assert cfg.max_pending_store_bytes == 1 << 30
+    assert cfg.shutdown_timeout_s == 60.0
+    assert cfg.model_id is None
+
+
+@pytest.mark.parametrize("raw,norm", [
+    ("/var/cache/kvoffload/", "/var/cache/kvoffload"),
+    ("/var//cache/./kvoffload", "/var/cache/kvoffload"),
+    ("/", "/"),
+])
+def test_path_is_normalized(raw, norm):
+    assert parse_config({**GOOD, "path": raw}).path == norm
+
+
+def test_good_config_all_keys_from_json():
+    # As it arrives from --kv-transfer-config: JSON numbers and booleans.
+    text = json.dumps({"store": "fs", "path": "/mnt/nfs/kv", "hybrid_chunk_size": 512, "fsync": True,
+                       "io_threads": 64, "max_pending_store_bytes": 1 << 20, "shutdown_timeout_s": 0,
+                       "model_id": "qwen3-next"})
+    cfg = parse_config(json.loads(text))
+    assert (cfg.hybrid_chunk_size, cfg.fsync, cfg.io_threads) == (512, True, 64)
+    assert cfg.max_pending_store_bytes == 1 << 20
+    assert cfg.shutdown_timeout_s == 0.0 and cfg.model_id == "qwen3-next"
+    assert parse_config({**GOOD, "io_threads": 1}).io_threads == 1
+    assert parse_config({**GOOD, "shutdown_timeout_s": 2.5}).shutdown_timeout_s == 2.5
+    assert parse_config({**GOOD, "hybrid_chunk_size": None}).hybrid_chunk_size is None
+
+
+def test_config_is_frozen():
+    cfg = parse_config(dict(GOOD))
+    with pytest.raises(ValidationError):
+        cfg.io_threads = 8  # type: ignore[misc]
+
+
+def test_parse_does_not_mutate_input():
+    extra = {**GOOD, "path": "/a//b/"}
+    snapshot = dict(extra)
+    parse_config(extra)
+    assert extra == snapshot
