@@ -125,6 +125,10 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
             ktc.kv_load_failure_policy = "recompute"
             logger.info("OffloadConnector: kv_load_failure_policy set to 'recompute': a failed load "
                         "of an offloaded prefix is a cache miss, not a request error")
+        if getattr(vllm_config, "shutdown_timeout", 1) == 0:
+            logger.warning("OffloadConnector: vLLM's shutdown_timeout is 0, so SIGTERM of a server kills "
+                           "its workers at once and stores still in flight are lost; pass "
+                           "--shutdown-timeout %d to let them finish", max(1, int(self.cfg.shutdown_timeout_s)))
         if any(g.kind is GroupKind.MAMBA for g in self.planner.groups):
             self._check_mamba_checkpoints(vllm_config)
 

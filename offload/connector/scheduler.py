@@ -99,14 +99,14 @@ class SchedulerSide:
         st = self._state(request)
         if st is None or st.load_failed or request.skip_reading_prefix_cache:
             return 0, False
-        prompt_len = len(request.prompt_token_ids or [])
-        max_n = self.planner.max_hit_chunks(min(request.num_tokens, prompt_len + 1))
+        # Only prompt chunks are ever stored, so a hit never passes the prompt.
+        num_tokens = min(request.num_tokens, len(request.prompt_token_ids or []) + 1)
+        max_n = self.planner.max_hit_chunks(num_tokens)
         if max_n == 0:
             return 0, False
         keys = self._keys(st, max_n)
         found = self.planner.lookup(
-            request.num_tokens, lambda g, ch: ch < len(keys) and self.store.contains(g, keys[ch]),
-            num_computed_tokens,
+            num_tokens, lambda g, ch: ch < len(keys) and self.store.contains(g, keys[ch]), num_computed_tokens
         )
         # Attention chunks the search saw stored are not stored again.
         st.stored_chunks = max(st.stored_chunks, found.full_prefix)
@@ -192,8 +192,10 @@ class SchedulerSide:
         for chunk in range(st.stored_chunks, end):
             for g in self._storable:
                 gc = self.planner.stored(GroupIndex(g), ChunkIndex(chunk))
+                if not gc.blocks or gc.blocks[-1] >= len(table[g]):
+                    continue
                 ids = tuple(table[g][b] for b in gc.blocks)
-                if not ids or NULL_BLOCK in ids:
+                if NULL_BLOCK in ids:
                     continue  # windowed blocks vLLM already dropped: nothing to store
                 meta.stores.append(StoreJob(st.request.request_id, self._ref(st, g, chunk), ids))
         st.stored_chunks = end

@@ -41,6 +41,14 @@ class WorkerCounters:
     stores_dropped: dict[str, int] = field(default_factory=dict)
 
 
+def _describe(name: str, t: torch.Tensor, num_blocks: int) -> str:
+    """A tensor's page layout independent of how many blocks it has: dtype,
+    the dims before the block dim (segments), and the dims after it with
+    their strides (one segment's bytes)."""
+    d = list(t.shape).index(num_blocks)
+    return f"{name}:{t.dtype}:pre{tuple(t.shape[:d])}:post{tuple(t.shape[d + 1:])}/{tuple(t.stride()[d + 1:])}"
+
+
 class WorkerSide:
     def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, store: FileStore,
                  layer_names: list[list[str]]) -> None:
@@ -68,9 +76,7 @@ class WorkerSide:
                 t = kv_caches[name]
                 for part in t if isinstance(t, (list, tuple)) else [t]:
                     layers.append(LayerPages.from_tensor(part, num_blocks))
-                    tensors.setdefault(f"g{g}", []).append(
-                        f"{name}:{tuple(part.shape[1:])}:{part.dtype}:{tuple(part.stride()[1:])}"
-                    )
+                    tensors.setdefault(f"g{g}", []).append(_describe(name, part, num_blocks))
             device = (kv_caches[names[0]][0] if isinstance(kv_caches[names[0]], (list, tuple))
                       else kv_caches[names[0]]).device
             pages = GroupPages(layers, num_blocks, device)
