@@ -101,16 +101,23 @@ class CudaBuildExt(build_ext):
         super().build_extension(ext)
 
 
+# Headers shared by both extensions (included relative to csrc/); listing them
+# as depends= rebuilds on change and puts them in the sdist.
+_headers = ["csrc/page_layout.h"]
+
 ext_modules = [
     Pybind11Extension(
         "offload._copier",
         ["csrc/copier.cpp"],
+        depends=_headers,
         cxx_std=17,
         extra_compile_args=["-O3"],
     )
 ]
 if _want_cuda():
-    ext_modules.append(Extension("offload._copier_cuda", ["csrc/copier_cuda.cu"]))
+    ext_modules.append(
+        Extension("offload._copier_cuda", ["csrc/copier_cuda.cu"], depends=_headers)
+    )
 
 setup(
     packages=find_packages(include=["offload", "offload.*"]),

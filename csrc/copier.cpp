@@ -29,6 +29,8 @@
 #include <nmmintrin.h>
 #endif
 
+#include "page_layout.h"
+
 namespace py = pybind11;
 
 namespace {
@@ -166,13 +168,8 @@ uint32_t crc32c_impl(uintptr_t ptr, size_t n, uint32_t seed) {
 }
 
 // -------------------------------------------------------------- PageTable --
-struct Layer {
-  uintptr_t base;
-  int64_t block_stride;
-  // Runs of segments that are adjacent in memory, merged: (offset, bytes).
-  std::vector<std::pair<int64_t, int64_t>> runs;
-  int64_t page_bytes;      // bytes of one block of this layer
-  bool dense;              // one run covering the whole stride at offset 0
+struct Layer : kvoffload::PageLayout {
+  bool dense = false;  // one run covering the whole stride at offset 0
 };
 
 struct Copy {
@@ -215,27 +212,13 @@ void run_copies(const std::vector<Copy>& copies, int num_threads) {
 
 class PageTable {
  public:
-  using LayerSpec = std::tuple<uint64_t, int64_t, std::vector<int64_t>, int64_t>;
+  using LayerSpec = kvoffload::LayerSpec;
 
   PageTable(const std::vector<LayerSpec>& specs, int num_threads) : num_threads_(num_threads) {
     if (specs.empty()) throw py::value_error("PageTable needs at least one layer");
     if (num_threads < 1) throw py::value_error("num_threads must be >= 1");
     for (const auto& s : specs) {
-      Layer L;
-      L.base = static_cast<uintptr_t>(std::get<0>(s));
-      L.block_stride = std::get<1>(s);
-      const auto& offs = std::get<2>(s);
-      const int64_t seg = std::get<3>(s);
-      if (L.block_stride < 0 || seg < 0)
-        throw py::value_error("block_stride and seg_bytes must be >= 0");
-      if (offs.empty()) throw py::value_error("a layer needs at least one segment");
-      for (int64_t off : offs) {
-        if (!L.runs.empty() && L.runs.back().first + L.runs.back().second == off)
-          L.runs.back().second += seg;
-        else
-          L.runs.emplace_back(off, seg);
-      }
-      L.page_bytes = static_cast<int64_t>(offs.size()) * seg;
+      Layer L{kvoffload::parse_layer_spec(s)};
       L.dense = L.runs.size() == 1 && L.runs[0].first == 0 && L.runs[0].second == L.block_stride;
       page_bytes_ += L.page_bytes;
       layers_.push_back(std::move(L));
@@ -247,12 +230,7 @@ class PageTable {
   int num_threads() const { return num_threads_; }
 
   void gather(const std::vector<int64_t>& ids, uint64_t dst_ptr, int64_t dst_bytes) const {
-    for (int64_t b : ids)
-      if (b < 0) throw py::value_error("negative block id " + std::to_string(b));
-    const int64_t want = static_cast<int64_t>(ids.size()) * page_bytes_;
-    if (dst_bytes != want)
-      throw py::value_error("gather: dst_bytes=" + std::to_string(dst_bytes) + " but " +
-                            std::to_string(ids.size()) + " blocks need " + std::to_string(want));
+    kvoffload::check_gather_args(ids, dst_bytes, page_bytes_);
     py::gil_scoped_release nogil;
     std::vector<Copy> copies;
     auto* dst = reinterpret_cast<uint8_t*>(dst_ptr);
@@ -283,17 +261,7 @@ class PageTable {
 
   void scatter(uint64_t src_ptr, int64_t src_bytes, int64_t n_src,
                const std::vector<std::pair<int64_t, int64_t>>& pairs) const {
-    if (n_src < 0) throw py::value_error("n_src_blocks must be >= 0");
-    if (src_bytes != n_src * page_bytes_)
-      throw py::value_error("scatter: src_bytes=" + std::to_string(src_bytes) + " but " +
-                            std::to_string(n_src) + " blocks need " +
-                            std::to_string(n_src * page_bytes_));
-    for (const auto& pr : pairs) {
-      if (pr.first < 0 || pr.first >= n_src)
-        throw py::value_error("scatter: src index " + std::to_string(pr.first) +
-                              " out of range [0, " + std::to_string(n_src) + ")");
-      if (pr.second < 0) throw py::value_error("negative block id " + std::to_string(pr.second));
-    }
+    kvoffload::check_scatter_args(src_bytes, n_src, pairs, page_bytes_);
     py::gil_scoped_release nogil;
     std::vector<Copy> copies;
     const auto* src = reinterpret_cast<const uint8_t*>(src_ptr);

@@ -24,6 +24,8 @@
 #include <utility>
 #include <vector>
 
+#include "page_layout.h"
+
 namespace py = pybind11;
 
 namespace {
@@ -58,35 +60,16 @@ void check(cudaError_t err, const char* what) {
     throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
-struct Layer {
-  uint64_t base;
-  int64_t block_stride;
-  std::vector<std::pair<int64_t, int64_t>> runs;  // adjacent segments merged
-  int64_t page_bytes;
-};
+using Layer = kvoffload::PageLayout;
 
 class PageTable {
  public:
-  using LayerSpec = std::tuple<uint64_t, int64_t, std::vector<int64_t>, int64_t>;
+  using LayerSpec = kvoffload::LayerSpec;
 
   explicit PageTable(const std::vector<LayerSpec>& specs) {
     if (specs.empty()) throw py::value_error("PageTable needs at least one layer");
     for (const auto& s : specs) {
-      Layer L;
-      L.base = std::get<0>(s);
-      L.block_stride = std::get<1>(s);
-      const auto& offs = std::get<2>(s);
-      const int64_t seg = std::get<3>(s);
-      if (L.block_stride < 0 || seg < 0)
-        throw py::value_error("block_stride and seg_bytes must be >= 0");
-      if (offs.empty()) throw py::value_error("a layer needs at least one segment");
-      for (int64_t off : offs) {
-        if (!L.runs.empty() && L.runs.back().first + L.runs.back().second == off)
-          L.runs.back().second += seg;
-        else
-          L.runs.emplace_back(off, seg);
-      }
-      L.page_bytes = static_cast<int64_t>(offs.size()) * seg;
+      Layer L = kvoffload::parse_layer_spec(s);
       page_bytes_ += L.page_bytes;
       layers_.push_back(std::move(L));
     }
@@ -102,12 +85,7 @@ class PageTable {
   // Copies blocks (device, table side) -> dst (layer-major), then waits.
   void gather(const std::vector<int64_t>& ids, uint64_t dst_ptr, int64_t dst_bytes,
               int device, uint64_t stream) {
-    for (int64_t b : ids)
-      if (b < 0) throw py::value_error("negative block id " + std::to_string(b));
-    const int64_t want = static_cast<int64_t>(ids.size()) * page_bytes_;
-    if (dst_bytes != want)
-      throw py::value_error("gather: dst_bytes=" + std::to_string(dst_bytes) + " but " +
-                            std::to_string(ids.size()) + " blocks need " + std::to_string(want));
+    kvoffload::check_gather_args(ids, dst_bytes, page_bytes_);
     py::gil_scoped_release nogil;
     std::vector<CopyDesc> descs;
     uint64_t dst = dst_ptr;
@@ -126,17 +104,7 @@ class PageTable {
   void scatter(uint64_t src_ptr, int64_t src_bytes, int64_t n_src,
                const std::vector<std::pair<int64_t, int64_t>>& pairs, int device,
                uint64_t stream) {
-    if (n_src < 0) throw py::value_error("n_src_blocks must be >= 0");
-    if (src_bytes != n_src * page_bytes_)
-      throw py::value_error("scatter: src_bytes=" + std::to_string(src_bytes) + " but " +
-                            std::to_string(n_src) + " blocks need " +
-                            std::to_string(n_src * page_bytes_));
-    for (const auto& pr : pairs) {
-      if (pr.first < 0 || pr.first >= n_src)
-        throw py::value_error("scatter: src index " + std::to_string(pr.first) +
-                              " out of range [0, " + std::to_string(n_src) + ")");
-      if (pr.second < 0) throw py::value_error("negative block id " + std::to_string(pr.second));
-    }
+    kvoffload::check_scatter_args(src_bytes, n_src, pairs, page_bytes_);
     py::gil_scoped_release nogil;
     std::vector<CopyDesc> descs;
     uint64_t layer_src = src_ptr;

@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 
@@ -25,8 +25,12 @@ class OffloadConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    store: Literal["fs"] = Field(description="tier backend: 'fs' (files on a local or NFS directory)")
-    path: str = Field(description="absolute cache directory; created if missing")
+    store: Literal["fs", "cpu"] = Field(
+        description="tier backend: 'fs' (files on a local or NFS directory) or 'cpu' (host memory)")
+    path: str | None = Field(default=None, description="absolute cache directory, created if missing "
+                             "(required for store 'fs')")
+    cpu_bytes: int | None = Field(default=None, ge=1 << 20, le=1 << 44,
+                                  description="host memory for store 'cpu', in bytes (required for it)")
     hybrid_chunk_size: int | None = Field(
         default=None, gt=0,
         description="tokens per chunk; a multiple of every KV cache group's block size "
@@ -48,9 +52,19 @@ class OffloadConfig(BaseModel):
         "set it when one model is served from different paths sharing a cache",
     )
 
+    @model_validator(mode="after")
+    def _tier_keys(self) -> OffloadConfig:
+        if self.store == "fs" and self.path is None:
+            raise ValueError("path: required for store 'fs' (an absolute cache directory, created if missing)")
+        if self.store == "cpu" and self.cpu_bytes is None:
+            raise ValueError("cpu_bytes: required for store 'cpu' (the host memory budget in bytes)")
+        return self
+
     @field_validator("path")
     @classmethod
-    def _absolute(cls, v: str) -> str:
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
         p = Path(v)
         if not p.is_absolute():
             raise ValueError("must be an absolute path, e.g. /var/cache/kvoffload")
@@ -60,7 +74,9 @@ class OffloadConfig(BaseModel):
 
 
 def _describe(err: dict[str, Any]) -> str:
-    key = ".".join(str(p) for p in err["loc"]) or "(root)"
+    if not err["loc"]:  # a rule across keys; its message starts with the key
+        return f"{EXTRA_CONFIG}.{err['msg'].removeprefix('Value error, ')}"
+    key = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
         valid = ", ".join(OffloadConfig.model_fields)
         return f"{EXTRA_CONFIG}.{key}: unknown key; valid keys are: {valid}"

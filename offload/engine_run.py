@@ -38,6 +38,11 @@ class RunSpec:
     kv_transfer_config: dict[str, Any] | None = None
     max_tokens: int = 16
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # Serve the prompt set this many times in the same engine, emptying vLLM's
+    # own prefix cache in between (so repeats can only hit an offload tier).
+    passes: int = 1
+    # Or: the prompt indices each pass serves, in order (overrides `passes`).
+    order: list[list[int]] | None = None
 
 
 @dataclass
@@ -97,7 +102,18 @@ def _serve(spec: RunSpec) -> list[PromptResult]:
     llm = LLM(model=spec.model, disable_log_stats=False, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
     out: list[PromptResult] = []
-    for ids in spec.prompts:
+    order = spec.order or [list(range(len(spec.prompts)))] * spec.passes
+    for p, indices in enumerate(order):
+        if p:
+            assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
+        out.extend(_serve_pass(llm, [spec.prompts[i] for i in indices], params))
+    del llm  # clean shutdown: the connector finishes its stores in flight
+    return out
+
+
+def _serve_pass(llm: Any, prompts: list[list[int]], params: Any) -> list[PromptResult]:
+    out: list[PromptResult] = []
+    for ids in prompts:
         t0 = time.monotonic()
         o = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         wall = time.monotonic() - t0
@@ -109,7 +125,6 @@ def _serve(spec: RunSpec) -> list[PromptResult]:
             restored_tokens=int(ours.get("restored_tokens", 0)), load_failed=bool(ours.get("load_failed", False)),
             ttft_s=ttft if ttft > 0 else wall, output_ids=list(o.outputs[0].token_ids),
         ))
-    del llm  # clean shutdown: the connector finishes its stores in flight
     return out
 
 

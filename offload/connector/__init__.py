@@ -28,6 +28,7 @@ from offload.connector.metadata import OffloadMetadata
 from offload.keys import FORMAT_VERSION, rank_fingerprint
 from offload.layout import base_fingerprint, fingerprint_fields, group_specs
 from offload.planner import ChunkSizeError, GroupKind, HybridOffloadPlanner
+from offload.store.base import TierIndex
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +74,10 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     _cache_hit_source = CacheHitSource.DISK
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        source = CacheHitSource.HOST if self.cfg.store == "cpu" else CacheHitSource.DISK
+        return {source: num_external_tokens} if num_external_tokens else {}
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -97,29 +102,64 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            _check_directory(self.cfg.path)
             self._startup_checks(vllm_config)
             from offload.connector.scheduler import SchedulerSide
 
-            self._sched = SchedulerSide(self.cfg, self.planner, self.fingerprint, pc.tensor_parallel_size)
+            self._sched = SchedulerSide(self.cfg, self.planner, self.fingerprint, self._tier_index(pc))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             from offload.connector.worker import WorkerSide
-            from offload.store.fs import FileStore
 
-            rank = get_tensor_model_parallel_rank()
-            store = FileStore.open(self.cfg.path, rank_fingerprint(self.fingerprint, rank, pc.tensor_parallel_size),
-                                   fsync=self.cfg.fsync)
+            rank_fp = rank_fingerprint(self.fingerprint, get_tensor_model_parallel_rank(), pc.tensor_parallel_size)
             names = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
-            self._worker = WorkerSide(self.cfg, self.planner, store, names)
+            self._worker = WorkerSide(self.cfg, self.planner, rank_fp, self._tier_data_factory(rank_fp), names)
+
+    def _tier_index(self, pc) -> TierIndex:
+        if self.cfg.store == "cpu":
+            from offload.store.cpu import CpuIndex, CpuLayout
+
+            layout = self._cpu_layout()
+            logger.info("OffloadConnector: CPU tier capacity: %s", layout.describe(self.planner))
+            return CpuIndex(self.planner, layout)
+        from offload.store.fs import FileStore, FsIndex
+
+        assert self.cfg.path is not None
+        _check_directory(self.cfg.path)
+        # Rank 0's files stand for the request on every rank; a rank missing
+        # its file fails the load, which is a recompute, never a wrong hit.
+        return FsIndex(FileStore.open(self.cfg.path, rank_fingerprint(self.fingerprint, 0, pc.tensor_parallel_size)))
+
+    def _tier_data_factory(self, rank_fp):
+        if self.cfg.store == "cpu":
+            from offload.store.cpu import CpuData
+
+            layout = self._cpu_layout()
+            return lambda device: CpuData(layout, device)
+        from offload.store.fs import FileStore, FsData
+
+        assert self.cfg.path is not None
+        store = FileStore.open(self.cfg.path, rank_fp, fsync=self.cfg.fsync)
+        return lambda device: FsData(store)
+
+    def _cpu_layout(self):
+        from offload.store.cpu import CpuLayout
+
+        assert self.cfg.cpu_bytes is not None
+        layout = CpuLayout.plan(self.planner, self.cfg.cpu_bytes)
+        if layout.slots < 1:
+            need = sum(layout.slot_bytes(g) for g in range(len(self.planner.groups)))
+            raise ConfigError(f"{EXTRA_CONFIG}.cpu_bytes={self.cfg.cpu_bytes}: holds no chunk of this model; "
+                              f"one chunk of every group needs {need} bytes")
+        return layout
 
     def _startup_checks(self, vllm_config: VllmConfig) -> None:
         ktc = vllm_config.kv_transfer_config
         groups = ", ".join(f"{g.kind.value}/{g.block_size}" for g in self.planner.groups)
         how = "set" if self.cfg.hybrid_chunk_size else "defaulted to the smallest valid multiple >= 256 tokens"
-        logger.info("OffloadConnector: store=fs path=%s hybrid_chunk_size=%d (%s); groups: %s",
-                    self.cfg.path, self.planner.chunk_size, how, groups)
+        where = self.cfg.path if self.cfg.store == "fs" else f"{self.cfg.cpu_bytes} bytes"
+        logger.info("OffloadConnector: store=%s (%s) hybrid_chunk_size=%d (%s); groups: %s",
+                    self.cfg.store, where, self.planner.chunk_size, how, groups)
         if ktc.kv_load_failure_policy != "recompute":
             # A failed or corrupt load must become a miss and a recompute.
             ktc.kv_load_failure_policy = "recompute"

@@ -36,16 +36,18 @@ class LoadJob:
     req_id: str
     files: tuple[FileRef, ...]
     pages: tuple[tuple[tuple[int, int], ...], ...]
+    slots: tuple[int | None, ...] = ()  # per file: pool slot in a host-memory tier
     fail_reason: str | None = None
 
 
 @dataclass(frozen=True)
 class StoreJob:
-    """Write one file from `block_ids`, in file page order."""
+    """Store one (chunk, group) entry from `block_ids`, in page order."""
 
     req_id: str
     file: FileRef
     block_ids: tuple[int, ...]
+    slot: int | None = None  # pool slot in a host-memory tier
 
 
 @dataclass

@@ -13,9 +13,9 @@ from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
 from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob
-from offload.keys import ChunkKey, Fingerprint, chunk_keys, rank_fingerprint, request_root
+from offload.keys import ChunkKey, Fingerprint, chunk_keys, request_root
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner
-from offload.store.fs import FileStore
+from offload.store.base import TierIndex
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -43,13 +43,14 @@ class _Req:
 
 
 class SchedulerSide:
-    def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fp: Fingerprint, tp_size: int) -> None:
+    def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fp: Fingerprint, index: TierIndex) -> None:
         self.cfg = cfg
         self.planner = planner
         self.fp = fp
-        # Rank 0's files stand for the request on every rank; a rank missing
-        # its file fails the load, which is a recompute, never a wrong hit.
-        self.store = FileStore.open(cfg.path, rank_fingerprint(fp, 0, tp_size))
+        self.index = index
+        # (group, key) entries held by a load in flight, by request. Kept
+        # outside _Req: an aborted request's load still runs to completion.
+        self._pins: dict[str, list[tuple[int, ChunkKey]]] = {}
         self.reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._storable = [
@@ -106,7 +107,7 @@ class SchedulerSide:
             return 0, False
         keys = self._keys(st, max_n)
         found = self.planner.lookup(
-            num_tokens, lambda g, ch: ch < len(keys) and self.store.contains(g, keys[ch]), num_computed_tokens
+            num_tokens, lambda g, ch: ch < len(keys) and self.index.contains(g, keys[ch]), num_computed_tokens
         )
         # Attention chunks the search saw stored are not stored again.
         st.stored_chunks = max(st.stored_chunks, found.full_prefix)
@@ -135,6 +136,7 @@ class SchedulerSide:
         n, computed = hit
         files: list[FileRef] = []
         pages: list[tuple[tuple[int, int], ...]] = []
+        slots: list[int | None] = []
         fail = None
         for g, spec in enumerate(self.planner.groups):
             table = block_ids[g]
@@ -149,12 +151,27 @@ class SchedulerSide:
                     pairs = ((0, table[gc.state_at // spec.block_size - 1]),)
                 else:
                     pairs = tuple((i, table[b]) for i, b in enumerate(gc.blocks) if b in targets)
-                if pairs:
-                    files.append(self._ref(st, g, gc.chunk))
-                    pages.append(pairs)
+                if not pairs:
+                    continue
+                placement = self.index.pin(g, st.keys[gc.chunk])
+                if placement is None:
+                    fail = f"group {g} chunk {gc.chunk} left the tier before its load"
+                    break
+                self._pins.setdefault(request.request_id, []).append((g, st.keys[gc.chunk]))
+                files.append(self._ref(st, g, gc.chunk))
+                pages.append(pairs)
+                slots.append(placement.slot)
+            if fail:
+                break
+        if fail:
+            self._unpin(request.request_id)
         st.loading_tokens = num_external_tokens
         st.stored_chunks = max(st.stored_chunks, n)
-        self._loads.append(LoadJob(request.request_id, tuple(files), tuple(pages), fail_reason=fail))
+        self._loads.append(LoadJob(request.request_id, tuple(files), tuple(pages), tuple(slots), fail_reason=fail))
+
+    def _unpin(self, req_id: str) -> None:
+        for g, key in self._pins.pop(req_id, ()):
+            self.index.unpin(g, key)
 
     # ---- stores -------------------------------------------------------------------
 
@@ -197,7 +214,7 @@ class SchedulerSide:
                 ids = tuple(table[g][b] for b in gc.blocks)
                 if NULL_BLOCK in ids:
                     continue  # windowed blocks vLLM already dropped: nothing to store
-                meta.stores.append(StoreJob(st.request.request_id, self._ref(st, g, chunk), ids))
+                self._store(meta, st, g, chunk, ids)
         st.stored_chunks = end
 
     def _plan_state_stores(self, meta: OffloadMetadata, st: _Req, entries: list[tuple[int, int, int]]) -> None:
@@ -210,13 +227,20 @@ class SchedulerSide:
             if chunk >= self._prompt_chunks(st, boundary):
                 continue
             self._keys(st, chunk + 1)
-            meta.stores.append(StoreJob(st.request.request_id, self._ref(st, group, chunk), (block_id,)))
+            self._store(meta, st, group, chunk, (block_id,))
+
+    def _store(self, meta: OffloadMetadata, st: _Req, group: int, chunk: int, block_ids: tuple[int, ...]) -> None:
+        parent = st.keys[chunk - 1] if chunk else None
+        placement = self.index.reserve(group, st.keys[chunk], parent)
+        if placement is not None:  # None: stored already, or no room
+            meta.stores.append(StoreJob(st.request.request_id, self._ref(st, group, chunk), block_ids, placement.slot))
 
     # ---- completion -----------------------------------------------------------------
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         failed = out.failed_recving or set()
         for req_id in out.finished_recving or ():
+            self._unpin(req_id)
             st = self.reqs.get(req_id)
             if st is None:
                 continue

@@ -9,6 +9,7 @@ load in WAITING_FOR_REMOTE_KVS, so its destination blocks are ours alone.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -17,12 +18,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
-from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob
+from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata
 from offload.copier import GroupPages, LayerPages
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import HybridOffloadPlanner
+from offload.store.base import Placement, TierData
 from offload.store.format import ChunkHeader
-from offload.store.fs import ChunkMiss, FileStore
+from offload.store.fs import ChunkMiss
 
 logger = init_logger(__name__)
 
@@ -50,11 +52,13 @@ def _describe(name: str, t: torch.Tensor, num_blocks: int) -> str:
 
 
 class WorkerSide:
-    def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, store: FileStore,
-                 layer_names: list[list[str]]) -> None:
+    def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fingerprint: Fingerprint,
+                 make_data: Callable[[torch.device], TierData], layer_names: list[list[str]]) -> None:
         self.cfg = cfg
         self.planner = planner
-        self.store = store
+        self.fingerprint = fingerprint
+        self._make_data = make_data
+        self.data: TierData | None = None
         self.layer_names = layer_names
         self.pages: list[GroupPages] = []
         self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvoffload-io")
@@ -87,13 +91,14 @@ class WorkerSide:
                     f"the KV cache spec says {expected}; this backend's layout is not supported"
                 )
             self.pages.append(pages)
-        self.store.write_layout({**layout, "tensors": tensors})
+        self.data = self._make_data(device)
+        self.data.record_layout({**layout, "tensors": tensors})
 
     # ---- loads ------------------------------------------------------------------
 
     def _header(self, ref: FileRef) -> ChunkHeader:
         return ChunkHeader(
-            fingerprint=self.store.fingerprint, key=ChunkKey(ref.key), group=ref.group, kind=ref.kind,
+            fingerprint=self.fingerprint, key=ChunkKey(ref.key), group=ref.group, kind=ref.kind,
             token_start=ref.token_start, token_end=ref.token_end, num_pages=ref.num_pages,
             page_bytes=self.pages[ref.group].page_bytes,
         )
@@ -102,20 +107,19 @@ class WorkerSide:
         """Restore one request; returns a failure reason or None."""
         if job.fail_reason:
             return job.fail_reason
-        for ref, pairs in zip(job.files, job.pages):
-            pages = self.pages[ref.group]
-            buf = torch.empty(ref.num_pages * pages.page_bytes, dtype=torch.uint8)
+        assert self.data is not None
+        slots = job.slots or (None,) * len(job.files)
+        for ref, pairs, slot in zip(job.files, job.pages, slots):
             try:
-                self.store.read_into(self._header(ref), buf)
+                moved = self.data.load(self._header(ref), self.pages[ref.group], pairs, Placement(slot))
             except ChunkMiss as e:
                 with self._lock:
                     self.counters.chunk_misses[e.reason] = self.counters.chunk_misses.get(e.reason, 0) + 1
                 logger.warning("kvoffload: load of request %s is a miss (%s); it will be recomputed",
                                job.req_id, e)
                 return e.reason
-            pages.scatter(buf, ref.num_pages, pairs)
             with self._lock:
-                self.counters.bytes_read += buf.numel()
+                self.counters.bytes_read += moved
         return None
 
     def start_load_kv(self, meta: OffloadMetadata) -> None:
@@ -141,24 +145,28 @@ class WorkerSide:
                 self._drop("shutdown")
                 continue
             pages = self.pages[job.file.group]
-            nbytes = len(job.block_ids) * pages.page_bytes
+            nbytes = len(job.block_ids) * pages.page_bytes if self.data.queues_stores else 0
             with self._lock:
-                if self._pending_store_bytes + nbytes > self.cfg.max_pending_store_bytes:
-                    over = True
-                else:
-                    over = False
+                over = self._pending_store_bytes + nbytes > self.cfg.max_pending_store_bytes
+                if not over:
                     self._pending_store_bytes += nbytes
             if over:
                 self._drop("backpressure")
                 continue
-            try:
-                buf = pages.gather(job.block_ids)  # the only step on the forward path
+            header = self._header(job.file)
+            try:  # the only step on the forward path: copy the pages out
+                staged = self.data.stage(header, pages, job.block_ids, Placement(job.slot))
             except Exception:
                 logger.exception("kvoffload: gather for request %s failed", job.req_id)
                 self._release(nbytes)
                 self._drop("error")
                 continue
-            fut = self.pool.submit(self._write, job, buf, nbytes)
+            if staged is None:  # a host-memory tier: stored already
+                with self._lock:
+                    self.counters.files_written += 1
+                    self.counters.bytes_written += len(job.block_ids) * pages.page_bytes
+                continue
+            fut = self.pool.submit(self._write, header, staged, nbytes)
             with self._lock:
                 self._stores.add(fut)
             fut.add_done_callback(self._forget)
@@ -171,9 +179,10 @@ class WorkerSide:
         with self._lock:
             self._pending_store_bytes -= nbytes
 
-    def _write(self, job: StoreJob, buf: torch.Tensor, nbytes: int) -> None:
+    def _write(self, header: ChunkHeader, staged: object, nbytes: int) -> None:
+        assert self.data is not None
         try:
-            written = self.store.write(self._header(job.file), buf)
+            written = self.data.commit(header, staged)
             with self._lock:
                 if written:
                     self.counters.files_written += 1
@@ -181,10 +190,10 @@ class WorkerSide:
                 else:
                     self.counters.files_existing += 1
         except OSError as e:
-            logger.warning("kvoffload: store of %s dropped: %s", job.file.key.hex()[:16], e)
+            logger.warning("kvoffload: store of %s dropped: %s", header.key.hex()[:16], e)
             self._drop("no_space" if e.errno == 28 else "error")
         except Exception:
-            logger.exception("kvoffload: store for request %s failed", job.req_id)
+            logger.exception("kvoffload: store of %s failed", header.key.hex()[:16])
             self._drop("error")
         finally:
             self._release(nbytes)

@@ -22,6 +22,7 @@ import torch
 
 from offload import copier
 from offload.keys import ChunkKey, Fingerprint
+from offload.store.base import Placement, TierData, TierIndex
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
 
 logger = logging.getLogger(__name__)
@@ -133,3 +134,47 @@ class FileStore:
             os.replace(path, qdir / f"{path.name}.{uuid.uuid4().hex[:8]}")
         except OSError as e:  # another reader moved it first, or read-only dir
             logger.debug("quarantine of %s skipped: %s", path, e)
+
+
+class FsIndex(TierIndex):
+    """Scheduler-side view of the file tier: the directory is the index.
+
+    `reserve` never stats: the worker skips a file that exists when it
+    writes, off the scheduling path. Files are not evicted by this process,
+    so nothing is pinned; a file that vanishes before its load is a miss.
+    """
+
+    def __init__(self, store: FileStore) -> None:
+        self.store = store
+
+    def contains(self, group: int, key: ChunkKey) -> bool:
+        return self.store.contains(group, key)
+
+    def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
+        return Placement()
+
+    def pin(self, group: int, key: ChunkKey) -> Placement | None:
+        return Placement()
+
+
+class FsData(TierData):
+    """Worker-side file I/O: stage = gather into a buffer; commit = checksum,
+    write, rename (on the I/O pool); load = read, verify, scatter."""
+
+    def __init__(self, store: FileStore) -> None:
+        self.store = store
+
+    def record_layout(self, description: dict) -> None:
+        self.store.write_layout(description)
+
+    def stage(self, header: ChunkHeader, pages, block_ids, placement: Placement) -> torch.Tensor:
+        return pages.gather(block_ids)
+
+    def commit(self, header: ChunkHeader, staged: torch.Tensor) -> bool:
+        return self.store.write(header, staged)
+
+    def load(self, header: ChunkHeader, pages, pairs, placement: Placement) -> int:
+        buf = torch.empty(header.payload_len, dtype=torch.uint8)
+        self.store.read_into(header, buf)
+        pages.scatter(buf, header.num_pages, pairs)
+        return header.payload_len

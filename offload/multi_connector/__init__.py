@@ -1,0 +1,2 @@
+"""MultiConnector: composes offload tiers (CPU, filesystem, LMCache) by matched
+tokens x load weight. Next milestone; see docs/architecture.md."""

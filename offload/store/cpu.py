@@ -1,0 +1,194 @@
+"""Host-memory tier: per-group pools at each group's natural page size.
+
+Every KV cache group gets the same number of slots, one per chunk, each sized
+for what that group really stores per chunk: full attention the chunk's pages;
+a windowed group only the pages inside its window; a Mamba group one state
+page. Nothing is padded to another group's page size (seed 001), and slot ids
+of one pool are never used in another.
+
+Eviction is LRU per pool, with one rule that keeps every prefix restorable:
+an attention or windowed entry is only evicted together with its
+descendants (the entries whose keys chain from it), so presence stays
+prefix-closed and the lookup's binary search stays exact. Entries pinned by a
+load in flight are never evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.keys import ChunkKey
+from offload.planner import ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner
+from offload.store.base import Placement, TierData, TierIndex
+from offload.store.fs import ChunkMiss
+
+
+@dataclass(frozen=True)
+class CpuLayout:
+    """Slot geometry both halves derive from the same planner and budget."""
+
+    slots: int
+    pages_per_slot: tuple[int, ...]  # per group
+    page_bytes: tuple[int, ...]  # per group
+
+    @classmethod
+    def plan(cls, planner: HybridOffloadPlanner, cpu_bytes: int) -> CpuLayout:
+        pages = []
+        for g, spec in enumerate(planner.groups):
+            if spec.kind is GroupKind.MAMBA:
+                pages.append(1)
+            else:  # the largest file of this group (windowed: the first chunks past the window)
+                horizon = (spec.window or 0) // planner.chunk_size + 2
+                pages.append(max(len(planner.stored(GroupIndex(g), ChunkIndex(c)).blocks) for c in range(horizon)))
+        page_bytes = tuple(s.page_bytes for s in planner.groups)
+        per_chunk = sum(p * b for p, b in zip(pages, page_bytes))
+        return cls(cpu_bytes // per_chunk, tuple(pages), page_bytes)
+
+    def slot_bytes(self, group: int) -> int:
+        return self.pages_per_slot[group] * self.page_bytes[group]
+
+    def describe(self, planner: HybridOffloadPlanner) -> str:
+        """Capacity in tokens counts only groups that grow with the sequence (seed 004)."""
+        grows = any(s.kind.grows_with_sequence for s in planner.groups)
+        tokens = self.slots * planner.chunk_size if grows else 0
+        per_group = ", ".join(
+            f"g{g} {s.kind.value}: {self.slots * self.slot_bytes(g) / 2**20:.1f} MiB "
+            f"({self.slot_bytes(g)} B/slot)" for g, s in enumerate(planner.groups))
+        return f"{self.slots} chunk slots = {tokens} tokens of full-attention KV; {per_group}"
+
+
+@dataclass
+class _Entry:
+    slot: int
+    parent: ChunkKey | None
+    pins: int = 0
+    children: set[ChunkKey] = field(default_factory=set)
+
+
+class _Pool:
+    """Index of one group's pool."""
+
+    def __init__(self, slots: int, prefix_closed: bool) -> None:
+        self.free = list(range(slots - 1, -1, -1))
+        self.entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()  # LRU first
+        self.prefix_closed = prefix_closed
+        self.evictions = 0
+
+    def _subtree(self, key: ChunkKey) -> list[ChunkKey] | None:
+        """The entry and its descendants, or None if any is pinned."""
+        out, stack = [], [key]
+        while stack:
+            k = stack.pop()
+            e = self.entries[k]
+            if e.pins:
+                return None
+            out.append(k)
+            if self.prefix_closed:
+                stack.extend(e.children)
+        return out
+
+    def _evict_one(self) -> bool:
+        for key in list(self.entries):
+            victims = self._subtree(key)
+            if victims is None:
+                continue
+            for k in victims:
+                e = self.entries.pop(k)
+                self.free.append(e.slot)
+                if e.parent is not None and e.parent in self.entries:
+                    self.entries[e.parent].children.discard(k)
+            self.evictions += len(victims)
+            return True
+        return False
+
+    def reserve(self, key: ChunkKey, parent: ChunkKey | None) -> int | None:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return None
+        if self.prefix_closed and parent is not None and parent not in self.entries:
+            return None  # an orphan could never be part of a restorable prefix
+        while not self.free:
+            if not self._evict_one():
+                return None
+            if self.prefix_closed and parent is not None and parent not in self.entries:
+                return None  # the eviction took our own parent
+        slot = self.free.pop()
+        self.entries[key] = _Entry(slot, parent)
+        if self.prefix_closed and parent is not None:
+            self.entries[parent].children.add(key)
+        return slot
+
+
+class CpuIndex(TierIndex):
+    def __init__(self, planner: HybridOffloadPlanner, layout: CpuLayout) -> None:
+        self.pools = [_Pool(layout.slots, s.kind is not GroupKind.MAMBA) for s in planner.groups]
+
+    def contains(self, group: int, key: ChunkKey) -> bool:
+        return key in self.pools[group].entries
+
+    def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
+        slot = self.pools[group].reserve(key, parent)
+        return None if slot is None else Placement(slot)
+
+    def pin(self, group: int, key: ChunkKey) -> Placement | None:
+        pool = self.pools[group]
+        e = pool.entries.get(key)
+        if e is None:
+            return None
+        e.pins += 1
+        pool.entries.move_to_end(key)
+        return Placement(e.slot)
+
+    def unpin(self, group: int, key: ChunkKey) -> None:
+        e = self.pools[group].entries.get(key)
+        if e is not None and e.pins > 0:
+            e.pins -= 1
+
+    @property
+    def evictions(self) -> int:
+        return sum(p.evictions for p in self.pools)
+
+
+class CpuData(TierData):
+    """Worker-side pools; pinned host memory where the KV cache is on CUDA.
+
+    The worker records which key each slot really holds, and a load checks
+    it: if a store was dropped or failed after the scheduler's index counted
+    it, the load is a miss (a recompute), never a scatter of another chunk.
+    """
+
+    queues_stores = False
+
+    def __init__(self, layout: CpuLayout, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.layout = layout
+        self.pools = [
+            torch.empty((layout.slots, layout.slot_bytes(g)), dtype=torch.uint8, pin_memory=pin)
+            for g in range(len(layout.pages_per_slot))
+        ]
+        self.holds: list[list[tuple[bytes, int] | None]] = [[None] * layout.slots for _ in self.pools]
+
+    def _view(self, group: int, slot: int, n_pages: int) -> torch.Tensor:
+        return self.pools[group][slot, : n_pages * self.layout.page_bytes[group]]
+
+    def stage(self, header, pages, block_ids: Sequence[int], placement: Placement) -> None:
+        assert placement.slot is not None
+        self.holds[header.group][placement.slot] = None
+        pages.gather(block_ids, out=self._view(header.group, placement.slot, len(block_ids)))
+        self.holds[header.group][placement.slot] = (header.key, header.num_pages)
+        return None  # in the pool already: nothing to commit
+
+    def commit(self, header, staged) -> bool:
+        return True
+
+    def load(self, header, pages, pairs: Sequence[tuple[int, int]], placement: Placement) -> int:
+        assert placement.slot is not None
+        if self.holds[header.group][placement.slot] != (header.key, header.num_pages):
+            raise ChunkMiss("corrupt", f"group {header.group} slot {placement.slot} does not hold this chunk")
+        buf = self._view(header.group, placement.slot, header.num_pages)
+        pages.scatter(buf, header.num_pages, pairs)
+        return len(pairs) * self.layout.page_bytes[header.group]
