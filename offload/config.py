@@ -46,11 +46,18 @@ class OffloadConfig(BaseModel):
     shutdown_timeout_s: float = Field(
         default=60.0, ge=0, le=threading.TIMEOUT_MAX, description="how long shutdown waits for pending stores"
     )
+    name: str | None = Field(
+        default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
+        description="this tier's name in per-request results and logs (default: the store kind)")
     model_id: str | None = Field(
         default=None, min_length=1,
         description="identity of the model in cache keys (default: the served model path); "
         "set it when one model is served from different paths sharing a cache",
     )
+
+    @property
+    def tier_name(self) -> str:
+        return self.name or self.store
 
     @model_validator(mode="after")
     def _tier_keys(self) -> OffloadConfig:

@@ -25,10 +25,11 @@ from typing import Any
 class PromptResult:
     prompt_tokens: int
     cached_tokens: int  # vLLM's num_cached_tokens: local prefix cache + connector
-    restored_tokens: int  # loaded by OffloadConnector (0 without it)
+    restored_tokens: int  # loaded by OffloadConnector tiers (0 without them)
     load_failed: bool
     ttft_s: float
     output_ids: list[int]
+    restored_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,10 +120,13 @@ def _serve_pass(llm: Any, prompts: list[list[int]], params: Any) -> list[PromptR
         wall = time.monotonic() - t0
         m = o.metrics
         ttft = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
-        ours = (o.kv_transfer_params or {}).get("kvoffload", {})
+        tiers = {k.split(":", 1)[1]: v for k, v in (o.kv_transfer_params or {}).items()
+                 if k.startswith("kvoffload:")}
         out.append(PromptResult(
             prompt_tokens=len(ids), cached_tokens=o.num_cached_tokens or 0,
-            restored_tokens=int(ours.get("restored_tokens", 0)), load_failed=bool(ours.get("load_failed", False)),
+            restored_tokens=sum(int(v["restored_tokens"]) for v in tiers.values()),
+            load_failed=any(v["load_failed"] for v in tiers.values()),
+            restored_by_tier={t: int(v["restored_tokens"]) for t, v in tiers.items()},
             ttft_s=ttft if ttft > 0 else wall, output_ids=list(o.outputs[0].token_ids),
         ))
     return out

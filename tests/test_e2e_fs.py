@@ -124,7 +124,7 @@ def test_corrupt_or_truncated_file_of_either_group_is_a_counted_logged_miss(qwen
         assert path.read_bytes() == original.read_bytes(), f"{how}: re-stored file differs"
         lines = [ln for ln in warm.log.splitlines() if path.name in ln and "is a miss" in ln]
         assert len(lines) == 1, f"{how}: logged exactly once, got {lines}"
-    counters = re.search(r"chunk_misses=\{'corrupt': (\d+)\}", warm.log)
+    counters = re.search(r"counters \[fs\]: .*chunk_misses=\{'corrupt': (\d+)\}", warm.log)
     assert counters and int(counters.group(1)) == len(targets)
 
 

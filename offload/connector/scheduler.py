@@ -255,4 +255,6 @@ class SchedulerSide:
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False, None
-        return False, {"kvoffload": {"restored_tokens": st.restored_tokens, "load_failed": st.load_failed}}
+        # One key per tier: a MultiConnector merges its children's params.
+        return False, {f"kvoffload:{self.cfg.tier_name}": {"restored_tokens": st.restored_tokens,
+                                                          "load_failed": st.load_failed}}

@@ -228,4 +228,4 @@ class WorkerSide:
             logger.warning("kvoffload: shutdown dropped %d stores still pending after %.0fs",
                            len(not_done), self.cfg.shutdown_timeout_s)
         self.pool.shutdown(wait=False, cancel_futures=True)
-        logger.info("kvoffload worker counters: %s", self.counters)
+        logger.info("kvoffload worker counters [%s]: %s", self.cfg.tier_name, self.counters)
