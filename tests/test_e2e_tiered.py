@@ -77,3 +77,13 @@ def test_weights_favour_the_filesystem_child_on_a_tie(runs):
     # Both tiers now hold the same prefixes: a tie in tokens, fs weighs 2.0.
     assert by_tier(second, "fs") == HITS and by_tier(second, "cpu") == [0, 0, 0]
     assert [r.output_ids for r in second] == [r.output_ids for r in ref]
+
+
+def test_llama_restart_restores_from_disk_then_from_promoted_cpu(models_dir, tmp_path):
+    llama = str(models_dir / "llama-tiny")
+    cold = run_engine(RunSpec(llama, PROMPTS, tiered(tmp_path), 12, engine_args(False)))
+    assert cold.restored_tokens == 0
+    warm = run_engine(RunSpec(llama, PROMPTS, tiered(tmp_path), 12, engine_args(False), passes=2))
+    first, second = warm.results[:3], warm.results[3:]
+    assert by_tier(first, "fs") == HITS and by_tier(second, "cpu") == HITS
+    assert [r.output_ids for r in first] == cold.outputs() == [r.output_ids for r in second]
