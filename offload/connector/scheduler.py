@@ -109,8 +109,10 @@ class SchedulerSide:
         found = self.planner.lookup(
             num_tokens, lambda g, ch: ch < len(keys) and self.index.contains(g, keys[ch]), num_computed_tokens
         )
-        # Attention chunks the search saw stored are not stored again.
-        st.stored_chunks = max(st.stored_chunks, found.full_prefix)
+        # Attention chunks the search saw stored are not stored again. It only
+        # probes past vLLM's own hit, so it vouches for a prefix only from 0.
+        if num_computed_tokens < self.planner.chunk_size:
+            st.stored_chunks = max(st.stored_chunks, found.full_prefix)
         n = found.chunks
         if n == 0:
             st.pending_hit = None
