@@ -11,7 +11,6 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
-from offload.keys import Fingerprint, fingerprint
 from offload.planner import GroupKind, GroupSpec
 
 if TYPE_CHECKING:
@@ -87,7 +86,3 @@ def fingerprint_fields(
         "tp_size": pc.tensor_parallel_size,
         "chunk_size": chunk_size,
     }
-
-
-def base_fingerprint(fields: dict[str, Any]) -> Fingerprint:
-    return fingerprint(fields)

@@ -25,8 +25,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload.config import EXTRA_CONFIG, ConfigError, OffloadConfig, parse_config
 from offload.connector.metadata import OffloadMetadata
-from offload.keys import FORMAT_VERSION, rank_fingerprint
-from offload.layout import base_fingerprint, fingerprint_fields, group_specs
+from offload.keys import FORMAT_VERSION, fingerprint, rank_fingerprint
+from offload.layout import fingerprint_fields, group_specs
 from offload.planner import ChunkSizeError, GroupKind, HybridOffloadPlanner
 from offload.store.base import TierIndex
 
@@ -96,7 +96,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         except ChunkSizeError as e:
             raise ConfigError(f"{EXTRA_CONFIG}.{e}") from None
         fields = fingerprint_fields(vllm_config, kv_cache_config, self.planner.chunk_size, self.cfg.model_id)
-        self.fingerprint = base_fingerprint(fields)
+        self.fingerprint = fingerprint(fields)
         self._layout = fields
         self._num_blocks = kv_cache_config.num_blocks
         self._sched = None
