@@ -29,13 +29,13 @@ NPAGES = 3
 
 # Documented v1 layout: magic, version, header_len, group, kind, fingerprint,
 # key, token_start, token_end, num_pages, page_bytes, payload_len,
-# payload_crc, reserved, header_crc.
+# payload_crc, parent, header_crc.
 LAYOUT = struct.Struct("<8sHHHH32s32sQQIIQI8sI")
 FIELD_OFFSETS = {  # name -> (offset, size)
     "magic": (0, 8), "version": (8, 2), "header_len": (10, 2), "group": (12, 2), "kind": (14, 2),
     "fingerprint": (16, 32), "key": (48, 32), "token_start": (80, 8), "token_end": (88, 8),
     "num_pages": (96, 4), "page_bytes": (100, 4), "payload_len": (104, 8), "payload_crc": (112, 4),
-    "reserved": (116, 8), "header_crc": (124, 4),
+    "parent": (116, 8), "header_crc": (124, 4),
 }
 KIND_CODE = {GroupKind.FULL_ATTENTION: 1, GroupKind.SLIDING_WINDOW: 2, GroupKind.CHUNKED_LOCAL: 3,
              GroupKind.MAMBA: 4}
@@ -66,7 +66,7 @@ def raw_header(**over) -> bytes:
     """A header built by hand from the documented layout, with a valid CRC."""
     f = dict(magic=MAGIC, version=1, header_len=128, group=1, kind=1, fingerprint=b"F" * 32,
              key=b"K" * 32, token_start=256, token_end=512, num_pages=NPAGES, page_bytes=PAGE,
-             payload_len=NPAGES * PAGE, payload_crc=0x12345678, reserved=bytes(8))
+             payload_len=NPAGES * PAGE, payload_crc=0x12345678, parent=bytes(8))
     f.update(over)
     body = LAYOUT.pack(*f.values(), 0)[:-4]
     return body + struct.pack("<I", crc32c_ref(body))
@@ -105,7 +105,7 @@ def stray_tmp(root: Path) -> list[Path]:
 
 def test_pack_matches_documented_layout():
     h = header(group=7, kind=GroupKind.MAMBA, token_start=1024, token_end=1280, num_pages=1,
-               page_bytes=65536, payload_crc=0xDEADBEEF)
+               page_bytes=65536, payload_crc=0xDEADBEEF, parent=b"P" * 8)
     raw = h.pack()
     assert len(raw) == HEADER_LEN == 128
     fields = dict(zip(FIELD_OFFSETS, LAYOUT.unpack(raw)))
@@ -113,7 +113,7 @@ def test_pack_matches_documented_layout():
         "magic": b"KVOFFLD\x00", "version": 1, "header_len": 128, "group": 7, "kind": 4,
         "fingerprint": FP, "key": key_of("A"), "token_start": 1024, "token_end": 1280,
         "num_pages": 1, "page_bytes": 65536, "payload_len": 65536, "payload_crc": 0xDEADBEEF,
-        "reserved": bytes(8), "header_crc": crc32c_ref(raw[:124]),
+        "parent": b"P" * 8, "header_crc": crc32c_ref(raw[:124]),
     }
     # Offsets of the table above really are where struct puts them.
     assert raw[16:48] == FP and raw[48:80] == key_of("A")

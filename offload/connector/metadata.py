@@ -23,6 +23,7 @@ class FileRef:
     token_start: int
     token_end: int
     num_pages: int
+    parent: bytes = bytes(8)  # first 8 bytes of the parent chunk's key; zeros for chunk 0
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,7 @@ class SchedulerSide:
             group=group, kind=self.planner.groups[group].kind, key=st.keys[chunk],
             token_start=chunk * c, token_end=(chunk + 1) * c,
             num_pages=1 if gc.state_at is not None else len(gc.blocks),
+            parent=st.keys[chunk - 1][:8] if chunk else bytes(8),
         )
 
     # ---- lookup and load ----------------------------------------------------------

@@ -100,7 +100,7 @@ class WorkerSide:
         return ChunkHeader(
             fingerprint=self.fingerprint, key=ChunkKey(ref.key), group=ref.group, kind=ref.kind,
             token_start=ref.token_start, token_end=ref.token_end, num_pages=ref.num_pages,
-            page_bytes=self.pages[ref.group].page_bytes,
+            page_bytes=self.pages[ref.group].page_bytes, parent=ref.parent,
         )
 
     def _load(self, job: LoadJob) -> str | None:

@@ -18,7 +18,7 @@ from offload.planner import GroupKind
 MAGIC = b"KVOFFLD\x00"
 HEADER_LEN = 128
 # magic, version, header_len, group, kind, fingerprint, key, token_start,
-# token_end, num_pages, page_bytes, payload_len, payload_crc, reserved, header_crc
+# token_end, num_pages, page_bytes, payload_len, payload_crc, parent, header_crc
 _STRUCT = struct.Struct("<8sHHHH32s32sQQIIQI8sI")
 assert _STRUCT.size == HEADER_LEN
 KIND_CODES = {GroupKind.FULL_ATTENTION: 1, GroupKind.SLIDING_WINDOW: 2, GroupKind.CHUNKED_LOCAL: 3, GroupKind.MAMBA: 4}
@@ -39,6 +39,10 @@ class ChunkHeader:
     num_pages: int
     page_bytes: int
     payload_crc: int = 0
+    # First 8 bytes of the parent chunk's key (zeros for chunk 0, or unknown).
+    # Not identity (the key already chains from the parent); it lets tools
+    # such as `kvoffload gc` find a chunk's descendants without the prompts.
+    parent: bytes = bytes(8)
 
     @property
     def payload_len(self) -> int:
@@ -50,7 +54,7 @@ class ChunkHeader:
         body = _STRUCT.pack(
             MAGIC, FORMAT_VERSION, HEADER_LEN, self.group, KIND_CODES[self.kind], self.fingerprint,
             self.key, self.token_start, self.token_end, self.num_pages, self.page_bytes,
-            self.payload_len, self.payload_crc, b"\x00" * 8, 0,
+            self.payload_len, self.payload_crc, self.parent, 0,
         )
         return body[:-4] + struct.pack("<I", crc32c(body[:-4]))
 
@@ -60,7 +64,7 @@ class ChunkHeader:
 
         if len(raw) != HEADER_LEN:
             raise FormatError(f"header is {len(raw)} bytes, expected {HEADER_LEN}")
-        (magic, version, hlen, group, kind, fp, key, t0, t1, npages, pbytes, plen, pcrc, _, hcrc) = _STRUCT.unpack(raw)
+        (magic, version, hlen, group, kind, fp, key, t0, t1, npages, pbytes, plen, pcrc, parent, hcrc) = _STRUCT.unpack(raw)
         if magic != MAGIC:
             raise FormatError("bad magic: not a kvoffload chunk file")
         if version != FORMAT_VERSION:
@@ -70,7 +74,7 @@ class ChunkHeader:
         kinds = {v: k for k, v in KIND_CODES.items()}
         if kind not in kinds or plen != npages * pbytes:
             raise FormatError("inconsistent header fields")
-        return cls(Fingerprint(fp), ChunkKey(key), group, kinds[kind], t0, t1, npages, pbytes, pcrc)
+        return cls(Fingerprint(fp), ChunkKey(key), group, kinds[kind], t0, t1, npages, pbytes, pcrc, parent)
 
     def check_matches(self, expected: ChunkHeader) -> None:
         """Every identity field must equal what the reader asked for."""
