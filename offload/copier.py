@@ -234,3 +234,36 @@ def read_file(path: str | os.PathLike, header_len: int, out: torch.Tensor) -> tu
 def read_header(path: str | os.PathLike, header_len: int) -> bytes:
     """First ``header_len`` bytes of ``path`` (ValueError if shorter)."""
     return _copier.read_header(os.fspath(path), header_len)
+
+
+DIRECT_ALIGN = 4096  # O_DIRECT buffer, length and offset alignment used by write_file_direct
+
+
+def write_file_direct(tmp_path: str | os.PathLike, final_path: str | os.PathLike, buf: torch.Tensor,
+                      file_len: int, fsync: bool, mode: int = 0o640, direct: bool = True) -> bool:
+    """Write the first ``file_len`` bytes of ``buf`` (header and payload, already
+    in place) to a fresh ``tmp_path``, then rename to ``final_path``.
+
+    With O_DIRECT when ``buf`` starts on a ``DIRECT_ALIGN`` boundary, holds
+    ``file_len`` rounded up to it, and the filesystem accepts O_DIRECT; the file
+    is then truncated to ``file_len``. Otherwise a buffered write, same bytes.
+    ``direct=False`` forces the buffered write (a filesystem probed to refuse
+    O_DIRECT). Returns whether O_DIRECT was used. Errors as in :func:`write_file`.
+    """
+    _check_cpu_u8(buf, "buf")
+    if not 0 <= file_len <= buf.numel():
+        raise ValueError(f"file_len {file_len} outside the buffer's {buf.numel()} bytes")
+    aligned_len = -(-file_len // DIRECT_ALIGN) * DIRECT_ALIGN
+    buf_len = aligned_len if direct and aligned_len <= buf.numel() else file_len
+    return _copier.write_file_direct(os.fspath(tmp_path), os.fspath(final_path), buf.data_ptr(),
+                                     file_len, buf_len, bool(fsync), mode)
+
+
+def memcpy(dst: torch.Tensor, src: torch.Tensor, num_threads: int = 1) -> None:
+    """Contiguous copy of ``src`` into ``dst`` (same byte count), split across
+    threads as PageTable copies are: the baseline the CPU-tier benchmark uses."""
+    _check_cpu_u8(dst, "dst")
+    _check_cpu_u8(src, "src")
+    if dst.numel() != src.numel():
+        raise ValueError(f"dst has {dst.numel()} bytes, src {src.numel()}")
+    _copier.memcpy(dst.data_ptr(), src.data_ptr(), src.numel(), num_threads)

@@ -1,0 +1,97 @@
+"""Reusable host buffers for the filesystem tier, and the O_DIRECT probe.
+
+Gathering into fresh memory costs more than the copy itself: every new page
+faults on first touch (measured on this machine's copier: 7.6 GB/s into a
+reused buffer, ~1.9 GB/s into a fresh one). So staged stores and loads take
+their buffers from a pool and give them back. Every buffer starts on a
+`DIRECT_ALIGN` boundary and its length is a multiple of it, so a store can be
+written with O_DIRECT straight from it. On CUDA the buffers are pinned, which
+the copy kernel needs to address host memory directly.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import uuid
+
+import torch
+
+from offload.copier import DIRECT_ALIGN
+
+DEFAULT_MAX_FREE_BYTES = 256 << 20
+
+
+def round_up(n: int, align: int = DIRECT_ALIGN) -> int:
+    return -(-n // align) * align
+
+
+class BufferPool:
+    """Free lists of aligned uint8 host buffers, by size.
+
+    `get(n)` returns a buffer of `round_up(n)` bytes (a fresh one when none of
+    that size is free); `put` returns it. At most `max_free_bytes` are kept
+    idle; beyond that a returned buffer is freed. What is in use is bounded by
+    the caller (the worker's `max_pending_store_bytes` and its I/O threads).
+    Thread-safe: stores are staged on the forward thread and committed on the
+    I/O threads.
+    """
+
+    def __init__(self, pinned: bool = False, max_free_bytes: int = DEFAULT_MAX_FREE_BYTES) -> None:
+        self.pinned = pinned
+        self.max_free_bytes = max_free_bytes
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers created (a metric for tests and benchmarks)
+        self.reused = 0
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        cap = round_up(max(nbytes, 1))
+        with self._lock:
+            free = self._free.get(cap)
+            if free:
+                self._free_bytes -= cap
+                self.reused += 1
+                return free.pop()
+            self.allocated += 1
+        raw = torch.empty(cap + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
+        off = (-raw.data_ptr()) % DIRECT_ALIGN
+        return raw[off:off + cap]  # the view keeps `raw` alive
+
+    def put(self, buf: torch.Tensor) -> None:
+        cap = buf.numel()
+        with self._lock:
+            if self._free_bytes + cap <= self.max_free_bytes:
+                self._free.setdefault(cap, []).append(buf)
+                self._free_bytes += cap
+
+    @property
+    def free_bytes(self) -> int:
+        return self._free_bytes
+
+
+def probe_o_direct(directory: str | os.PathLike) -> bool:
+    """Whether an aligned O_DIRECT write works in `directory` (tmpfs, some
+    overlay and NFS mounts refuse it with EINVAL). Creates `directory`."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return False
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f".o_direct_probe.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    page = mmap.mmap(-1, DIRECT_ALIGN)  # page-aligned
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_EXCL | flag, 0o600)
+        try:
+            return os.write(fd, page) == DIRECT_ALIGN
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        page.close()
+        try:
+            os.remove(path)
+        except OSError:
+            pass
