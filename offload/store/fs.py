@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from offload import copier
 from offload.keys import ChunkKey, Fingerprint
 from offload.store.base import Placement, TierData, TierIndex
+from offload.store.buffers import DEFAULT_MAX_FREE_BYTES, BufferPool, probe_o_direct
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
 
 logger = logging.getLogger(__name__)
@@ -157,24 +159,106 @@ class FsIndex(TierIndex):
         return Placement()
 
 
-class FsData(TierData):
-    """Worker-side file I/O: stage = gather into a buffer; commit = checksum,
-    write, rename (on the I/O pool); load = read, verify, scatter."""
+@dataclass(frozen=True)
+class _Staged:
+    """A gathered store: `buf` holds room for the header, then the payload."""
 
-    def __init__(self, store: FileStore) -> None:
+    buf: torch.Tensor
+    payload_len: int
+    pool: BufferPool
+
+
+_EXISTS = object()  # stage() found the file on disk already: nothing to gather
+
+
+class FsData(TierData):
+    """Worker-side file I/O: stage = gather into a pooled buffer; commit =
+    checksum, write (O_DIRECT where the filesystem allows it), rename, on the
+    I/O pool; load = read into a pooled buffer, verify, scatter.
+
+    Buffers come from a `BufferPool` (pinned when the KV cache is on CUDA) and
+    go back after the write or the scatter. A staged buffer is laid out as the
+    file: 128 header bytes, then the payload, rounded up to `DIRECT_ALIGN`,
+    so the file is written from it in one aligned O_DIRECT write.
+    """
+
+    def __init__(self, store: FileStore, max_free_bytes: int = DEFAULT_MAX_FREE_BYTES,
+                 direct: bool | None = None) -> None:
         self.store = store
+        self._max_free_bytes = max_free_bytes
+        self._pools: dict[bool, BufferPool] = {}
+        self._pools_lock = threading.Lock()
+        # None: probe on the first write. False: buffered writes only.
+        self.direct = direct
+        self.direct_writes = 0
+        self.buffered_writes = 0
+
+    def pool(self, pinned: bool) -> BufferPool:
+        with self._pools_lock:
+            if pinned not in self._pools:
+                self._pools[pinned] = BufferPool(pinned, self._max_free_bytes)
+            return self._pools[pinned]
 
     def record_layout(self, description: dict) -> None:
         self.store.write_layout(description)
 
-    def stage(self, header: ChunkHeader, pages, block_ids, placement: Placement) -> torch.Tensor:
-        return pages.gather(block_ids)
+    def stage(self, header: ChunkHeader, pages, block_ids, placement: Placement) -> object:
+        n = len(block_ids) * pages.page_bytes
+        if n != header.payload_len:
+            raise ValueError(f"{len(block_ids)} pages of {pages.page_bytes} bytes, header says {header.payload_len}")
+        # One stat instead of a gather when the chunk is on disk already, e.g.
+        # vLLM's own prefix cache held a prefix that an earlier run stored.
+        if self.store.file_path(header.group, header.key).exists():
+            return _EXISTS
+        pool = self.pool(pages.device.type == "cuda")
+        buf = pool.get(HEADER_LEN + n)
+        try:
+            pages.gather(block_ids, out=buf[HEADER_LEN:HEADER_LEN + n])
+        except BaseException:
+            pool.put(buf)
+            raise
+        return _Staged(buf, n, pool)
 
-    def commit(self, header: ChunkHeader, staged: torch.Tensor) -> bool:
-        return self.store.write(header, staged)
+    def commit(self, header: ChunkHeader, staged: object) -> bool:
+        if staged is _EXISTS:
+            return False
+        assert isinstance(staged, _Staged)
+        try:
+            return self._write(header, staged)
+        finally:
+            staged.pool.put(staged.buf)
+
+    def _write(self, header: ChunkHeader, staged: _Staged) -> bool:
+        """`FileStore.write`, from a buffer that holds the header's room too."""
+        final = self.store.file_path(header.group, header.key)
+        if final.exists():
+            return False  # same key, same bytes: another request or instance stored it
+        final.parent.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        if self.direct is None:
+            self.direct = probe_o_direct(final.parent)
+            logger.info("kvoffload: O_DIRECT writes %s in %s", "on" if self.direct else "off (refused)",
+                        self.store.root)
+        buf, n = staged.buf, staged.payload_len
+        payload = buf[HEADER_LEN:HEADER_LEN + n]
+        full = ChunkHeader(**{**header.__dict__, "payload_crc": copier.crc32c(payload)})
+        buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(full.pack()), dtype=torch.uint8))
+        tmp = final.with_name(f"{final.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        used = copier.write_file_direct(str(tmp), str(final), buf, HEADER_LEN + n, self.store.fsync,
+                                        FILE_MODE, direct=self.direct)
+        if used:
+            self.direct_writes += 1
+        else:
+            self.buffered_writes += 1
+        return True
 
     def load(self, header: ChunkHeader, pages, pairs, placement: Placement) -> int:
-        buf = torch.empty(header.payload_len, dtype=torch.uint8)
-        self.store.read_into(header, buf)
-        pages.scatter(buf, header.num_pages, pairs)
-        return header.payload_len
+        n = header.payload_len
+        pool = self.pool(pages.device.type == "cuda")
+        buf = pool.get(n)
+        try:
+            out = buf[:n]
+            self.store.read_into(header, out)
+            pages.scatter(out, header.num_pages, pairs)
+        finally:
+            pool.put(buf)
+        return n
