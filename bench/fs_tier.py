@@ -1,0 +1,278 @@
+"""Items 1 and 2: the filesystem tier against the device's raw bandwidth and
+against vLLM's own file tier, on the same pages, in the same run.
+
+Per repetition, on the same filesystem:
+- raw: one O_DIRECT sequential writer (16 MiB aligned writes, then fdatasync)
+  and reader of the same byte count; also 4 writers/readers on 4 files. The
+  faster of the two is the baseline.
+- ours: `FsData.stage` (gather of scattered block pages into a pooled buffer,
+  on the calling thread, as on the forward path) and `FsData.commit` (CRC-32C,
+  O_DIRECT write, rename) on 4 I/O threads, as the worker runs them; then
+  `FsData.load` (read, verify, scatter into the KV blocks) from a cold page
+  cache on 4 threads.
+- vLLM: `vllm.v1.kv_offload.tiering.fs.io.batch_store_block` /
+  `batch_load_block` (its C extension, O_DIRECT when its probe allows), one call
+  per (chunk, group) file from / into a host buffer that holds the same pages
+  contiguously (vLLM's CPU tier layout), on 4 and on 16 threads (its default);
+  the faster is reported. vLLM's path starts from host memory: it does no
+  gather, no scatter and no checksum.
+Stores end with a sync, so every figure is bytes on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from bench.common import GB, cpu_seconds, drop_page_cache, filesystem_of, median, table, write_results
+from bench.kvsynth import CHUNK, TINY, HybridKV, Shape
+from offload import copier
+from offload.keys import Fingerprint
+from offload.store.base import Placement
+from offload.store.buffers import probe_o_direct
+from offload.store.format import ChunkHeader
+from offload.store.fs import FileStore, FsData
+
+FP = Fingerprint(bytes(range(32)))
+RAW_IO = 16 << 20
+
+
+def _timed(fn) -> tuple[float, float]:
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, cpu_seconds() - c0
+
+
+# ------------------------------------------------------------------ raw device
+def _raw_write(paths: list[str], nbytes: int, direct: bool) -> None:
+    flag = os.O_DIRECT if direct else 0
+    per = -(-nbytes // len(paths) // 4096) * 4096  # each stream's share, 4 KiB aligned
+    io = min(RAW_IO, per)
+
+    def one(p: str) -> None:
+        buf = mmap.mmap(-1, io)
+        buf.write(os.urandom(4096) * (io // 4096))
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
+        try:
+            left = per
+            while left:
+                n = min(left, io)
+                os.write(fd, memoryview(buf)[:n])
+                left -= n
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    with ThreadPoolExecutor(len(paths)) as ex:
+        list(ex.map(one, paths))
+
+
+def _raw_read(paths: list[str], direct: bool) -> None:
+    flag = os.O_DIRECT if direct else 0
+
+    def one(p: str) -> None:
+        buf = mmap.mmap(-1, RAW_IO)
+        fd = os.open(p, os.O_RDONLY | flag)
+        try:
+            while os.readv(fd, [buf]) > 0:
+                pass
+        finally:
+            os.close(fd)
+    with ThreadPoolExecutor(len(paths)) as ex:
+        list(ex.map(one, paths))
+
+
+# ------------------------------------------------------------------ ours
+def _header(kv: HybridKV, c: int, g) -> ChunkHeader:
+    return ChunkHeader(fingerprint=FP, key=kv.keys[c], group=g.index, kind=g.kind, token_start=c * CHUNK,
+                       token_end=(c + 1) * CHUNK, num_pages=len(g.ids[c]), page_bytes=g.pages.page_bytes)
+
+
+def ours_store(kv: HybridKV, data: FsData, threads: int) -> None:
+    with ThreadPoolExecutor(threads) as pool:
+        futs = []
+        for c, g in kv.files():
+            h = _header(kv, c, g)
+            staged = data.stage(h, g.pages, g.ids[c], Placement())  # forward path: the gather
+            futs.append(pool.submit(data.commit, h, staged))
+        for f in futs:
+            assert f.result() is True
+    os.sync()
+
+
+def ours_load(kv: HybridKV, data: FsData, threads: int) -> None:
+    def one(cg) -> int:
+        c, g = cg
+        return data.load(_header(kv, c, g), g.pages, list(enumerate(g.ids[c])), Placement())
+    with ThreadPoolExecutor(threads) as pool:
+        assert sum(pool.map(one, kv.files())) == kv.total_bytes
+
+
+def _fingerprint_kv(kv: HybridKV) -> list[int]:
+    """CRC of every (chunk, group) payload as gathered now."""
+    out = []
+    for c, g in kv.files():
+        out.append(copier.crc32c(g.pages.gather(g.ids[c])))
+    return out
+
+
+# ------------------------------------------------------------------ vLLM
+def _vllm_io():
+    from vllm.v1.kv_offload.tiering.fs import io as vio
+    return vio
+
+
+class VllmPages:
+    """The same pages as vLLM's CPU tier holds them: one contiguous host
+    buffer per group, chunk after chunk (page aligned, as its O_DIRECT needs)."""
+
+    def __init__(self, kv: HybridKV) -> None:
+        self.buffers = {}
+        for g in kv.groups:
+            n = g.payload * kv.chunks
+            raw = mmap.mmap(-1, n)  # page aligned
+            t = torch.frombuffer(raw, dtype=torch.uint8)
+            for c in range(kv.chunks):
+                g.pages.gather(g.ids[c], out=t[c * g.payload:(c + 1) * g.payload])
+            self.buffers[g.index] = (raw, memoryview(raw), g.payload)
+
+    def paths(self, root: Path, kv: HybridKV, c: int, g) -> str:
+        h = kv.keys[c].hex()
+        return str(root / f"{h[:3]}" / f"{h[3:5]}_g{g.index}" / f"{h}.bin")  # vLLM's FileMapper shape
+
+
+def vllm_store(kv: HybridKV, vp: VllmPages, root: Path, threads: int, direct: bool) -> None:
+    vio = _vllm_io()
+
+    def one(cg) -> None:
+        c, g = cg
+        _, view, size = vp.buffers[g.index]
+        vio.batch_store_block([vp.paths(root, kv, c, g)], view, [c * size], size, direct)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, kv.files()))
+    os.sync()
+
+
+def vllm_load(kv: HybridKV, vp: VllmPages, root: Path, threads: int, direct: bool) -> None:
+    vio = _vllm_io()
+
+    def one(cg) -> None:
+        c, g = cg
+        _, view, size = vp.buffers[g.index]
+        vio.batch_load_block([vp.paths(root, kv, c, g)], view, [c * size], size, direct)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, kv.files()))
+
+
+# ------------------------------------------------------------------ driver
+def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threads: int = 4,
+        vllm_threads: tuple[int, ...] = (4, 16), out_dir: Path | None = None) -> dict:
+    kv = HybridKV(int(gib * 2**30), TINY if tiny else Shape())
+    total = kv.total_bytes
+    work = Path(tempfile.mkdtemp(prefix="kvoffload-fsbench-", dir=dir))
+    fs_desc = filesystem_of(work)
+    direct_ok = probe_o_direct(work)
+    try:
+        import vllm.v1.kv_offload.tiering.fs.io  # noqa: F401
+        have_vllm = True
+    except ImportError:
+        have_vllm = False
+    vp = VllmPages(kv) if have_vllm else None
+    rows: dict[str, list[tuple[float, float]]] = {}
+    cache_method = "?"
+    verified = False
+    for r in range(reps):
+        def add(name, wall_cpu):
+            rows.setdefault(name, []).append(wall_cpu)
+        # raw device, 1 and 4 streams
+        for n in (1, 4):
+            paths = [str(work / f"raw{r}.{i}") for i in range(n)]
+            add(f"raw write x{n}", _timed(lambda: _raw_write(paths, total, direct_ok)))
+            cache_method = drop_page_cache(paths)
+            add(f"raw read x{n}", _timed(lambda: _raw_read(paths, direct_ok)))
+            for p in paths:
+                os.unlink(p)
+        # ours
+        for variant, direct in (("ours", None), ("ours, buffered writes", False)):
+            if variant != "ours" and not direct_ok:
+                continue
+            store = FileStore.open(str(work / f"ours{r}"), FP)
+            data = FsData(store, direct=direct)
+            want = _fingerprint_kv(kv) if not verified else None
+            add(f"{variant} store", _timed(lambda: ours_store(kv, data, threads)))
+            files = [str(store.file_path(g.index, kv.keys[c])) for c, g in kv.files()]
+            assert sum(os.path.getsize(f) for f in files) == total + 128 * len(files)
+            cache_method = drop_page_cache(files)
+            if want is not None:
+                kv.zero()
+            add(f"{variant} load", _timed(lambda: ours_load(kv, data, threads)))
+            if want is not None:
+                assert _fingerprint_kv(kv) == want, "restored pages differ from the stored ones"
+                verified = True
+            shutil.rmtree(work / f"ours{r}")
+        # vLLM
+        if vp is not None:
+            for t in vllm_threads:
+                root = work / f"vllm{r}.{t}"
+                add(f"vLLM x{t} store", _timed(lambda: vllm_store(kv, vp, root, t, direct_ok)))
+                files = [vp.paths(root, kv, c, g) for c, g in kv.files()]
+                cache_method = drop_page_cache(files)
+                add(f"vLLM x{t} load", _timed(lambda: vllm_load(kv, vp, root, t, direct_ok)))
+                shutil.rmtree(root)
+    shutil.rmtree(work, ignore_errors=True)
+
+    med = {k: {"wall_s": median(w for w, _ in v), "cpu_s": median(c for _, c in v),
+               "gb_s": total / median(w for w, _ in v) / GB, "runs_wall_s": [w for w, _ in v],
+               "runs_cpu_s": [c for _, c in v]} for k, v in rows.items()}
+    raw_w = max(med["raw write x1"]["gb_s"], med["raw write x4"]["gb_s"])
+    raw_r = max(med["raw read x1"]["gb_s"], med["raw read x4"]["gb_s"])
+    doc = {"bytes": total, "chunks": kv.chunks, "files": 2 * kv.chunks, "reps": reps,
+           "file_bytes": {g.kind.value: g.payload + 128 for g in kv.groups}, "filesystem": fs_desc,
+           "o_direct": direct_ok, "cold_cache_method": cache_method, "io_threads": threads,
+           "raw_write_gb_s": raw_w, "raw_read_gb_s": raw_r, "results": med}
+    table_rows = []
+    for k, v in med.items():
+        base = raw_w if k.endswith("store") or "write" in k else raw_r
+        table_rows.append([k, f"{v['gb_s']:.2f}", f"{v['gb_s'] / base:.0%}", f"{v['cpu_s']:.2f}",
+                           f"{v['cpu_s'] / (total / GB):.2f}"])
+    if vp is not None:
+        for op in ("store", "load"):
+            best = max((k for k in med if k.startswith("vLLM") and k.endswith(op)), key=lambda k: med[k]["gb_s"])
+            doc[f"vs_vllm_{op}"] = {"vllm_variant": best, "throughput_ratio": med[f"ours {op}"]["gb_s"] / med[best]["gb_s"],
+                                    "cpu_ratio": med[f"ours {op}"]["cpu_s"] / med[best]["cpu_s"]}
+    doc["ratio_store_to_raw"] = med["ours store"]["gb_s"] / raw_w
+    doc["ratio_load_to_raw"] = med["ours load"]["gb_s"] / raw_r
+    print(f"{total / 2**30:.2f} GiB in {2 * kv.chunks} files on {fs_desc}; O_DIRECT {'on' if direct_ok else 'refused'}; "
+          f"cold reads via {cache_method}; median of {reps}")
+    print(table(["path", "GB/s", "of raw", "CPU s", "CPU s/GB"], table_rows))
+    for op in ("store", "load"):
+        if f"vs_vllm_{op}" in doc:
+            d = doc[f"vs_vllm_{op}"]
+            print(f"{op}: ours / {d['vllm_variant']} = {d['throughput_ratio']:.2f}x throughput, "
+                  f"{d['cpu_ratio']:.2f}x CPU time")
+    print(f"wrote {write_results('fs_tier', doc, out_dir)}")
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="small page shapes (tests)")
+    ap.add_argument("--dir", default=None, help="directory on the filesystem to test (default: $TMPDIR)")
+    ap.add_argument("--out-dir", type=Path, default=None)
+    a = ap.parse_args(argv)
+    run(a.gib, a.reps, a.tiny, a.dir, vllm_threads=(4,) if a.tiny else (4, 16), out_dir=a.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The benchmarks of bench/ run at a small size (speed is never asserted here),
+and the store-path pieces they measure keep their semantics: pooled buffers,
+O_DIRECT writes with a buffered fallback, skipping a gather for a stored chunk."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload import copier
+from offload.copier import GroupPages, LayerPages
+from offload.planner import GroupKind
+from offload.store.base import Placement
+from offload.store.buffers import BufferPool, probe_o_direct
+from offload.store.format import HEADER_LEN, ChunkHeader
+from offload.store.fs import FileStore, FsData
+
+FP = bytes(range(32))
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # bench/ is not installed; it runs from the checkout
+    sys.path.insert(0, str(REPO))
+
+
+def _pages(fill: int | None = None) -> tuple[torch.Tensor, GroupPages]:
+    g = torch.Generator().manual_seed(3)
+    t = torch.randint(0, 256, (2, 40, 16, 2, 64), dtype=torch.uint8, generator=g)
+    if fill is not None:
+        t.fill_(fill)
+    return t, GroupPages([LayerPages.from_tensor(t, 40)], 40, torch.device("cpu"))
+
+
+def _header(key: bytes, pages: GroupPages, n: int) -> ChunkHeader:
+    return ChunkHeader(FP, key, 1, GroupKind.FULL_ATTENTION, 0, 256, n, pages.page_bytes)
+
+
+@pytest.mark.parametrize("direct", [None, False])
+def test_fsdata_round_trip_pooled(tmp_path: Path, direct: bool | None) -> None:
+    src, pages = _pages()
+    data = FsData(FileStore.open(str(tmp_path), FP), direct=direct)
+    ids = [7, 3, 30, 4]
+    for i in range(3):
+        h = _header(bytes([i]) * 32, pages, len(ids))
+        assert data.commit(h, data.stage(h, pages, ids, Placement())) is True
+        path = data.store.file_path(1, h.key)
+        assert path.stat().st_size == HEADER_LEN + h.payload_len  # truncated back from the aligned write
+    assert data.pool(False).allocated == 1 and data.pool(False).reused == 2  # one buffer, reused
+    assert data.direct_writes + data.buffered_writes == 3
+    if direct is False:
+        assert data.direct_writes == 0
+    dst, dpages = _pages(fill=0)
+    assert data.load(h, dpages, list(zip(range(4), [1, 2, 5, 6])), Placement()) == h.payload_len
+    assert torch.equal(dst[:, [1, 2, 5, 6]], src[:, ids])
+    # The file is byte-identical to FileStore.write's: the plain reader verifies it.
+    out = torch.empty(h.payload_len, dtype=torch.uint8)
+    data.store.read_into(h, out)
+    assert torch.equal(out, pages.gather(ids))
+
+
+def test_fsdata_skips_gather_when_stored(tmp_path: Path) -> None:
+    _, pages = _pages()
+    data = FsData(FileStore.open(str(tmp_path), FP))
+    h = _header(b"k" * 32, pages, 2)
+    assert data.commit(h, data.stage(h, pages, [1, 2], Placement())) is True
+    allocated = data.pool(False).allocated + data.pool(False).reused
+    staged = data.stage(h, pages, [1, 2], Placement())
+    assert data.pool(False).allocated + data.pool(False).reused == allocated  # no buffer, no gather
+    assert data.commit(h, staged) is False
+    with pytest.raises(ValueError):
+        data.stage(h, pages, [1, 2, 3], Placement())  # page count contradicts the header
+
+
+def test_write_file_direct_unaligned_falls_back(tmp_path: Path) -> None:
+    raw = torch.arange(10000, dtype=torch.int64).to(torch.uint8)
+    buf = raw[1:]  # not aligned: buffered write, same bytes
+    used = copier.write_file_direct(tmp_path / "t", tmp_path / "f", buf, 5000, fsync=True)
+    assert used is False
+    assert (tmp_path / "f").read_bytes() == bytes(buf[:5000].tolist())
+    pool = BufferPool()
+    b = pool.get(5000)
+    assert b.data_ptr() % copier.DIRECT_ALIGN == 0 and b.numel() == 8192
+    b[:5000].copy_(buf[:5000])
+    used = copier.write_file_direct(tmp_path / "t2", tmp_path / "f2", b, 5000, fsync=False)
+    assert used == probe_o_direct(tmp_path)
+    assert (tmp_path / "f2").read_bytes() == bytes(buf[:5000].tolist())
+    with pytest.raises(FileExistsError):  # O_EXCL on the tmp name, as write_file
+        (tmp_path / "t3").write_bytes(b"x")
+        copier.write_file_direct(tmp_path / "t3", tmp_path / "f3", b, 5000, fsync=False)
+
+
+def test_memcpy() -> None:
+    a = torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8)
+    b = torch.empty_like(a)
+    copier.memcpy(b, a, num_threads=2)
+    assert torch.equal(a, b)
+
+
+def test_bench_fs_tier_small(tmp_path: Path) -> None:
+    from bench import fs_tier
+
+    doc = fs_tier.run(0.005, 1, tiny=True, dir=str(tmp_path), vllm_threads=(4,), out_dir=tmp_path)
+    assert doc["results"]["ours store"]["gb_s"] > 0 and doc["results"]["ours load"]["gb_s"] > 0
+    assert "vs_vllm_store" in doc  # vLLM's file tier I/O ran on the same pages
+    assert json.loads((tmp_path / "fs_tier.json").read_text())["bytes"] == doc["bytes"]
+
+
+def test_bench_cpu_tier_small(tmp_path: Path) -> None:
+    from bench import cpu_tier
+
+    doc = cpu_tier.run(0.005, 1, tiny=True, out_dir=tmp_path)
+    assert doc["ratio_gather_to_memcpy"] > 0 and (tmp_path / "cpu_tier.json").exists()
+
+
+def test_bench_lookup_small(tmp_path: Path) -> None:
+    from bench import lookup
+
+    doc = lookup.run(4096, 300, 0.5, 1, dir=str(tmp_path), out_dir=tmp_path)
+    ours = doc["results"]["binary search (ours)"]
+    assert ours["hit_chunks"] == doc["stored_chunks"]
+    assert ours["metadata_calls"] <= doc["bound_calls"]  # probes are a count, not a speed
+
+
+@pytest.mark.e2e
+def test_bench_e2e_small(tmp_path: Path, models_dir: Path) -> None:
+    """Items 5 and 6 on the tiny Llama: one engine pair (no connector; the
+    connector storing then restoring in the same process)."""
+    from bench import e2e
+
+    doc = e2e.run(str(models_dir / "llama-tiny"), long_tokens=1024, n_long=1, miss_prompts=2, miss_tokens=256,
+                  miss_reps=1, max_num_batched_tokens=256, cache_dir=str(tmp_path), same_process=True,
+                  hybrid=False, out_dir=tmp_path)
+    assert doc["ttft"]["restored_tokens"] == [768]  # 3 of 4 chunks: hits stop at num_tokens - 1
+    assert doc["miss"]["cached_tokens_with"] == [0]
+    assert doc["ttft"]["identical_first_token"] == [True]
