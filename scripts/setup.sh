@@ -26,7 +26,20 @@ else
   fi
 fi
 
-"${PIP[@]}" pybind11 pytest aiofiles prometheus-client
+"${PIP[@]}" pybind11 pytest aiofiles prometheus-client pyyaml
+
+# A real Prometheus for tests/test_prometheus.py (Debian package, on 127.0.0.1 only).
+if ! command -v prometheus >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing Debian package prometheus"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends prometheus >/dev/null 2>&1 \
+      || { apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+  else
+    echo "setup: WARNING: install the Debian package 'prometheus' (as root: apt-get install prometheus);" \
+         "tests/test_prometheus.py needs it" >&2
+  fi
+fi
 # The extension builds against the installed torch-free pybind11: no isolation.
 "${PIP[@]}" --no-build-isolation -e .
 "$PY" -c "import offload._copier; print('setup: C++ copier built')"

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -27,6 +28,7 @@ from offload.config import EXTRA_CONFIG, ConfigError, OffloadConfig, parse_confi
 from offload.connector.metadata import OffloadMetadata
 from offload.keys import FORMAT_VERSION, fingerprint, rank_fingerprint
 from offload.layout import fingerprint_fields, group_specs
+from offload.metrics import OffloadPromMetrics, OffloadStats, Recorder
 from offload.planner import ChunkSizeError, GroupKind, HybridOffloadPlanner
 from offload.store.base import TierIndex
 
@@ -101,11 +103,13 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._num_blocks = kv_cache_config.num_blocks
         self._sched = None
         self._worker = None
+        self.recorder = Recorder(self.cfg.tier_name)
         if role == KVConnectorRole.SCHEDULER:
             self._startup_checks(vllm_config)
             from offload.connector.scheduler import SchedulerSide
 
-            self._sched = SchedulerSide(self.cfg, self.planner, self.fingerprint, self._tier_index(pc))
+            self._sched = SchedulerSide(self.cfg, self.planner, self.fingerprint, self._tier_index(pc),
+                                        self.recorder)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -113,7 +117,8 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
             rank_fp = rank_fingerprint(self.fingerprint, get_tensor_model_parallel_rank(), pc.tensor_parallel_size)
             names = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
-            self._worker = WorkerSide(self.cfg, self.planner, rank_fp, self._tier_data_factory(rank_fp), names)
+            self._worker = WorkerSide(self.cfg, self.planner, rank_fp, self._tier_data_factory(rank_fp), names,
+                                      self.recorder)
 
     def _tier_index(self, pc) -> TierIndex:
         if self.cfg.store == "cpu":
@@ -128,7 +133,8 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         _check_directory(self.cfg.path)
         # Rank 0's files stand for the request on every rank; a rank missing
         # its file fails the load, which is a recompute, never a wrong hit.
-        return FsIndex(FileStore.open(self.cfg.path, rank_fingerprint(self.fingerprint, 0, pc.tensor_parallel_size)))
+        store = FileStore.open(self.cfg.path, rank_fingerprint(self.fingerprint, 0, pc.tensor_parallel_size))
+        return FsIndex(store, num_groups=len(self.planner.groups))
 
     def _tier_data_factory(self, rank_fp):
         if self.cfg.store == "cpu":
@@ -259,3 +265,29 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+    # ---- metrics (see offload/metrics.py) -------------------------------------------
+
+    def get_kv_connector_stats(self) -> OffloadStats | None:
+        """Called by vLLM after every step, in the scheduler and in each worker."""
+        side = self._sched if self._sched is not None else self._worker
+        if side is not None:
+            side.report()
+        return self.recorder.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> OffloadStats:
+        return OffloadStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> OffloadPromMetrics:
+        return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+# vLLM's MultiConnector rebuilds its children's stats by registered name in
+# the API server; registering also lets a config omit kv_connector_module_path.
+try:
+    KVConnectorFactory.register_connector("OffloadConnector", __name__, "OffloadConnector")
+except ValueError:  # registered already (module imported twice under another name)
+    pass

@@ -14,6 +14,7 @@ from vllm.logger import init_logger
 from offload.config import OffloadConfig
 from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob
 from offload.keys import ChunkKey, Fingerprint, chunk_keys, request_root
+from offload.metrics import Recorder
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner
 from offload.store.base import TierIndex
 
@@ -40,11 +41,22 @@ class _Req:
     loading_tokens: int = 0
     restored_tokens: int = 0
     load_failed: bool = False
+    counted: bool = False  # its lookup is in the metrics (once per request)
 
 
 class SchedulerSide:
-    def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fp: Fingerprint, index: TierIndex) -> None:
+    def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fp: Fingerprint, index: TierIndex,
+                 recorder: Recorder | None = None) -> None:
         self.cfg = cfg
+        self.recorder = recorder or Recorder(cfg.tier_name)
+        self._kinds = [g.kind.value for g in planner.groups]
+        self._reported_evictions = [0] * len(planner.groups)
+        self._reported_no_room = 0
+        for kind in set(self._kinds):  # series exist at 0 from the start
+            self.recorder.declare("kvoffload_evictions", group_kind=kind)
+        for name in ("kvoffload_lookups", "kvoffload_lookup_hit_tokens", "kvoffload_lookup_miss_tokens",
+                     "kvoffload_restored_tokens"):
+            self.recorder.declare(name)
         self.planner = planner
         self.fp = fp
         self.index = index
@@ -105,6 +117,7 @@ class SchedulerSide:
         num_tokens = min(request.num_tokens, len(request.prompt_token_ids or []) + 1)
         max_n = self.planner.max_hit_chunks(num_tokens)
         if max_n == 0:
+            self._count_lookup(st, num_tokens, num_computed_tokens, 0)
             return 0, False
         keys = self._keys(st, max_n)
         found = self.planner.lookup(
@@ -115,11 +128,22 @@ class SchedulerSide:
         if num_computed_tokens < self.planner.chunk_size:
             st.stored_chunks = max(st.stored_chunks, found.full_prefix)
         n = found.chunks
+        hit = max(0, n * self.planner.chunk_size - num_computed_tokens)
+        self._count_lookup(st, num_tokens, num_computed_tokens, hit)
         if n == 0:
             st.pending_hit = None
             return 0, False
         st.pending_hit = (n, num_computed_tokens)
-        return n * self.planner.chunk_size - num_computed_tokens, True
+        return hit, True
+
+    def _count_lookup(self, st: _Req, num_tokens: int, computed: int, hit: int) -> None:
+        """Once per request: vLLM asks again while a request waits for room."""
+        if st.counted:
+            return
+        st.counted = True
+        self.recorder.inc("kvoffload_lookups")
+        self.recorder.inc("kvoffload_lookup_hit_tokens", hit)
+        self.recorder.inc("kvoffload_lookup_miss_tokens", max(0, num_tokens - 1 - computed - hit))
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self.reqs.get(request.request_id)
@@ -252,7 +276,26 @@ class SchedulerSide:
                 st.stored_chunks = 0
             else:
                 st.restored_tokens += st.loading_tokens
+                self.recorder.inc("kvoffload_restored_tokens", st.loading_tokens)
             st.loading_tokens = 0
+
+    def report(self) -> None:
+        """Tier usage into the metrics; called once per step."""
+        u = self.index.usage()
+        if u is None:
+            return
+        for g, kind in enumerate(self._kinds):
+            self.recorder.set("kvoffload_files_in_use", u.entries[g], group_kind=kind)
+            self.recorder.set("kvoffload_bytes_in_use", u.bytes[g], group_kind=kind)
+        if u.capacity_bytes is not None:
+            self.recorder.set("kvoffload_capacity_bytes", u.capacity_bytes)
+        for g, n in enumerate(u.evictions):
+            if n > self._reported_evictions[g]:
+                self.recorder.inc("kvoffload_evictions", n - self._reported_evictions[g], group_kind=self._kinds[g])
+                self._reported_evictions[g] = n
+        if u.no_room > self._reported_no_room:
+            self.recorder.inc("kvoffload_stores_dropped", u.no_room - self._reported_no_room, reason="no_room")
+            self._reported_no_room = u.no_room
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         st = self.reqs.pop(request.request_id, None)

@@ -9,6 +9,7 @@ load in WAITING_FOR_REMOTE_KVS, so its destination blocks are ours alone.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from offload.config import OffloadConfig
 from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata
 from offload.copier import GroupPages, LayerPages
 from offload.keys import ChunkKey, Fingerprint
+from offload.metrics import DROP_REASONS, LOAD_FAILURE_REASONS, Recorder
 from offload.planner import HybridOffloadPlanner
 from offload.store.base import Placement, TierData
 from offload.store.format import ChunkHeader
@@ -31,7 +33,8 @@ logger = init_logger(__name__)
 
 @dataclass
 class WorkerCounters:
-    """Plain counters, logged at shutdown (Prometheus export comes later)."""
+    """Totals of this worker, logged at shutdown (Prometheus gets the same
+    events through `Recorder`, see offload/metrics.py)."""
 
     loads_ok: int = 0
     loads_failed: int = 0
@@ -41,6 +44,17 @@ class WorkerCounters:
     bytes_written: int = 0
     bytes_read: int = 0
     stores_dropped: dict[str, int] = field(default_factory=dict)
+
+
+def failure_label(reason: str) -> str:
+    """A bounded metric label for a load failure reason."""
+    if reason in LOAD_FAILURE_REASONS:
+        return reason
+    if reason.startswith("error"):
+        return "error"
+    if "left the tier" in reason:
+        return "missing"
+    return "allocation mismatch"
 
 
 def _describe(name: str, t: torch.Tensor, num_blocks: int) -> str:
@@ -53,8 +67,19 @@ def _describe(name: str, t: torch.Tensor, num_blocks: int) -> str:
 
 class WorkerSide:
     def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fingerprint: Fingerprint,
-                 make_data: Callable[[torch.device], TierData], layer_names: list[list[str]]) -> None:
+                 make_data: Callable[[torch.device], TierData], layer_names: list[list[str]],
+                 recorder: Recorder | None = None) -> None:
         self.cfg = cfg
+        self.recorder = recorder or Recorder(cfg.tier_name)
+        self._kinds = [g.kind.value for g in planner.groups]
+        for reason in DROP_REASONS:  # series exist at 0 from the start
+            self.recorder.declare("kvoffload_stores_dropped", reason=reason)
+        for reason in LOAD_FAILURE_REASONS:
+            self.recorder.declare("kvoffload_failed_loads", reason=reason)
+        for kind in set(self._kinds):
+            for name in ("kvoffload_checksum_failures", "kvoffload_restored_bytes", "kvoffload_stored_bytes",
+                         "kvoffload_stored_tokens", "kvoffload_stores_deduplicated"):
+                self.recorder.declare(name, group_kind=kind)
         self.planner = planner
         self.fingerprint = fingerprint
         self._make_data = make_data
@@ -115,11 +140,14 @@ class WorkerSide:
             except ChunkMiss as e:
                 with self._lock:
                     self.counters.chunk_misses[e.reason] = self.counters.chunk_misses.get(e.reason, 0) + 1
+                if e.reason == "corrupt":
+                    self.recorder.inc("kvoffload_checksum_failures", group_kind=ref.kind.value)
                 logger.warning("kvoffload: load of request %s is a miss (%s); it will be recomputed",
                                job.req_id, e)
                 return e.reason
             with self._lock:
                 self.counters.bytes_read += moved
+            self.recorder.inc("kvoffload_restored_bytes", moved, group_kind=ref.kind.value)
         return None
 
     def start_load_kv(self, meta: OffloadMetadata) -> None:
@@ -127,17 +155,33 @@ class WorkerSide:
             self._loads[job.req_id] = self.pool.submit(self._load_guarded, job)
 
     def _load_guarded(self, job: LoadJob) -> str | None:
+        t0 = time.perf_counter()
         try:
-            return self._load(job)
+            reason = self._load(job)
         except Exception as e:  # a load must never take the engine down
             logger.exception("kvoffload: load of request %s failed", job.req_id)
-            return f"error: {type(e).__name__}"
+            reason = f"error: {type(e).__name__}"
+        if reason is None:
+            self.recorder.observe("kvoffload_load_seconds", time.perf_counter() - t0)
+        else:
+            self.recorder.inc("kvoffload_failed_loads", reason=failure_label(reason))
+        return reason
 
     # ---- stores -----------------------------------------------------------------
 
     def _drop(self, reason: str, n: int = 1) -> None:
         with self._lock:
             self.counters.stores_dropped[reason] = self.counters.stores_dropped.get(reason, 0) + n
+        self.recorder.inc("kvoffload_stores_dropped", n, reason=reason)
+
+    def _stored(self, header: ChunkHeader, nbytes: int, t0: float) -> None:
+        with self._lock:
+            self.counters.files_written += 1
+            self.counters.bytes_written += nbytes
+        kind = header.kind.value
+        self.recorder.inc("kvoffload_stored_bytes", nbytes, group_kind=kind)
+        self.recorder.inc("kvoffload_stored_tokens", header.token_end - header.token_start, group_kind=kind)
+        self.recorder.observe("kvoffload_store_seconds", time.perf_counter() - t0, group_kind=kind)
 
     def wait_for_save(self, meta: OffloadMetadata) -> None:
         for job in meta.stores:
@@ -154,6 +198,7 @@ class WorkerSide:
                 self._drop("backpressure")
                 continue
             header = self._header(job.file)
+            t0 = time.perf_counter()
             try:  # the only step on the forward path: copy the pages out
                 staged = self.data.stage(header, pages, job.block_ids, Placement(job.slot))
             except Exception:
@@ -162,11 +207,9 @@ class WorkerSide:
                 self._drop("error")
                 continue
             if staged is None:  # a host-memory tier: stored already
-                with self._lock:
-                    self.counters.files_written += 1
-                    self.counters.bytes_written += len(job.block_ids) * pages.page_bytes
+                self._stored(header, len(job.block_ids) * pages.page_bytes, t0)
                 continue
-            fut = self.pool.submit(self._write, header, staged, nbytes)
+            fut = self.pool.submit(self._write, header, staged, nbytes, t0)
             with self._lock:
                 self._stores.add(fut)
             fut.add_done_callback(self._forget)
@@ -179,16 +222,15 @@ class WorkerSide:
         with self._lock:
             self._pending_store_bytes -= nbytes
 
-    def _write(self, header: ChunkHeader, staged: object, nbytes: int) -> None:
+    def _write(self, header: ChunkHeader, staged: object, nbytes: int, t0: float) -> None:
         assert self.data is not None
         try:
-            written = self.data.commit(header, staged)
-            with self._lock:
-                if written:
-                    self.counters.files_written += 1
-                    self.counters.bytes_written += nbytes
-                else:
+            if self.data.commit(header, staged):
+                self._stored(header, nbytes, t0)
+            else:
+                with self._lock:
                     self.counters.files_existing += 1
+                self.recorder.inc("kvoffload_stores_deduplicated", group_kind=header.kind.value)
         except OSError as e:
             logger.warning("kvoffload: store of %s dropped: %s", header.key.hex()[:16], e)
             self._drop("no_space" if e.errno == 28 else "error")
@@ -213,6 +255,13 @@ class WorkerSide:
             self.counters.loads_ok += len(done) - len(failed)
             self.counters.loads_failed += len(failed)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def report(self) -> None:
+        """Queue gauges into the metrics; called once per step."""
+        with self._lock:
+            queued = self._pending_store_bytes
+        self.recorder.set("kvoffload_store_queue_bytes", queued)
+        self.recorder.set("kvoffload_loads_in_flight", len(self._loads))
 
     def shutdown(self) -> None:
         """Finish the stores in flight (bounded), so a warm-up run that exits

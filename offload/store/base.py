@@ -26,6 +26,17 @@ class Placement:
     slot: int | None = None
 
 
+@dataclass(frozen=True)
+class TierUsage:
+    """What a tier holds now, and cumulative event counts, per group (for metrics)."""
+
+    entries: tuple[int, ...]
+    bytes: tuple[int, ...]
+    evictions: tuple[int, ...] = ()  # cumulative since start
+    no_room: int = 0  # cumulative stores skipped for lack of room
+    capacity_bytes: int | None = None
+
+
 class TierIndex(ABC):
     """Scheduler-side view of a tier. Must be cheap: it runs on the scheduling path."""
 
@@ -43,6 +54,10 @@ class TierIndex(ABC):
         """Hold an entry for a load until `unpin`; None if it is gone."""
 
     def unpin(self, group: int, key: ChunkKey) -> None:
+        return None
+
+    def usage(self) -> TierUsage | None:
+        """Current usage, cheap to call every step; None while unknown."""
         return None
 
 

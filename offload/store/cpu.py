@@ -23,7 +23,7 @@ import torch
 
 from offload.keys import ChunkKey
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner
-from offload.store.base import Placement, TierData, TierIndex
+from offload.store.base import Placement, TierData, TierIndex, TierUsage
 from offload.store.fs import ChunkMiss
 
 
@@ -77,6 +77,7 @@ class _Pool:
         self.entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()  # LRU first
         self.prefix_closed = prefix_closed
         self.evictions = 0
+        self.no_room = 0
 
     def _subtree(self, key: ChunkKey) -> list[ChunkKey] | None:
         """The entry and its descendants, or None if any is pinned."""
@@ -110,11 +111,14 @@ class _Pool:
             self.entries.move_to_end(key)
             return None
         if self.prefix_closed and parent is not None and parent not in self.entries:
+            self.no_room += 1
             return None  # an orphan could never be part of a restorable prefix
         while not self.free:
             if not self._evict_one():
+                self.no_room += 1
                 return None
             if self.prefix_closed and parent is not None and parent not in self.entries:
+                self.no_room += 1
                 return None  # the eviction took our own parent
         slot = self.free.pop()
         self.entries[key] = _Entry(slot, parent)
@@ -126,6 +130,7 @@ class _Pool:
 class CpuIndex(TierIndex):
     def __init__(self, planner: HybridOffloadPlanner, layout: CpuLayout) -> None:
         self.pools = [_Pool(layout.slots, s.kind is not GroupKind.MAMBA) for s in planner.groups]
+        self.layout = layout
 
     def contains(self, group: int, key: ChunkKey) -> bool:
         return key in self.pools[group].entries
@@ -151,6 +156,14 @@ class CpuIndex(TierIndex):
     @property
     def evictions(self) -> int:
         return sum(p.evictions for p in self.pools)
+
+    def usage(self) -> TierUsage:
+        n = [len(p.entries) for p in self.pools]
+        return TierUsage(
+            entries=tuple(n), bytes=tuple(k * self.layout.slot_bytes(g) for g, k in enumerate(n)),
+            evictions=tuple(p.evictions for p in self.pools), no_room=sum(p.no_room for p in self.pools),
+            capacity_bytes=sum(self.layout.slots * self.layout.slot_bytes(g) for g in range(len(self.pools))),
+        )
 
 
 class CpuData(TierData):

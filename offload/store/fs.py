@@ -23,9 +23,10 @@ import torch
 
 from offload import copier
 from offload.keys import ChunkKey, Fingerprint
-from offload.store.base import Placement, TierData, TierIndex
+from offload.store.base import Placement, TierData, TierIndex, TierUsage
 from offload.store.buffers import DEFAULT_MAX_FREE_BYTES, BufferPool, probe_o_direct
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
+from offload.store.usage import DirectoryUsage
 
 logger = logging.getLogger(__name__)
 
@@ -146,11 +147,15 @@ class FsIndex(TierIndex):
     so nothing is pinned; a file that vanishes before its load is a miss.
     """
 
-    def __init__(self, store: FileStore) -> None:
+    def __init__(self, store: FileStore, num_groups: int = 0) -> None:
         self.store = store
+        self._usage = DirectoryUsage(store.root, num_groups) if num_groups else None
 
     def contains(self, group: int, key: ChunkKey) -> bool:
         return self.store.contains(group, key)
+
+    def usage(self) -> TierUsage | None:
+        return self._usage.latest() if self._usage is not None else None
 
     def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
         return Placement()

