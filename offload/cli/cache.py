@@ -1,0 +1,322 @@
+"""Read-only view of a cache directory, shared by `stats`, `fsck` and `gc`.
+
+`scan(PATH)` walks `<PATH>/kvoffload-v1/<fingerprint>/...` (docs/format.md),
+classifies every entry and reads each chunk file's 128-byte header. `chunks()`
+groups a fingerprint directory's good files by chunk key and links them into
+chains with the header's `parent` field, which is what `gc` needs to evict
+without breaking the prefix-closed presence the lookup relies on.
+
+Nothing here writes. `verify_payloads=True` also reads every payload and
+checks its CRC-32C (fsck); otherwise only headers are read (stats, gc).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from offload.planner import GroupKind
+from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
+from offload.store.fs import LAYOUT_VERSION_DIR
+
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+CHUNK_NAME = re.compile(r"^([0-9a-f]{64})\.kv$")
+TMP_NAME = re.compile(r"^([0-9a-f]{64})\.kv\.tmp\.(\d+)\.[0-9a-f]{8}(?:\.[0-9a-f]{8})?$")  # optional host tag
+LAYOUT_TMP = re.compile(r"^\.layout\.[0-9a-f]{32}\.tmp$")
+GROUP_DIR = re.compile(r"^g(\d+)$")
+NO_PARENT = bytes(8)
+# How a layout.json group spec repr names each kind (vLLM's KVCacheSpec class names).
+SPEC_KINDS = (("MambaSpec", GroupKind.MAMBA), ("SlidingWindow", GroupKind.SLIDING_WINDOW),
+              ("ChunkedLocal", GroupKind.CHUNKED_LOCAL), ("FullAttentionSpec", GroupKind.FULL_ATTENTION))
+
+
+class NotACache(Exception):
+    """PATH holds no kvoffload cache directory."""
+
+
+@dataclass
+class ChunkFile:
+    path: Path
+    group: int
+    key: str  # hex, from the file name
+    size: int
+    mtime: float
+    atime: float
+    header: ChunkHeader | None = None
+    problem: str | None = None  # why the file cannot be restored; None if it can (as far as checked)
+
+    @property
+    def used(self) -> float:
+        """Last use: the later of the last read (atime) and the store (mtime)."""
+        return max(self.mtime, self.atime)
+
+
+@dataclass
+class FpDir:
+    """One fingerprint directory: one model/layout/TP rank."""
+
+    path: Path
+    layout: dict | None = None
+    layout_problem: str | None = None
+    files: list[ChunkFile] = field(default_factory=list)
+    tmp: list[Path] = field(default_factory=list)  # <name>.kv.tmp.<pid>.<hex> and .layout.*.tmp
+    quarantine: list[Path] = field(default_factory=list)
+    unknown: list[tuple[Path, str]] = field(default_factory=list)  # (path, why)
+
+    @property
+    def chunk_size(self) -> int | None:
+        return (self.layout or {}).get("chunk_size")
+
+    def group_kinds(self) -> dict[int, GroupKind]:
+        """Kind of each group: from layout.json's spec names, else from headers."""
+        kinds: dict[int, GroupKind] = {}
+        for i, g in enumerate((self.layout or {}).get("groups", [])):
+            spec = str(g.get("spec", ""))
+            kinds.update({i: k for name, k in SPEC_KINDS if spec.startswith(name) or f".{name}" in spec[:80]})
+        for f in self.files:
+            if f.header is not None:
+                kinds.setdefault(f.group, f.header.kind)
+        return kinds
+
+
+@dataclass
+class Cache:
+    root: Path  # <PATH>/kvoffload-v1
+    dirs: list[FpDir]
+    other: list[tuple[Path, str]]  # entries under root that are not fingerprint directories
+    other_versions: list[Path]  # kvoffload-v<N> directories of another format version (not ours to judge)
+
+
+def find_root(path: str | Path) -> Path:
+    """Accept the configured `path`, its kvoffload-v1 directory, or a fingerprint directory."""
+    p = Path(path)
+    if not p.is_dir():
+        raise NotACache(f"{p}: not a directory")
+    if (p / LAYOUT_VERSION_DIR).is_dir():
+        return p / LAYOUT_VERSION_DIR
+    if p.name == LAYOUT_VERSION_DIR:
+        return p
+    if HEX64.match(p.name) and p.parent.name == LAYOUT_VERSION_DIR:
+        return p
+    raise NotACache(f"{p}: no {LAYOUT_VERSION_DIR}/ directory here; give the connector's 'path'")
+
+
+def scan(path: str | Path, verify_payloads: bool = False) -> Cache:
+    root = find_root(path)
+    if HEX64.match(root.name):  # a single fingerprint directory
+        return Cache(root.parent, [_scan_fp(root, verify_payloads)], [], [])
+    dirs, other = [], []
+    for e in sorted(root.iterdir()):
+        if e.is_dir() and HEX64.match(e.name):
+            dirs.append(_scan_fp(e, verify_payloads))
+        else:
+            other.append((e, "not a fingerprint directory (64 hex digits)"))
+    versions = [d for d in sorted(root.parent.glob("kvoffload-v*")) if d.name != LAYOUT_VERSION_DIR and d.is_dir()]
+    return Cache(root, dirs, other, versions)
+
+
+def _scan_fp(d: Path, verify: bool) -> FpDir:
+    fp = FpDir(d)
+    try:
+        fp.layout = json.loads((d / "layout.json").read_text())
+        if not isinstance(fp.layout, dict) or not isinstance(fp.layout.get("groups"), list):
+            fp.layout, fp.layout_problem = None, "layout.json has no 'groups' list"
+    except FileNotFoundError:
+        fp.layout_problem = "no layout.json"
+    except (OSError, ValueError) as e:
+        fp.layout_problem = f"layout.json unreadable: {e}"
+    n_groups = len(fp.layout["groups"]) if fp.layout else None
+    for e in sorted(d.iterdir()):
+        m = GROUP_DIR.match(e.name)
+        if e.name == "layout.json":
+            continue
+        if e.name == "quarantine" and e.is_dir():
+            fp.quarantine.extend(sorted(q for q in e.iterdir() if q.is_file()))
+        elif LAYOUT_TMP.match(e.name):
+            fp.tmp.append(e)
+        elif m and e.is_dir():
+            group = int(m.group(1))
+            if n_groups is not None and group >= n_groups:
+                why = f"group g{group} not in layout.json ({n_groups} groups)"
+            else:
+                why = fp.layout_problem
+            _scan_group(fp, e, group, why, verify)
+        else:
+            fp.unknown.append((e, "unrecognised entry"))
+    return fp
+
+
+def _scan_group(fp: FpDir, gdir: Path, group: int, unknown_layout: str | None, verify: bool) -> None:
+    for sub in sorted(gdir.iterdir()):
+        if not (sub.is_dir() and re.fullmatch(r"[0-9a-f]{2}", sub.name)):
+            fp.unknown.append((sub, "unrecognised entry"))
+            continue
+        for f in sorted(sub.iterdir()):
+            m = CHUNK_NAME.match(f.name)
+            if TMP_NAME.match(f.name):
+                fp.tmp.append(f)
+            elif not m or not f.is_file() or not f.name.startswith(sub.name):
+                fp.unknown.append((f, "unrecognised entry"))
+            elif unknown_layout:
+                fp.unknown.append((f, f"unknown layout: {unknown_layout}"))
+            else:
+                st = f.stat()
+                cf = ChunkFile(f, group, m.group(1), st.st_size, st.st_mtime, st.st_atime)
+                _check(fp, cf, verify)
+                fp.files.append(cf)
+
+
+def _check(fp: FpDir, cf: ChunkFile, verify: bool) -> None:
+    """Header (always) and payload CRC (when `verify`), as FileStore.read_into would."""
+    try:
+        with open(cf.path, "rb") as fh:
+            h = ChunkHeader.unpack(fh.read(HEADER_LEN))
+            cf.header = h
+            if cf.size != HEADER_LEN + h.payload_len:
+                raise FormatError(f"size {cf.size} bytes, header says {HEADER_LEN + h.payload_len} (truncated?)")
+            if h.key.hex() != cf.key or h.fingerprint.hex() != fp.path.name or h.group != cf.group:
+                raise FormatError("header identity (key, fingerprint or group) does not match the file's place")
+            cs = fp.chunk_size
+            if cs and (h.token_start % cs or h.token_end - h.token_start != cs):
+                raise FormatError(f"token range [{h.token_start}, {h.token_end}) is not one chunk of {cs}")
+            kind = fp.group_kinds().get(cf.group) if fp.layout else None
+            if kind is not None and kind is not h.kind:
+                raise FormatError(f"kind {h.kind.value}, layout.json says g{cf.group} is {kind.value}")
+            if verify:
+                from offload.copier import crc32c
+
+                crc = 0
+                while block := fh.read(8 << 20):
+                    crc = crc32c(block, crc)
+                if crc != h.payload_crc:
+                    raise FormatError("payload checksum mismatch")
+    except (FormatError, OSError) as e:
+        cf.problem = str(e)
+
+
+# ---- chunks and chains -----------------------------------------------------------------
+
+
+@dataclass
+class Chunk:
+    """All good files of one chunk key in one fingerprint directory."""
+
+    key: str
+    pos: int  # chunk index: token_start // chunk size
+    files: list[ChunkFile]
+    parent: bytes | None  # first 8 bytes of the parent's key; None: chunk 0, or unknown (older files)
+    complete: bool = False  # every full-attention group has its file
+    children: list[Chunk] = field(default_factory=list)
+    orphan: str | None = None  # why a lookup could report a hit through this chunk that fails to load
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def used(self) -> float:
+        return max(f.used for f in self.files)
+
+
+def chunks(fp: FpDir) -> dict[str, Chunk]:
+    """Good files by chunk key, linked parent -> children.
+
+    A chunk whose header names a parent links to the chunk one position
+    earlier whose key starts with those 8 bytes. A chunk whose parent is
+    unknown (all-zero `parent` past chunk 0: files written before the parent
+    link existed) is linked to *every* chunk one position earlier, so that
+    eviction treats it as a possible descendant of each (the safe side).
+
+    `orphan` is set on every chunk below a hole: the parent is known and
+    absent or incomplete (a missing full-attention file), or no chunk at all
+    sits one position earlier. The lookup's binary search could step over
+    the hole and report a hit whose load fails.
+    """
+    cs = fp.chunk_size
+    out: dict[str, Chunk] = {}
+    for f in fp.files:
+        if f.problem is not None or f.header is None:
+            continue
+        h = f.header
+        pos = h.token_start // (cs or (h.token_end - h.token_start) or 1)
+        par = getattr(h, "parent", NO_PARENT)
+        c = out.setdefault(f.key, Chunk(f.key, pos, [], None if par == NO_PARENT else bytes(par)))
+        c.files.append(f)
+    full = {g for g, k in fp.group_kinds().items() if k is GroupKind.FULL_ATTENTION}
+    by_pos: dict[int, list[Chunk]] = {}
+    for c in out.values():
+        have = {f.group for f in c.files}
+        c.complete = full <= have
+        by_pos.setdefault(c.pos, []).append(c)
+    if not full:  # no full-attention group: no chains; every state stands alone
+        return out
+    for c in sorted(out.values(), key=lambda c: c.pos):
+        if c.pos == 0:
+            continue
+        before = by_pos.get(c.pos - 1, [])
+        parents = [p for p in before if c.parent is None or p.key.startswith(c.parent.hex())]
+        for p in parents:
+            p.children.append(c)
+        if not parents:
+            c.orphan = "parent chunk missing" if c.parent is not None else f"no chunk at position {c.pos - 1}"
+        elif c.parent is not None and not any(p.complete and not p.orphan for p in parents):
+            c.orphan = "parent chunk incomplete or itself below a hole"
+        elif c.parent is None and not any(p.complete and not p.orphan for p in parents):
+            c.orphan = f"no complete chunk at position {c.pos - 1}"
+    return out
+
+
+def subtree(c: Chunk) -> list[Chunk]:
+    """`c` and every chunk that chains from it, deepest first."""
+    seen: dict[str, Chunk] = {}
+    stack = [c]
+    while stack:
+        x = stack.pop()
+        if x.key not in seen:
+            seen[x.key] = x
+            stack.extend(x.children)
+    return sorted(seen.values(), key=lambda x: -x.pos)
+
+
+def is_stale_tmp(p: Path, max_age_s: float, now: float | None = None) -> bool:
+    try:
+        return (now or time.time()) - p.stat().st_mtime > max_age_s
+    except OSError:
+        return False
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def age(seconds: float) -> str:
+    s = max(0.0, seconds)
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s / n:.1f}{unit}"
+    return f"{s:.0f}s"
+
+
+def remove_empty_dirs(fp: FpDir) -> None:
+    for gdir in fp.path.glob("g*"):
+        for sub in gdir.iterdir():
+            try:
+                sub.rmdir()  # only if empty
+            except OSError:
+                pass
+
+
+def unlink(p: Path) -> bool:
+    try:
+        os.unlink(p)
+        return True
+    except FileNotFoundError:
+        return False

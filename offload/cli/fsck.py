@@ -1,0 +1,121 @@
+"""`kvoffload fsck PATH [--repair]`: verify every file of a cache directory.
+
+Checks, per chunk file, what a reader checks before it restores one
+(docs/format.md): header magic, version and CRC, size against the header,
+identity (key = file name, fingerprint = directory, group = g<N>, kind and
+chunk range = layout.json), and the payload CRC-32C. Also finds:
+
+- orphaned temporary files: `<name>.kv.tmp.<pid>.<hex>` or `.layout.*.tmp`
+  older than --tmp-age seconds (a write takes milliseconds; younger ones are
+  reported as in flight, not as problems);
+- files of unknown layout: chunk files in a fingerprint directory without a
+  readable layout.json, or in a group that layout.json does not list;
+  entries that are not named as the format says;
+- chain holes: a chunk whose parent chunk (header `parent`) is missing or
+  incomplete. The lookup's binary search could step over the hole and report
+  a hit whose load fails (a recompute, never wrong output, but a waste).
+
+--repair moves corrupt files and files of unknown layout to the fingerprint
+directory's quarantine/ (as the connector does), deletes orphaned temporary
+files and deletes the chunks below a chain hole. Run it while no engine
+writes to the directory, or accept that a file written meanwhile is judged
+as it was seen.
+
+Exit codes: 0 clean; 1 problems found and left (no --repair, or some could
+not be repaired); 2 usage error, or PATH is not a cache directory;
+3 problems found and all repaired.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from offload.cli.cache import Cache, FpDir, NotACache, chunks, is_stale_tmp, remove_empty_dirs, scan, unlink
+
+EXIT_CLEAN, EXIT_PROBLEMS, EXIT_USAGE, EXIT_REPAIRED = 0, 1, 2, 3
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fsck", help="verify headers and checksums; find orphaned tmp files and unknown layouts",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="the connector's 'path' (or its kvoffload-v1/ or a fingerprint directory)")
+    p.add_argument("--repair", action="store_true", help="quarantine bad files, delete orphaned tmp files and "
+                   "chunks below chain holes")
+    p.add_argument("--tmp-age", type=float, default=600.0, metavar="SECONDS",
+                   help="a temporary file older than this is orphaned (default 600)")
+    p.add_argument("-q", "--quiet", action="store_true", help="print the summary only")
+    p.set_defaults(func=run)
+
+
+def quarantine(fp: FpDir, path: Path) -> bool:
+    qdir = fp.path / "quarantine"
+    try:
+        qdir.mkdir(mode=0o750, exist_ok=True)
+        os.replace(path, qdir / f"{path.name}.{uuid.uuid4().hex[:8]}")
+        return True
+    except OSError:
+        return False
+
+
+def problems(cache: Cache, tmp_age: float) -> list[tuple[str, FpDir | None, Path, str]]:
+    """(kind, fingerprint dir, path, detail) for every problem; kind is
+    corrupt | orphaned-tmp | unknown-layout | chain-hole."""
+    out: list[tuple[str, FpDir | None, Path, str]] = []
+    for p, why in cache.other:
+        out.append(("unknown-layout", None, p, why))
+    for fp in cache.dirs:
+        out += [("corrupt", fp, f.path, f.problem) for f in fp.files if f.problem]
+        out += [("orphaned-tmp", fp, t, f"older than {tmp_age:.0f} s") for t in fp.tmp if is_stale_tmp(t, tmp_age)]
+        out += [("unknown-layout", fp, p, why) for p, why in fp.unknown]
+        for c in chunks(fp).values():
+            if c.orphan:
+                out += [("chain-hole", fp, f.path, f"chunk {c.pos}: {c.orphan}") for f in c.files]
+    return out
+
+
+def repair(kind: str, fp: FpDir | None, path: Path) -> bool:
+    if kind in ("corrupt", "unknown-layout"):
+        return fp is not None and quarantine(fp, path)
+    unlink(path)  # orphaned tmp, chunk below a hole; already gone counts as repaired
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cache = scan(args.path, verify_payloads=True)
+    except NotACache as e:
+        print(f"kvoffload fsck: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    found = problems(cache, args.tmp_age)
+    n_files = sum(len(fp.files) for fp in cache.dirs)
+    in_flight = sum(1 for fp in cache.dirs for t in fp.tmp if not is_stale_tmp(t, args.tmp_age))
+    left = 0
+    for kind, fp, path, detail in found:
+        fixed = repair(kind, fp, path) if args.repair else False
+        left += not fixed
+        if not args.quiet:
+            action = (" -> " + ("quarantined" if kind in ("corrupt", "unknown-layout") else "deleted")
+                      if fixed else (" -> NOT repaired" if args.repair else ""))
+            print(f"{kind:<15}{path}: {detail}{action}")
+    if args.repair:
+        for fp in cache.dirs:
+            remove_empty_dirs(fp)
+    counts = {k: sum(1 for p in found if p[0] == k) for k in ("corrupt", "orphaned-tmp", "unknown-layout", "chain-hole")}
+    quarantined = sum(len(fp.quarantine) for fp in cache.dirs)
+    summary = ", ".join(f"{v} {k}" for k, v in counts.items())
+    print(f"fsck {cache.root}: {n_files} chunk files in {len(cache.dirs)} fingerprint directories checked; "
+          f"{summary}; {in_flight} temporary files in flight; {quarantined} files already in quarantine")
+    for p in cache.other_versions:
+        print(f"note: {p} is another format version; not checked")
+    if not found:
+        print("clean")
+        return EXIT_CLEAN
+    if args.repair and not left:
+        print(f"repaired all {len(found)} problems")
+        return EXIT_REPAIRED
+    print(f"{left} problems left" + ("" if args.repair else "; run with --repair to fix them"))
+    return EXIT_PROBLEMS

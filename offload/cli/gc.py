@@ -1,0 +1,142 @@
+"""`kvoffload gc PATH --max-bytes N`: evict least recently used chunks until PATH fits.
+
+The lookup binary-searches the full-attention files of a request's chain,
+assuming presence is prefix-closed: if chunk k is stored, so is every chunk
+before it. Deleting chunk k while chunk k+1 stays would let a lookup report a
+hit whose load fails. So gc never leaves a hole:
+
+- The unit of eviction is a *chunk*: every file of one key in one fingerprint
+  directory (all groups: attention KV, windowed KV, the Mamba/GDN state).
+  Within a chunk the full-attention files go first, so a concurrent lookup
+  sees the chain end before it can miss a state.
+- A chunk is evicted only after every chunk that chains from it (its
+  descendants, found through the header's `parent` link). Each chunk's
+  recency is the latest use in its subtree (using a descendant used its
+  prefix), and chunks are evicted in order of (recency, deepest first), so a
+  descendant always goes before its ancestor.
+- A chunk whose parent is unknown (files written before the header carried
+  the link: all-zero `parent` past chunk 0) counts as a descendant of every
+  chunk one position earlier in its directory; evicting any of those evicts
+  it too ("positions >= k" within the directory).
+- Models without a full-attention group (pure Mamba) have no chains: each
+  state stands alone, and a missing state only shortens a hit.
+
+Before it evicts anything, gc deletes what no lookup can use: quarantined
+files, files whose header does not verify, orphaned temporary files (older
+than --tmp-age) and chunks below a hole (see `kvoffload fsck`).
+
+Exit codes: 0 the directory fits; 1 it still does not (what is left is not
+evictable: layout files, files in flight); 2 usage error or not a cache.
+
+Recency is max(atime, mtime) of a chunk's files ("--lru atime", default): the
+tier never rewrites a file, so mtime is when it was stored, and atime the
+last read where the filesystem records it (relatime: the first read after a
+write, then at most daily; noatime mounts never). "--lru mtime" ignores
+reads: least recently stored first.
+
+N accepts suffixes K, M, G, T (powers of 1024: 512M = 512 MiB) and counts
+every file under PATH. Run gc while no engine serves from PATH, or accept that
+a chunk evicted between a lookup and its load is a failed load (a recompute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from offload.cli.cache import Chunk, FpDir, NotACache, chunks, human, is_stale_tmp, remove_empty_dirs, scan, unlink
+from offload.planner import GroupKind
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(s: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", s.upper())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{s!r}: expected bytes, optionally with K, M, G or T (e.g. 512M, 2G)")
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gc", help="evict least recently used chunks until the directory fits in N bytes",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("path", help="the connector's 'path' (or its kvoffload-v1/ or a fingerprint directory)")
+    p.add_argument("--max-bytes", type=parse_size, required=True, metavar="N", help="e.g. 1073741824, 512M, 2G")
+    p.add_argument("--lru", choices=("atime", "mtime"), default="atime",
+                   help="recency: max(atime, mtime) (default), or mtime (when stored) only")
+    p.add_argument("--tmp-age", type=float, default=600.0, metavar="SECONDS",
+                   help="a temporary file older than this is orphaned (default 600)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+    p.set_defaults(func=run)
+
+
+def eviction_order(fp: FpDir, by_mtime: bool) -> list[tuple[float, int, Chunk]]:
+    """(subtree recency, -position, chunk) of every good chunk (not below a hole).
+
+    Sorted ascending, this is the order gc evicts in, across directories too:
+    a descendant's recency is at most its ancestor's and its position is
+    larger, so it always sorts first.
+    """
+    graph = {k: c for k, c in chunks(fp).items() if not c.orphan}
+    recency = {k: (max(f.mtime for f in c.files) if by_mtime else c.used) for k, c in graph.items()}
+    for c in sorted(graph.values(), key=lambda c: -c.pos):  # children before parents
+        for ch in c.children:
+            if ch.key in recency:
+                recency[c.key] = max(recency[c.key], recency[ch.key])
+    return [(recency[k], -c.pos, c) for k, c in graph.items()]
+
+
+def evict_chunk(fp: FpDir, c: Chunk, dry_run: bool) -> int:
+    """Delete a chunk's files, full attention first; returns bytes freed."""
+    kinds = fp.group_kinds()
+    freed = 0
+    for f in sorted(c.files, key=lambda f: kinds.get(f.group) is not GroupKind.FULL_ATTENTION):
+        if dry_run or unlink(f.path):
+            freed += f.size
+    return freed
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cache = scan(args.path)
+    except NotACache as e:
+        print(f"kvoffload gc: {e}", file=sys.stderr)
+        return 2
+    root = cache.root
+    total = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    start = total
+    verb = "would delete" if args.dry_run else "deleted"
+    # 1. What no lookup can use.
+    waste = 0
+    for fp in cache.dirs:
+        dead = (list(fp.quarantine) + [t for t in fp.tmp if is_stale_tmp(t, args.tmp_age)]
+                + [f.path for f in fp.files if f.problem])
+        for p in dead:
+            size = p.stat().st_size
+            if args.dry_run or unlink(p):
+                waste += size
+        for c in chunks(fp).values():
+            if c.orphan:
+                waste += evict_chunk(fp, c, args.dry_run)
+    total -= waste
+    print(f"gc {root}: {human(start)} in {sum(len(fp.files) for fp in cache.dirs)} chunk files; "
+          f"limit {human(args.max_bytes)}; {verb} {human(waste)} of quarantined, corrupt, orphaned "
+          f"temporary and unreachable files")
+    # 2. LRU chunks, descendants first, across all fingerprint directories.
+    order = sorted(((r, p, c.key, c, fp) for fp in cache.dirs for r, p, c in eviction_order(fp, args.lru == "mtime")),
+                   key=lambda x: x[:3])
+    evicted = files = 0
+    for _, _, _, c, fp in order:
+        if total <= args.max_bytes:
+            break
+        total -= evict_chunk(fp, c, args.dry_run)
+        evicted += 1
+        files += len(c.files)
+    if not args.dry_run:
+        for fp in cache.dirs:
+            remove_empty_dirs(fp)
+    print(f"{verb} {evicted} least recently used chunks ({files} files); {human(total)} left "
+          f"({'fits' if total <= args.max_bytes else 'does NOT fit: the rest is layout files or in flight'})")
+    return 0 if total <= args.max_bytes else 1
+

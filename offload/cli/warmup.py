@@ -1,0 +1,332 @@
+"""`kvoffload warmup`: replay a prompt file to fill the cache; --verify checks a restart.
+
+    kvoffload warmup --config CONFIG --prompts FILE --model M  [--verify]
+    kvoffload warmup --prompts FILE --url http://host:8000 [--config CONFIG]
+
+With --model, each run is a fresh engine process (`offload.engine_run`) with
+the kv-transfer-config CONFIG and the settings a hybrid model needs
+(--max-num-batched-tokens a multiple of the chunk, a Mamba state kept at every
+chunk boundary). Prompts are served one at a time, greedy, and only their
+prompt tokens are stored. The report gives, per run: prompt tokens, tokens
+restored from each offload tier, tokens vLLM's own prefix cache had, tokens
+computed, the hit rate and load failures.
+
+--verify serves the set twice, in two engine processes (a restart: empty
+vLLM prefix cache and host memory, another PYTHONHASHSEED), and reports the
+cross-restart hit rate of run 2. It passes (exit 0) only if, in run 2, every
+prompt had at least its chunk-aligned prefix cached ((len - 1) // chunk *
+chunk tokens, what run 1 stored), no load failed, and every output is
+token-identical to run 1; otherwise it exits 1.
+
+With --url, prompts go to a running OpenAI-compatible server's
+/v1/completions (text as text, token ids as a list). Cached tokens come from
+`usage.prompt_tokens_details.cached_tokens` (the server needs
+--enable-prompt-tokens-details) and restored tokens per tier from the
+response's `kv_transfer_params`, where present. --verify cannot restart a
+server, so with --url it is refused: run warmup, restart the server, and run
+warmup again; the second report is the cross-restart hit rate.
+
+Exit codes: 0 done (and, with --verify, passed); 1 verify failed; 2 usage
+error (bad prompt file, config or arguments); 3 the engine or server failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from offload.cli.prompts import Prompt, PromptFileError, load, token_ids
+from offload.engine_run import PromptResult, RunResult, RunSpec
+
+HYBRID_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "jamba",
+                "granitemoehybrid", "zamba2", "bamba", "mamba2"}
+DEFAULT_CHUNK = 256  # the connector's default for block sizes that divide 256
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("warmup", help="replay a prompt file through an engine or a server to fill the cache",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="kv-transfer-config JSON file (required with --model)")
+    p.add_argument("--prompts", required=True, help="JSONL ({\"prompt\": ...} or {\"prompt_token_ids\": [...]}) "
+                   "or text (one prompt per line)")
+    p.add_argument("--format", choices=("auto", "jsonl", "text"), default="auto",
+                   help="prompt file format (default: jsonl for .jsonl/.ndjson/.json, else text)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="model path or name: serve through a fresh engine process")
+    src.add_argument("--url", help="base URL of a running OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--served-model-name", help="with --url: the model name (default: the server's first)")
+    p.add_argument("--verify", action="store_true", help="run twice, restarting the engine in between, and "
+                   "check the cross-restart hit rate and output identity")
+    p.add_argument("--max-tokens", type=int, help="tokens generated per prompt (default 1; 16 with --verify)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="vLLM prefill step size, a multiple of the chunk size (default: the chunk size)")
+    p.add_argument("--max-model-len", type=int, help="default: the model's, at most 8192")
+    p.add_argument("--again-after-reset", action="store_true",
+                   help="with --verify: run 2 serves the set a second time after reset_prefix_cache(), "
+                   "showing what the first pass promoted to faster tiers")
+    p.add_argument("--reference", action="store_true",
+                   help="with --verify: also run once without the connector, for comparison only")
+    p.set_defaults(func=run)
+
+
+# ---- engine settings -----------------------------------------------------------------
+
+
+def is_hybrid(model: str) -> bool:
+    cfg_path = Path(model) / "config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    layer_types = set(cfg.get("layer_types") or [])
+    return cfg.get("model_type") in HYBRID_TYPES or bool(layer_types & {"linear_attention", "mamba"})
+
+
+def tiers(kv: dict) -> list[dict]:
+    """Each OffloadConnector tier's extra config (a MultiConnector's children, or the config itself)."""
+    children = kv.get("kv_connector_extra_config", {}).get("children", [kv])
+    return [c.get("kv_connector_extra_config", {}) for c in children if c.get("kv_connector") == "OffloadConnector"]
+
+
+def tier_names(kv: dict | None) -> list[str]:
+    return [t.get("name") or t.get("store", "?") for t in tiers(kv)] if kv else []
+
+
+def chunk_size(kv: dict) -> int:
+    return int(next((t["hybrid_chunk_size"] for t in tiers(kv) if t.get("hybrid_chunk_size")), DEFAULT_CHUNK))
+
+
+def engine_args(model: str, chunk: int, batched: int | None = None, max_len: int | None = None) -> dict:
+    cfg_path = Path(model) / "config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    args: dict[str, Any] = {
+        "enable_prefix_caching": True, "enforce_eager": True,
+        "max_model_len": max_len or min(int(cfg.get("max_position_embeddings", 4096)), 8192),
+        "max_num_batched_tokens": batched or chunk,
+    }
+    if is_hybrid(model):  # a Mamba state at every chunk boundary (docs/architecture.md)
+        args["prefix_cache_retention_interval"] = chunk
+    return args
+
+
+# ---- one engine run, with a progress bar -----------------------------------------------
+
+
+def run_engine_with_progress(spec: RunSpec, label: str, seed: str, timeout_s: float = 3600) -> RunResult:
+    """`offload.engine_run.run_engine`, drawing a bar from the child's per-prompt lines."""
+    from tqdm import tqdm
+
+    total = sum(map(len, spec.order)) if spec.order else len(spec.prompts) * spec.passes
+    with tempfile.TemporaryDirectory(prefix="kvoffload-warmup-") as tmp:
+        spec_path, out, progress, log = (Path(tmp, n) for n in ("spec.json", "out.json", "progress", "engine.log"))
+        spec_path.write_text(json.dumps(asdict(spec)))
+        progress.touch()
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               "PYTHONHASHSEED": seed}
+        with open(log, "w") as lf:
+            proc = subprocess.Popen([sys.executable, "-m", "offload.cli._serve", str(spec_path), str(out),
+                                     str(progress)], env=env, stdout=lf, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        with tqdm(total=total, desc=label, unit="prompt", file=sys.stderr, mininterval=1.0) as bar:
+            while True:
+                done = proc.poll() is not None
+                n = len(progress.read_text()) // 2
+                if n > bar.n:  # update(0) would redraw the bar every poll
+                    bar.update(n - bar.n)
+                if done:
+                    break
+                if time.monotonic() > deadline:
+                    proc.kill()
+                time.sleep(0.5)
+        text = log.read_text(errors="replace")
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{text[-6000:]}")
+        return RunResult([PromptResult(**r) for r in json.loads(out.read_text())], text)
+
+
+# ---- report --------------------------------------------------------------------------
+
+
+def expected(prompt_len: int, chunk: int) -> int:
+    """What a restart can restore of a prompt stored whole: its chunk-aligned prefix."""
+    return (prompt_len - 1) // chunk * chunk
+
+
+def header(names: list[str]) -> str:
+    cols = "".join(f"{'from ' + t:>10}" for t in names)
+    return (f"{'run':<18}{'prompts':>8}{'prompt tok':>11}{cols}{'prefix$':>9}{'computed':>9}{'hit rate':>9}"
+            f"{'expected':>9}{'failed':>7}{'med TTFT':>11}  identical to run 1")
+
+
+def row(label: str, r: RunResult, names: list[str], exp: float | None, identical: str = "-") -> str:
+    per_tier = "".join(f"{sum(x.restored_by_tier.get(t, 0) for x in r.results):>10}" for t in names)
+    own = r.cached_tokens - r.restored_tokens
+    exp_s = f"{exp:.1%}" if exp is not None else "-"
+    return (f"{label:<18}{len(r.results):>8}{r.prompt_tokens:>11}{per_tier}{own:>9}"
+            f"{r.prompt_tokens - r.cached_tokens:>9}{r.hit_rate:>9.1%}{exp_s:>9}"
+            f"{sum(x.load_failed for x in r.results):>7}{r.median_ttft_s * 1000:>8.1f} ms  {identical}")
+
+
+def same(a: RunResult, b: RunResult) -> tuple[bool, str]:
+    n = sum(x == y for x, y in zip(a.outputs(), b.outputs()))
+    ok = n == len(a.results) == len(b.results)
+    return ok, f"{'yes' if ok else 'NO'} ({n}/{len(a.results)})"
+
+
+def verdict(run1: RunResult, run2: list[RunResult], chunk: int) -> list[str]:
+    """Why run 2 (each of its passes) fails --verify; empty if it passes."""
+    problems = []
+    for label, r in zip(("2 after restart", "2 again (reset)"), run2):
+        ok, s = same(r, run1)
+        short = sum(x.cached_tokens < expected(x.prompt_tokens, chunk) for x in r.results)
+        failed = sum(x.load_failed for x in r.results)
+        problems += [f"{label}: {short} prompts below their chunk-aligned prefix"] if short else []
+        problems += [f"{label}: {failed} loads failed"] if failed else []
+        problems += [f"{label}: outputs differ from run 1 ({s})"] if not ok else []
+    return problems
+
+
+# ---- the command ---------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        prompts = load(args.prompts, args.format)
+    except PromptFileError as e:
+        print(f"kvoffload warmup: {e}", file=sys.stderr)
+        return 2
+    if args.url:
+        if args.verify:
+            print("kvoffload warmup: --verify needs a restart between the two runs, and a running server "
+                  "cannot be restarted from here. Run `kvoffload warmup --url ...`, restart the server, then "
+                  "run it again: the second report is the cross-restart hit rate. Or use --model.",
+                  file=sys.stderr)
+            return 2
+        return warm_url(args, prompts)
+    if not args.config:
+        print("kvoffload warmup: --config is required with --model", file=sys.stderr)
+        return 2
+    try:
+        kv = json.loads(Path(args.config).read_text())
+        ids = token_ids(prompts, args.model)
+    except (OSError, ValueError) as e:
+        print(f"kvoffload warmup: {e}", file=sys.stderr)
+        return 2
+    return warm_engine(args, kv, ids)
+
+
+def warm_engine(args: argparse.Namespace, kv: dict, ids: list[list[int]]) -> int:
+    chunk = chunk_size(kv)
+    if args.max_num_batched_tokens and args.max_num_batched_tokens % chunk:
+        print(f"kvoffload warmup: --max-num-batched-tokens={args.max_num_batched_tokens} must be a multiple of "
+              f"the chunk size {chunk}", file=sys.stderr)
+        return 2
+    names = tier_names(kv)
+    max_tokens = args.max_tokens or (16 if args.verify else 1)
+    eng = engine_args(args.model, chunk, args.max_num_batched_tokens, args.max_model_len)
+    total = sum(map(len, ids))
+    exp = sum(expected(len(p), chunk) for p in ids) / max(1, total)
+    print(f"kvoffload warmup: {len(ids)} prompts, {total} tokens, model {args.model}, "
+          f"hybrid_chunk_size {chunk}, tiers {', '.join(names) or '-'}", flush=True)
+
+    def serve(label: str, with_kv: bool, seed: str, passes: int = 1) -> list[RunResult]:
+        spec = RunSpec(args.model, ids, kv if with_kv else None, max_tokens, eng, passes=passes)
+        r = run_engine_with_progress(spec, label, seed)
+        n = len(ids)
+        return [RunResult(r.results[i * n:(i + 1) * n], r.log) for i in range(passes)]
+
+    try:
+        ref = serve("no connector", False, "0")[0] if args.verify and args.reference else None
+        run1 = serve("run 1" if args.verify else "warmup", True, "1")[0]
+        run2 = serve("run 2 (restart)", True, "2", 2 if args.again_after_reset else 1) if args.verify else []
+    except RuntimeError as e:
+        print(f"kvoffload warmup: {e}", file=sys.stderr)
+        return 3
+    print("\n" + header(names))
+    if ref is not None:
+        print(row("no connector", ref, names, None))
+    print(row("1" if args.verify else "warmup", run1, names, None,
+              f"-  | to no-connector run: {same(run1, ref)[1]}" if ref is not None else "-"))
+    if not args.verify:
+        print(f"\nrestored {run1.restored_tokens} and computed {run1.prompt_tokens - run1.cached_tokens} of "
+              f"{run1.prompt_tokens} prompt tokens; {sum(r.load_failed for r in run1.results)} loads failed")
+        return 0
+    for label, r in zip(("2 after restart", "2 again (reset)"), run2):
+        print(row(label, r, names, exp, same(r, run1)[1]))
+    problems = verdict(run1, run2, chunk)
+    r2 = run2[0]
+    print(f"\ncross-restart hit rate {r2.hit_rate:.1%} (expected at least {exp:.1%}); run 2 restored "
+          f"{r2.restored_tokens} of {r2.prompt_tokens} prompt tokens from its tiers; median TTFT "
+          f"{run1.median_ttft_s / max(r2.median_ttft_s, 1e-9):.2f}x run 1's")
+    if problems:
+        print("verify FAILED: " + "; ".join(problems))
+        return 1
+    print("verify OK: every prompt restored its chunk-aligned prefix after the restart; outputs identical to run 1")
+    return 0
+
+
+# ---- a running server ----------------------------------------------------------------
+
+
+def _post(url: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def warm_url(args: argparse.Namespace, prompts: list[Prompt]) -> int:
+    from tqdm import tqdm
+
+    base = args.url.rstrip("/")
+    try:
+        model = args.served_model_name or json.loads(urllib.request.urlopen(f"{base}/v1/models", timeout=30)
+                                                     .read())["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        print(f"kvoffload warmup: {base}/v1/models: {e}", file=sys.stderr)
+        return 3
+    max_tokens = args.max_tokens or 1
+    results, cached_known, tiers_seen = [], True, set()
+    latencies = []
+    for p in tqdm(prompts, desc="warmup", unit="prompt", file=sys.stderr):
+        body = {"model": model, "prompt": p.token_ids if p.token_ids is not None else p.text,
+                "max_tokens": max_tokens, "temperature": 0}
+        t0 = time.monotonic()
+        try:
+            out = _post(f"{base}/v1/completions", body)
+        except (OSError, ValueError) as e:
+            detail = e.read().decode(errors="replace")[:500] if isinstance(e, urllib.error.HTTPError) else ""
+            print(f"kvoffload warmup: {base}/v1/completions: {e} {detail}", file=sys.stderr)
+            return 3
+        latencies.append(time.monotonic() - t0)
+        usage = out.get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        cached_known &= cached is not None
+        ours = {k.split(":", 1)[1]: v for k, v in (out.get("kv_transfer_params") or {}).items()
+                if k.startswith("kvoffload:")}
+        tiers_seen |= set(ours)
+        results.append((int(usage.get("prompt_tokens", 0)), int(cached or 0),
+                        {t: int(v.get("restored_tokens", 0)) for t, v in ours.items()},
+                        any(v.get("load_failed") for v in ours.values())))
+    total = sum(r[0] for r in results)
+    cached = sum(r[1] for r in results)
+    restored = {t: sum(r[2].get(t, 0) for r in results) for t in sorted(tiers_seen)}
+    print(f"\n{len(results)} prompts, {total} prompt tokens, server {base} ({model})")
+    if restored:
+        print("restored per tier: " + ", ".join(f"{t} {n}" for t, n in restored.items())
+              + f"; {sum(r[3] for r in results)} loads failed")
+    else:
+        print("restored per tier: not reported by the server (no kv_transfer_params in its responses)")
+    if cached_known:
+        print(f"cached {cached} (hit rate {cached / max(1, total):.1%}), computed {total - cached}")
+    else:
+        print("cached tokens: not reported; start the server with --enable-prompt-tokens-details")
+    print(f"median request latency {statistics.median(latencies) * 1000:.1f} ms")
+    return 0

@@ -1,0 +1,186 @@
+"""`kvoffload` commands without an engine: check-config on real config files,
+the prompt file format, size parsing, usage errors and exit codes, and the
+--verify verdict on real result records. Engine-backed tests (stats, fsck and
+gc on a cache a real engine wrote, warmup --verify, gc then a restart) are in
+tests/test_cli_e2e.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload import cli
+from offload.cli.gc import parse_size
+from offload.cli.prompts import PromptFileError, load, token_ids
+from offload.cli.warmup import verdict
+from offload.engine_run import PromptResult, RunResult
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as e:  # argparse usage errors
+        rc = int(e.code)
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def write(tmp_path: Path, name: str, doc) -> str:
+    p = tmp_path / name
+    p.write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(p)
+
+
+# ---- check-config ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["fs.json", "cpu.json", "hybrid-tiered.json", "attention-tiered-lmcache.json"])
+def test_check_config_accepts_the_shipped_configs(capsys, name):
+    rc, out = run_cli(capsys, "check-config", str(REPO / "configs" / name))
+    assert rc == 0, out
+    assert "valid" in out
+
+
+def test_check_config_reports_every_problem_with_key_value_and_what_is_valid(capsys, tmp_path):
+    bad = {
+        "kv_connector": "OffloadMultiConnector", "kv_connector_module_path": "offload.connector",
+        "kv_role": "kv_boht",
+        "kv_connector_extra_config": {"children": [
+            {"kv_connector": "OffloadConnector", "kv_connector_module_path": "offload.connector",
+             "kv_role": "kv_both",
+             "kv_connector_extra_config": {"store": "fs", "path": "relative/dir", "io_threads": 0, "colour": 1}},
+            {"kv_connector": "OffloadConnector", "kv_connector_module_path": "offload.connector",
+             "kv_role": "kv_both", "kv_connector_extra_config": {"store": "cpu"}, "load_weight": -1},
+        ]},
+    }
+    rc, out = run_cli(capsys, "check-config", write(tmp_path, "bad.json", bad))
+    assert rc == 1, out
+    lines = [ln for ln in out.splitlines() if ln.startswith(str(tmp_path))]
+    expect = [
+        ("kv_role='kv_boht'", "kv_both"),
+        ("kv_connector_module_path='offload.connector'", "'offload.multi_connector'"),
+        ("children[0].kv_connector_extra_config.path='relative/dir'", "absolute"),
+        ("children[0].kv_connector_extra_config.io_threads=0", "greater than or equal to 1"),
+        ("children[0].kv_connector_extra_config.colour", "valid keys are"),
+        ("children[1].load_weight=-1", "positive number"),
+        ("children[1].kv_connector_extra_config.cpu_bytes", "required"),
+    ]
+    for key, valid in expect:
+        assert any(key in ln and valid in ln for ln in lines), (key, out)
+    assert f"{len(expect)} problems found" in out
+
+
+def test_check_config_single_connector_and_vllm_level_keys(capsys, tmp_path):
+    bad = {"kv_connector": "OffloadConnector", "kv_role": "kv_both", "kv_load_failure_policy": "retry", "foo": 1,
+           "kv_connector_extra_config": {"store": "fs", "path": "/tmp/x", "hybrid_chunk_size": "256"}}
+    rc, out = run_cli(capsys, "check-config", write(tmp_path, "bad.json", bad))
+    assert rc == 1, out
+    assert "kv_load_failure_policy='retry'" in out and "'recompute' or 'fail'" in out
+    assert "foo=1: unknown key" in out
+    assert "kv_connector_module_path=None" in out
+    assert "hybrid_chunk_size='256'" in out and "integer" in out
+
+
+def test_check_config_names_vllms_multiconnector_mistake_and_unreadable_files(capsys, tmp_path):
+    cfg = json.loads((REPO / "configs" / "hybrid-tiered.json").read_text())
+    cfg["kv_connector"] = "MultiConnector"
+    rc, out = run_cli(capsys, "check-config", write(tmp_path, "multi.json", cfg))
+    assert rc == 1 and "OffloadMultiConnector" in out, out
+    rc, out = run_cli(capsys, "check-config", write(tmp_path, "broken.json", '{"kv_connector": '))
+    assert rc == 2 and "cannot read JSON" in out
+    rc, out = run_cli(capsys, "check-config", write(tmp_path, "list.json", [1]))
+    assert rc == 1 and "JSON object" in out
+
+
+# ---- prompt files ---------------------------------------------------------------------
+
+
+def test_prompt_file_formats(tmp_path):
+    jl = write(tmp_path, "p.jsonl", '{"prompt": "hello"}\n\n{"prompt_token_ids": [5, 6, 7], "id": 3}\n')
+    ps = load(jl)
+    assert [p.text for p in ps] == ["hello", None] and ps[1].token_ids == [5, 6, 7]
+    txt = write(tmp_path, "p.txt", "first prompt\n\n  second {not json}\n")
+    assert [p.text for p in load(txt)] == ["first prompt", "  second {not json}"]
+    assert [p.text for p in load(jl, "text")][0] == '{"prompt": "hello"}'
+    for body, msg in (('{"prompt": ""}', "prompt"), ('{"prompt_token_ids": [1, -2]}', "token ids"),
+                      ("[1, 2]", "object"), ("not json", "not JSON"), ("\n\n", "no prompts")):
+        with pytest.raises(PromptFileError, match=msg):
+            load(write(tmp_path, "bad.jsonl", body))
+
+
+def test_text_prompts_use_the_models_tokenizer_or_fail_clearly(models_dir, tmp_path):
+    ps = load(write(tmp_path, "p.txt", "hello world\n"))
+    [ids] = token_ids(ps, str(models_dir / "qwen3-next-tiny"))
+    assert len(ids) > 2 and all(isinstance(i, int) for i in ids)
+    bare = tmp_path / "no-tokenizer"
+    bare.mkdir()
+    shutil.copy(models_dir / "qwen3-next-tiny" / "config.json", bare)
+    with pytest.raises(PromptFileError, match="need a tokenizer.*prompt_token_ids"):
+        token_ids(ps, str(bare))
+    # Token ids need no tokenizer at all.
+    assert token_ids(load(write(tmp_path, "i.jsonl", '{"prompt_token_ids": [1, 2]}')), str(bare)) == [[1, 2]]
+
+
+# ---- sizes, usage errors, exit codes ----------------------------------------------------------
+
+
+def test_parse_size_suffixes():
+    assert parse_size("1024") == 1024
+    assert parse_size("512M") == 512 << 20
+    assert parse_size("2G") == 2 << 30
+    assert parse_size("1.5k") == 1536
+    assert parse_size("3GiB") == 3 << 30
+    with pytest.raises(Exception, match="512M"):
+        parse_size("lots")
+
+
+def test_usage_errors_exit_2(capsys, tmp_path):
+    prompts = write(tmp_path, "p.jsonl", '{"prompt_token_ids": [1, 2, 3]}\n')
+    rc, out = run_cli(capsys, "warmup", "--prompts", prompts, "--url", "http://127.0.0.1:9", "--verify")
+    assert rc == 2 and "cannot be restarted" in out
+    rc, out = run_cli(capsys, "warmup", "--prompts", prompts, "--model", "m")
+    assert rc == 2 and "--config is required" in out
+    rc, out = run_cli(capsys, "warmup", "--prompts", write(tmp_path, "bad.jsonl", "x"), "--model", "m", "--config", "c")
+    assert rc == 2 and "not JSON" in out
+    for cmd in ("stats", "fsck", "gc"):
+        extra = ["--max-bytes", "1G"] if cmd == "gc" else []
+        rc, out = run_cli(capsys, cmd, str(tmp_path), *extra)
+        assert rc == 2 and "kvoffload-v1" in out, (cmd, out)
+    rc, _ = run_cli(capsys, "gc", str(tmp_path), "--max-bytes", "lots")
+    assert rc == 2
+
+
+def test_console_script_is_installed():
+    exe = Path(sys.executable).with_name("kvoffload")
+    assert exe.exists(), "pip install -e . (make setup) installs the kvoffload console script"
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True).stdout
+    for cmd in ("warmup", "stats", "fsck", "gc", "check-config"):
+        assert cmd in out
+
+
+# ---- the --verify verdict -------------------------------------------------------------
+
+
+def _result(n_tokens: int, cached: int, out: list[int], failed: bool = False) -> PromptResult:
+    return PromptResult(prompt_tokens=n_tokens, cached_tokens=cached, restored_tokens=cached, load_failed=failed,
+                        ttft_s=0.01, output_ids=out)
+
+
+def test_verify_verdict_passes_only_a_full_identical_restore():
+    run1 = RunResult([_result(600, 0, [1, 2]), _result(300, 0, [3])], "")
+    good = RunResult([_result(600, 512, [1, 2]), _result(300, 256, [3])], "")
+    assert verdict(run1, [good], 256) == []
+    short = RunResult([_result(600, 256, [1, 2]), _result(300, 256, [3])], "")
+    assert "1 prompts below" in verdict(run1, [short], 256)[0]
+    differs = RunResult([_result(600, 512, [1, 9]), _result(300, 256, [3])], "")
+    assert "outputs differ" in verdict(run1, [differs], 256)[0]
+    failed = RunResult([_result(600, 512, [1, 2], failed=True), _result(300, 256, [3])], "")
+    assert "loads failed" in verdict(run1, [failed], 256)[0]
+    assert "2 again (reset)" in verdict(run1, [good, short], 256)[0]
