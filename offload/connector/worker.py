@@ -86,7 +86,12 @@ class WorkerSide:
         self.data: TierData | None = None
         self.layer_names = layer_names
         self.pages: list[GroupPages] = []
-        self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvoffload-io")
+        # Reads before writes: a load blocks a request, a store blocks nobody.
+        # Loads get their own threads, so they never queue behind a burst of
+        # stores; stores get half as many, and overflow is dropped by policy
+        # (max_pending_store_bytes) rather than queued without bound.
+        self.load_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvoffload-load")
+        self.store_pool = ThreadPoolExecutor(max(1, cfg.io_threads // 2), thread_name_prefix="kvoffload-store")
         self.counters = WorkerCounters()
         self._lock = threading.Lock()
         self._loads: dict[str, Future[str | None]] = {}
@@ -152,7 +157,7 @@ class WorkerSide:
 
     def start_load_kv(self, meta: OffloadMetadata) -> None:
         for job in meta.loads:
-            self._loads[job.req_id] = self.pool.submit(self._load_guarded, job)
+            self._loads[job.req_id] = self.load_pool.submit(self._load_guarded, job)
 
     def _load_guarded(self, job: LoadJob) -> str | None:
         t0 = time.perf_counter()
@@ -209,7 +214,7 @@ class WorkerSide:
             if staged is None:  # a host-memory tier: stored already
                 self._stored(header, len(job.block_ids) * pages.page_bytes, t0)
                 continue
-            fut = self.pool.submit(self._write, header, staged, nbytes, t0)
+            fut = self.store_pool.submit(self._write, header, staged, nbytes, t0)
             with self._lock:
                 self._stores.add(fut)
             fut.add_done_callback(self._forget)
@@ -276,5 +281,6 @@ class WorkerSide:
             self._drop("shutdown", len(not_done))
             logger.warning("kvoffload: shutdown dropped %d stores still pending after %.0fs",
                            len(not_done), self.cfg.shutdown_timeout_s)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.load_pool.shutdown(wait=False, cancel_futures=True)
+        self.store_pool.shutdown(wait=False, cancel_futures=True)
         logger.info("kvoffload worker counters [%s]: %s", self.cfg.tier_name, self.counters)
