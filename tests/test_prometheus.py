@@ -66,10 +66,18 @@ def scraped(models_dir, tmp_path_factory):
         prom_cfg["scrape_configs"][0]["static_configs"][0]["targets"] = [f"127.0.0.1:{port}"]
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(prom_cfg))
         with prometheus(tmp / "prometheus.yml", tmp) as prom:
+            # A first request makes the series exist; rates need scrapes from
+            # before the load, so wait for them, and spread the load over scrapes.
+            complete(base, random_prompt(rng, 300))
+            deadline = time.monotonic() + 60
+            while not query(prom, "count_over_time(kvoffload_lookups_total[1m]) >= 2"):
+                assert time.monotonic() < deadline, "Prometheus did not scrape the kvoffload series"
+                time.sleep(1)
             usage = []
             for rnd in range(3):  # the same prefixes each round: rounds 2 and 3 restore from the CPU tier
                 for p in prefixes:
                     usage.append(complete(base, p + random_prompt(rng, 60 + 40 * rnd))["usage"])
+                    time.sleep(1.5)
                 post(base, "/reset_prefix_cache")
             time.sleep(4)  # a few scrapes after the last request
             exported = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()

@@ -56,7 +56,10 @@ class BufferPool:
                 self.reused += 1
                 return free.pop()
             self.allocated += 1
-        raw = torch.empty(cap + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
+        # Not an inference tensor, although stores are staged under vLLM's
+        # inference_mode: the I/O threads write the header into it outside it.
+        with torch.inference_mode(False):
+            raw = torch.empty(cap + DIRECT_ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
         off = (-raw.data_ptr()) % DIRECT_ALIGN
         return raw[off:off + cap]  # the view keeps `raw` alive
 
