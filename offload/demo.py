@@ -1,21 +1,24 @@
-"""`make demo`: a cross-restart warm-up run on the embedded tiny hybrid model.
+"""`make demo`: `kvoffload warmup --verify` on the embedded tiny hybrid model.
 
-Three engine processes serve the same prompt set (groups of prompts sharing a
-prefix), by default through the tiered config (CPU child + filesystem child):
-a reference without the connector, run 1 (cold cache: it stores), and run 2
-after a restart (a new process, empty vLLM prefix cache and host memory,
-another PYTHONHASHSEED: it restores from disk). Run 2 then serves the set
-again after `reset_prefix_cache()`: the prefixes it loaded from disk were
-promoted to host memory. Prints prompt tokens, tokens restored per tier, hit
-rate against the expected chunk-aligned shared-prefix fraction, median TTFT,
-and whether outputs are token-identical.
+Writes the embedded prompt set (four groups of three prompts sharing a prefix
+of 1-4 chunks) to a JSONL file and a copy of the kv-transfer-config whose
+filesystem tier points at a fresh cache directory, then runs
 
-The gate is run 2 against run 1: the same engine with the connector loaded,
-run 1 restoring nothing from disk. Merely loading a KV connector (even one
-that does nothing) can flip a near-tie bf16 greedy token of a random-weight
-model in vLLM (../shared/notes/cpu-platform.md), so the comparison with the
-no-connector run is printed for information. Exits non-zero if run 2 misses
-its expected hit rate or differs from run 1 in any token.
+    kvoffload warmup --config CONFIG --prompts PROMPTS --model MODEL \
+        --verify --again-after-reset --reference
+
+which serves the set in three engine processes: without the connector (for
+comparison), run 1 (cold cache: it stores), and run 2 after a restart (a new
+process, empty vLLM prefix cache and host memory, another PYTHONHASHSEED: it
+restores from disk), which then serves the set again after
+`reset_prefix_cache()` to show the prefixes promoted to host memory. The
+table has a column per tier. The demo fails (exit 1) unless run 2 restores
+every prompt's chunk-aligned prefix and its outputs are token-identical to
+run 1's.
+
+Run 2 is compared with run 1, not with the no-connector run: loading any KV
+connector (even one that does nothing) can flip a near-tie bf16 greedy token
+of a random-weight model in vLLM, so that comparison is for information.
 
     python -m offload.demo [--model PATH] [--config configs/fs.json] [--cache-dir DIR]
 """
@@ -25,21 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import shutil
 import sys
 from pathlib import Path
 
-from offload.engine_run import RunResult, RunSpec, run_engine
+from offload import cli
+from offload.cli.warmup import chunk_size, is_hybrid, tiers
 
 REPO = Path(__file__).resolve().parents[1]
-HYBRID_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "jamba",
-                "granitemoehybrid", "zamba2", "bamba", "mamba2"}
-
-
-def is_hybrid(model: str) -> bool:
-    cfg = json.loads((Path(model) / "config.json").read_text()) if Path(model, "config.json").exists() else {}
-    layer_types = set(cfg.get("layer_types") or [])
-    return cfg.get("model_type") in HYBRID_TYPES or bool(layer_types & {"linear_attention", "mamba"})
 
 
 def prompt_set(chunk: int, vocab: int, seed: int = 7) -> tuple[list[list[int]], list[int]]:
@@ -57,15 +54,8 @@ def prompt_set(chunk: int, vocab: int, seed: int = 7) -> tuple[list[list[int]], 
     return prompts, shared
 
 
-def _row(label: str, r: RunResult, names: list[str], expected: float | None, identical: str) -> str:
-    exp = f"{expected:8.1%}" if expected is not None else f"{'-':>8}"
-    per_tier = "".join(f"{sum(x.restored_by_tier.get(t, 0) for x in r.results):>10}" for t in names)
-    return (f"{label:<19}{r.prompt_tokens:>11}{per_tier}{r.cached_tokens:>9}"
-            f"{r.hit_rate:>10.1%}{exp:>10}{r.median_ttft_s * 1000:>12.1f} ms  {identical}")
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="cross-restart warm-up demo")
+    ap = argparse.ArgumentParser(description="cross-restart warm-up demo (kvoffload warmup --verify)")
     ap.add_argument("--model", default=str(REPO / ".models" / "qwen3-next-tiny"))
     ap.add_argument("--config", default=str(REPO / "configs" / "hybrid-tiered.json"), help="kv-transfer-config JSON")
     ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "demo"), help="replaces the fs tier's path")
@@ -75,66 +65,28 @@ def main(argv: list[str] | None = None) -> int:
     kv = json.loads(Path(args.config).read_text())
     cache = Path(args.cache_dir).resolve()
     shutil.rmtree(cache, ignore_errors=True)  # run 1 must start cold
-    tiers = [c.get("kv_connector_extra_config", {}) for c in kv["kv_connector_extra_config"].get("children", [kv])]
-    for t in tiers:
+    for t in tiers(kv):
         if t.get("store") == "fs":
-            t["path"] = str(cache)
-    chunk = int(next((t["hybrid_chunk_size"] for t in tiers if t.get("hybrid_chunk_size")), 256))
-    names = [t.get("name") or t.get("store", "?") for t in tiers]
+            t["path"] = str(cache / "fs")
+    chunk = chunk_size(kv)
     model_cfg = json.loads((Path(args.model) / "config.json").read_text())
     prompts, shared = prompt_set(chunk, int(model_cfg.get("vocab_size", 1024)))
-    hybrid = is_hybrid(args.model)
-    max_len = min(int(model_cfg.get("max_position_embeddings", 4096)), 8192)
-    engine = {"enable_prefix_caching": True, "max_model_len": max_len, "max_num_batched_tokens": chunk,
-              "enforce_eager": True}
-    if hybrid:  # a Mamba state at every chunk boundary (docs/architecture.md)
-        engine["prefix_cache_retention_interval"] = chunk
-
-    total = sum(map(len, prompts))
-    exp1 = sum(shared) / total
-    exp2 = sum((len(p) - 1) // chunk * chunk for p in prompts) / total
-    print(f"kvoffload demo: {Path(args.model).name} ({'hybrid' if hybrid else 'attention'}), "
-          f"{len(prompts)} prompts in 4 shared-prefix groups, hybrid_chunk_size={chunk}, cache {cache}")
-
-    def serve(label: str, with_cache: bool, seed: str, passes: int = 1) -> list[RunResult]:
-        print(f"  {label} ...", flush=True)
-        spec = RunSpec(args.model, prompts, kv if with_cache else None, args.max_tokens, engine, passes=passes)
-        run = run_engine(spec, env={"PYTHONHASHSEED": seed})
-        n = len(prompts)
-        return [RunResult(run.results[i * n:(i + 1) * n], run.log) for i in range(passes)]
-
-    [ref] = serve("reference (no connector)", False, "0")
-    [run1] = serve("run 1 (cold cache)", True, "1")
-    run2, run2b = serve("run 2 (after restart), then again after reset_prefix_cache()", True, "2", passes=2)
-
-    def same(r: RunResult, base: RunResult) -> tuple[bool, str]:
-        n = sum(a == b for a, b in zip(r.outputs(), base.outputs()))
-        return n == len(prompts), f"{'yes' if n == len(prompts) else 'NO'} ({n}/{len(prompts)})"
-
-    tier_cols = "".join(f"{'from ' + t:>10}" for t in names)
-    print(f"\n{'run':<19}{'prompt tok':>11}{tier_cols}{'cached':>9}{'hit rate':>10}{'expected':>10}"
-          f"{'median TTFT':>15}  identical to run 1 | to no-connector run")
-    ok2, s2 = same(run2, run1)
-    ok2b, s2b = same(run2b, run1)
-    print(_row("no connector", ref, names, None, "-"))
-    print(_row("1 cold", run1, names, exp1, f"-      | {same(run1, ref)[1]}"))
-    print(_row("2 after restart", run2, names, exp2, f"{s2} | {same(run2, ref)[1]}"))
-    print(_row("2 again (reset)", run2b, names, exp2, f"{s2b} | {same(run2b, ref)[1]}"))
+    cache.mkdir(parents=True)
+    cfg_path, prompts_path = cache / "kv-transfer-config.json", cache / "prompts.jsonl"
+    cfg_path.write_text(json.dumps(kv, indent=2))
+    prompts_path.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    print(f"kvoffload demo: {Path(args.model).name} ({'hybrid' if is_hybrid(args.model) else 'attention'}), "
+          f"{len(prompts)} prompts in 4 shared-prefix groups (run 1 can reuse "
+          f"{sum(shared) / sum(map(len, prompts)):.1%} of its tokens within the run), cache {cache}")
+    cmd = ["warmup", "--config", str(cfg_path), "--prompts", str(prompts_path), "--model", args.model,
+           "--verify", "--again-after-reset", "--reference", "--max-tokens", str(args.max_tokens)]
+    print("$ kvoffload " + shlex.join(cmd), flush=True)
+    rc = cli.main(cmd)
     files = sorted(cache.rglob("*.kv"))
-    print(f"\ncache: {len(files)} chunk files, {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB; "
-          f"run 2 restored {run2.restored_tokens} of {run2.prompt_tokens} prompt tokens from its tiers; "
-          f"TTFT {run1.median_ttft_s / max(run2.median_ttft_s, 1e-9):.2f}x faster than run 1 (median)")
-    hit_ok = abs(run2.hit_rate - exp2) < 1e-9 and abs(run2b.hit_rate - exp2) < 1e-9
-    ok2 = ok2 and ok2b
-    if not same(run1, ref)[0]:
-        print("note: run 1 restored nothing, so its difference from the no-connector run is vLLM's own "
-              "(loading any KV connector can flip a near-tie bf16 token); run 2 is compared with run 1")
-    if not (ok2 and hit_ok):
-        print("demo FAILED: " + ("run 2 hit rate differs from the chunk-aligned fraction; " if not hit_ok else "")
-              + ("run 2 outputs differ from run 1" if not ok2 else ""))
-        return 1
-    print("demo OK: run 2 hit rate equals the chunk-aligned shared-prefix fraction; outputs identical to run 1")
-    return 0
+    print(f"cache: {len(files)} chunk files, {sum(f.stat().st_size for f in files) / 2**20:.1f} MiB "
+          f"(`kvoffload stats {cache / 'fs'}` for more)")
+    print("demo OK" if rc == 0 else f"demo FAILED (kvoffload warmup exit {rc})")
+    return rc
 
 
 if __name__ == "__main__":

@@ -28,11 +28,12 @@ than --tmp-age) and chunks below a hole (see `kvoffload fsck`).
 Exit codes: 0 the directory fits; 1 it still does not (what is left is not
 evictable: layout files, files in flight); 2 usage error or not a cache.
 
-Recency is max(atime, mtime) of a chunk's files ("--lru atime", default): the
-tier never rewrites a file, so mtime is when it was stored, and atime the
-last read where the filesystem records it (relatime: the first read after a
-write, then at most daily; noatime mounts never). "--lru mtime" ignores
-reads: least recently stored first.
+Recency is max(atime, mtime) of a chunk's files ("--lru atime", default):
+mtime is when the file was stored, or last loaded where the file tier
+refreshes it on a load; atime is the last read where the filesystem records
+it (relatime: the first read after a write, then at most daily; noatime:
+never). gc and fsck read headers with O_NOATIME, so they do not count as
+use. "--lru mtime" ignores atime.
 
 N accepts suffixes K, M, G, T (powers of 1024: 512M = 512 MiB) and counts
 every file under PATH. Run gc while no engine serves from PATH, or accept that

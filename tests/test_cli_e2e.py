@@ -1,0 +1,311 @@
+"""`kvoffload` commands on real engines and on the files a real engine wrote.
+
+Engine starts in this module: 2 (warmup --verify, shared by every test as
+the module's cold cache) + 1 (a restart after gc) + 1 (an OpenAI server for
+warmup --url) = 4. stats, fsck and gc run on copies of the cache warmup
+filled; what they should find is derived independently, from the prompts'
+chunk keys (offload.keys) and the files on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt
+from offload import cli
+from offload.cli.prompts import load, token_ids
+from offload.engine_run import RunSpec, run_engine
+from offload.keys import chunk_keys, request_root
+
+pytestmark = pytest.mark.e2e
+
+GDN, ATTN = 0, 1  # Qwen3-Next groups: GDN state, full attention
+rng = random.Random(4004)
+_S = random_prompt(rng, 2 * CHUNK)
+TOKEN_PROMPTS = [_S + random_prompt(rng, 300), _S + random_prompt(rng, 150),  # share chunks 0-1
+                 random_prompt(rng, 900), random_prompt(rng, 700)]  # P2: 3 chunks, P3: 2 chunks
+TEXT = "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(800))
+
+
+def cli_run(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            rc = cli.main(list(argv))
+        except SystemExit as e:
+            rc = int(e.code)
+    return rc, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def warm(models_dir, tmp_path_factory):
+    """`kvoffload warmup --verify` on the tiny hybrid model: the module's cold cache."""
+    d = tmp_path_factory.mktemp("warm")
+    model = str(models_dir / "qwen3-next-tiny")
+    cfg = d / "kv.json"
+    cfg.write_text(json.dumps(fs_kv_config(d / "cache")))
+    prompts = d / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in TOKEN_PROMPTS)
+                       + json.dumps({"prompt": TEXT}) + "\n")
+    rc, out = cli_run("warmup", "--config", str(cfg), "--prompts", str(prompts), "--model", model, "--verify")
+    snapshot = tmp_path_factory.mktemp("snapshot")
+    shutil.copytree(d / "cache", snapshot, dirs_exist_ok=True)
+    return {"rc": rc, "out": out, "model": model, "snapshot": snapshot, "ids": token_ids(load(prompts), model)}
+
+
+def copy_cache(warm, tmp_path) -> Path:
+    dst = tmp_path / "cache"
+    shutil.copytree(warm["snapshot"], dst)
+    return dst
+
+
+def fp_dir(cache: Path) -> tuple[Path, dict]:
+    [(name, lay)] = list(layouts(cache).items())
+    return cache / "kvoffload-v1" / name, lay
+
+
+def files_of(cache: Path, prompt: list[int], group: int) -> list[Path]:
+    """The (chunk, group) file paths of every full chunk of `prompt`, from its keys."""
+    root, lay = fp_dir(cache)
+    keys = chunk_keys(request_root(bytes.fromhex(lay["base_fingerprint"])), prompt, CHUNK)
+    return [root / f"g{group}" / k.hex()[:2] / f"{k.hex()}.kv" for k in keys]
+
+
+def restorable(cache: Path, prompt: list[int]) -> int:
+    """Tokens a lookup can restore from the files present: the longest n with
+    attention chunks 0..n-1 and the GDN state at n, at most len - 1."""
+    attn, gdn = files_of(cache, prompt, ATTN), files_of(cache, prompt, GDN)
+    best = 0
+    for n in range(1, (len(prompt) - 1) // CHUNK + 1):
+        if not attn[n - 1].exists():
+            break
+        if gdn[n - 1].exists():
+            best = n * CHUNK
+    return best
+
+
+def dir_bytes(cache: Path) -> int:
+    return sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
+
+
+# ---- warmup --verify -------------------------------------------------------------------
+
+
+def test_warmup_verify_restores_every_chunk_aligned_prefix_after_a_restart(warm):
+    out = warm["out"]
+    assert warm["rc"] == 0, out
+    assert "verify OK" in out
+    m = re.search(r"cross-restart hit rate ([\d.]+)% \(expected at least ([\d.]+)%\)", out)
+    assert m and float(m.group(1)) >= float(m.group(2)) > 50, out
+    row = next(ln for ln in out.splitlines() if ln.startswith("2 after restart"))
+    cols = row.split()
+    assert cols[cols.index("ms") - 2] == "0", f"no load failures: {row}"  # the 'failed' column
+    assert "yes (5/5)" in row
+    for ids in warm["ids"]:  # every prompt was stored whole, text included
+        assert all(f.exists() for f in files_of(warm["snapshot"], ids, ATTN)), "attention chunks stored"
+
+
+# ---- stats -----------------------------------------------------------------------------
+
+
+def test_stats_counts_match_the_files_and_the_prompts_keys(warm, capsys):
+    cache = warm["snapshot"]
+    rc, out = cli_run("stats", str(cache), "--json")
+    assert rc == 0
+    rep = json.loads(out)
+    [d] = rep["fingerprints"]
+    kv = sorted(cache.rglob("*.kv"))
+    assert d["files"] == len(kv) and d["bytes"] == sum(f.stat().st_size for f in kv)
+    assert d["model"].endswith("qwen3-next-tiny") and d["chunk_size"] == CHUNK
+    groups = {g["group"]: g for g in d["groups"]}
+    assert groups[GDN]["kind"] == "mamba" and groups[ATTN]["kind"] == "full_attention"
+    attn_keys = {f for ids in warm["ids"] for f in files_of(cache, ids, ATTN)}
+    assert groups[ATTN]["files"] == len(attn_keys)  # shared chunks are stored once
+    assert d["chunks"] == len({f.stem for f in kv})
+    assert d["longest_chain_tokens"] == max(len(p) // CHUNK for p in warm["ids"]) * CHUNK
+    assert d["quarantined_files"] == 0 and d["tmp_files"] == 0
+    rc, table = cli_run("stats", str(cache))
+    assert rc == 0 and d["fingerprint"][:16] in table and "full_attention" in table
+
+
+# ---- fsck ------------------------------------------------------------------------------
+
+
+def test_fsck_finds_each_fault_and_repair_fixes_it(warm, tmp_path):
+    cache = copy_cache(warm, tmp_path)
+    rc, out = cli_run("fsck", str(cache))
+    assert rc == 0 and "clean" in out, out
+
+    shared0 = files_of(cache, TOKEN_PROMPTS[0], ATTN)[0]  # chunk 0 of the shared prefix: has descendants
+    raw = bytearray(shared0.read_bytes())
+    raw[-1] ^= 0xFF  # payload byte
+    shared0.write_bytes(raw)
+    p3_state = files_of(cache, TOKEN_PROMPTS[3], GDN)[0]
+    with open(p3_state, "r+b") as f:
+        f.truncate(p3_state.stat().st_size - 100)
+    p2_attn = files_of(cache, TOKEN_PROMPTS[2], ATTN)[2]  # last chunk: no descendants
+    raw = bytearray(p2_attn.read_bytes())
+    raw[90] ^= 0x01  # header byte (token_end)
+    p2_attn.write_bytes(raw)
+    old_tmp = p2_attn.with_name(p2_attn.name + ".tmp.4242.0badc0de")
+    old_tmp.write_bytes(b"x" * 100)
+    os.utime(old_tmp, (time.time() - 7200, time.time() - 7200))
+    fresh_tmp = p2_attn.with_name(p2_attn.name + ".tmp.4243.00c0ffee")
+    fresh_tmp.write_bytes(b"y")
+    root, _ = fp_dir(cache)
+    stray_chunk = files_of(cache, TOKEN_PROMPTS[3], ATTN)[1]
+    foreign = root.parent / ("ab" * 32) / "g1" / stray_chunk.parent.name
+    foreign.mkdir(parents=True)
+    shutil.copy(stray_chunk, foreign)  # a fingerprint directory without layout.json
+    (root / "notes.txt").write_text("hello")
+
+    rc, out = cli_run("fsck", str(cache))
+    assert rc == 1, out
+    lines = out.splitlines()
+
+    def listed(kind: str, path: Path) -> bool:
+        return any(ln.startswith(kind) and str(path) in ln for ln in lines)
+
+    assert listed("corrupt", shared0) and "payload checksum" in out
+    assert listed("corrupt", p3_state) and "truncated" in out
+    assert listed("corrupt", p2_attn) and "header checksum" in out
+    assert listed("orphaned-tmp", old_tmp) and not any(str(fresh_tmp) in ln for ln in lines)
+    assert listed("unknown-layout", root / "notes.txt")
+    assert listed("unknown-layout", foreign / stray_chunk.name) and "unknown layout: no layout.json" in out
+    # Everything that chains from the corrupt shared chunk 0 sits below a hole.
+    for p in TOKEN_PROMPTS[:2]:
+        for f in files_of(cache, p, ATTN)[1:]:
+            assert listed("chain-hole", f), f
+    assert "1 temporary files in flight" in out
+    assert shared0.exists() and old_tmp.exists(), "fsck without --repair changes nothing"
+
+    rc, out = cli_run("fsck", str(cache), "--repair")
+    assert rc == 3, out
+    assert not shared0.exists() and not p3_state.exists() and not old_tmp.exists() and fresh_tmp.exists()
+    q = sorted(p.name for p in (root / "quarantine").iterdir())
+    assert any(n.startswith(shared0.name) for n in q) and any(n.startswith(p3_state.name) for n in q)
+    assert any(n.startswith("notes.txt") for n in q)
+    assert not any(f.exists() for p in TOKEN_PROMPTS[:2] for f in files_of(cache, p, ATTN)[1:])
+    rc, out = cli_run("fsck", str(cache))
+    assert rc == 0, out
+
+
+# ---- gc, then a restart ------------------------------------------------------------------
+
+
+def test_gc_evicts_lru_chains_deepest_first_and_a_restart_restores_what_is_left(warm, tmp_path):
+    cache = copy_cache(warm, tmp_path)
+    ids = warm["ids"]
+    now = time.time()
+    for f in cache.rglob("*.kv"):
+        os.utime(f, (now - 10, now - 10))
+    p2 = [f for g in (ATTN, GDN) for f in files_of(cache, TOKEN_PROMPTS[2], g) if f.exists()]
+    p3 = [f for g in (ATTN, GDN) for f in files_of(cache, TOKEN_PROMPTS[3], g) if f.exists()]
+    for f in p2:
+        os.utime(f, (now - 5000, now - 5000))  # least recently used
+    for f in p3:
+        os.utime(f, (now - 1000, now - 1000))  # next
+    total = dir_bytes(cache)
+
+    # 1. Room for everything but P2: exactly P2's chunks go.
+    rc, out = cli_run("gc", str(cache), "--max-bytes", str(total - sum(f.stat().st_size for f in p2)))
+    assert rc == 0, out
+    assert not any(f.exists() for f in p2)
+    assert all(f.exists() for f in p3)
+    # 2. One byte less: one more chunk, P3's deepest (its descendant goes before chunk 0).
+    limit = dir_bytes(cache) - 1
+    rc, out = cli_run("gc", str(cache), "--max-bytes", str(limit))
+    assert rc == 0 and dir_bytes(cache) <= limit, out
+    p3_attn, p3_gdn = files_of(cache, TOKEN_PROMPTS[3], ATTN), files_of(cache, TOKEN_PROMPTS[3], GDN)
+    assert p3_attn[0].exists() and p3_gdn[0].exists() and not p3_attn[1].exists()
+    assert "1 least recently used chunks" in out
+    # 3. Everything left is prefix-closed along every prompt's chain.
+    for p in ids:
+        present = [f.exists() for f in files_of(cache, p, ATTN)]
+        assert present == sorted(present, reverse=True), "no hole in a chain"
+    rc, out = cli_run("fsck", str(cache))
+    assert rc == 0, out
+
+    expect = [restorable(cache, p) for p in ids]
+    assert expect[2] == 0 and expect[3] == CHUNK and expect[0] == (len(ids[0]) - 1) // CHUNK * CHUNK
+    run = run_engine(RunSpec(warm["model"], ids, fs_kv_config(cache), max_tokens=4,
+                             engine_args=engine_args(True)), env={"PYTHONHASHSEED": "5"})
+    for i, (r, e) in enumerate(zip(run.results, expect)):
+        assert not r.load_failed, f"prompt {i}: a hit gc left unrestorable"
+        assert r.cached_tokens >= e, (i, r, e)
+    assert run.results[3].restored_tokens == CHUNK and run.results[2].restored_tokens == 0
+    assert run.results[0].restored_tokens == expect[0]
+
+
+# ---- warmup --url ----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_warmup_url_replays_text_and_token_prompts_through_a_running_server(models_dir, tmp_path):
+    model = str(models_dir / "qwen3-next-tiny")
+    port = _free_port()
+    args = engine_args(True)
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+           "--max-model-len", str(args["max_model_len"]),
+           "--max-num-batched-tokens", str(args["max_num_batched_tokens"]),
+           "--prefix-cache-retention-interval", str(args["prefix_cache_retention_interval"]),
+           "--enforce-eager", "--shutdown-timeout", "30",
+           "--kv-transfer-config", json.dumps(fs_kv_config(tmp_path / "cache"))]
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            assert server.poll() is None, log_path.read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "server did not become healthy"
+                time.sleep(1)
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text(json.dumps({"prompt": TEXT}) + "\n"
+                           + json.dumps({"prompt_token_ids": TOKEN_PROMPTS[3]}) + "\n")
+        url = f"http://127.0.0.1:{port}"
+        rc, first = cli_run("warmup", "--prompts", str(prompts), "--url", url)
+        assert rc == 0, first
+        rc, second = cli_run("warmup", "--prompts", str(prompts), "--url", url)
+        assert rc == 0, second
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    n_tok = int(re.search(r"2 prompts, (\d+) prompt tokens", first).group(1))
+    assert n_tok > len(TOKEN_PROMPTS[3])  # the server tokenized the text prompt
+    cached1 = int(re.search(r"cached (\d+) ", first).group(1))
+    cached2 = int(re.search(r"cached (\d+) ", second).group(1))
+    # The second pass finds both prompts' chunk-aligned prefixes (vLLM's cache or the tier).
+    assert cached2 > cached1 and cached2 >= (len(TOKEN_PROMPTS[3]) - 1) // CHUNK * CHUNK, (first, second)
+    assert "restored per tier: fs" in first, first
+    # The server's worker stored the prompts' chunks.
+    assert all(f.exists() for f in files_of(tmp_path / "cache", TOKEN_PROMPTS[3], ATTN))
