@@ -50,6 +50,14 @@ class RunSpec:
 class RunResult:
     results: list[PromptResult]
     log: str  # the engine's stdout+stderr, for checks on what it logged
+    # kvoffload_* Prometheus samples (name, labels, value) as the engine's own
+    # stat logger exported them after the last pass (offload/metrics.py).
+    metrics: list[tuple[str, dict[str, str], float]] = field(default_factory=list)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of `name` whose labels include `labels`."""
+        return sum(v for n, lab, v in self.metrics
+                   if n == name and all(lab.get(k) == want for k, want in labels.items()))
 
     @property
     def prompt_tokens(self) -> int:
@@ -90,10 +98,23 @@ def run_engine(spec: RunSpec, env: dict[str, str] | None = None, timeout_s: floa
         if proc.returncode != 0 or not out_path.exists():
             raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{log[-6000:]}")
         results = [PromptResult(**r) for r in json.loads(out_path.read_text())]
-        return RunResult(results, log)
+        return RunResult(results, log, read_metrics(out_path))
 
 
-def _serve(spec: RunSpec) -> list[PromptResult]:
+def read_metrics(out_path: Path) -> list[tuple[str, dict[str, str], float]]:
+    """The samples a child wrote next to its results file (OUT.metrics)."""
+    p = Path(f"{out_path}.metrics")
+    return [tuple(m) for m in json.loads(p.read_text())] if p.exists() else []
+
+
+def _metrics() -> list[tuple[str, dict[str, str], float]]:
+    from prometheus_client import REGISTRY
+
+    return [(s.name, dict(s.labels), s.value) for m in REGISTRY.collect() if m.name.startswith("kvoffload")
+            for s in m.samples]
+
+
+def _serve(spec: RunSpec) -> tuple[list[PromptResult], list[tuple[str, dict[str, str], float]]]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -108,8 +129,9 @@ def _serve(spec: RunSpec) -> list[PromptResult]:
         if p:
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         out.extend(_serve_pass(llm, [spec.prompts[i] for i in indices], params))
+    metrics = _metrics()
     del llm  # clean shutdown: the connector finishes its stores in flight
-    return out
+    return out, metrics
 
 
 def _serve_pass(llm: Any, prompts: list[list[int]], params: Any) -> list[PromptResult]:
@@ -134,8 +156,9 @@ def _serve_pass(llm: Any, prompts: list[list[int]], params: Any) -> list[PromptR
 
 def main(argv: list[str]) -> int:
     spec = RunSpec(**json.loads(Path(argv[0]).read_text()))
-    results = _serve(spec)
+    results, metrics = _serve(spec)
     Path(argv[1]).write_text(json.dumps([asdict(r) for r in results]))
+    Path(argv[1] + ".metrics").write_text(json.dumps(metrics))
     return 0
 
 

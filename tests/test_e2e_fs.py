@@ -126,6 +126,11 @@ def test_corrupt_or_truncated_file_of_either_group_is_a_counted_logged_miss(qwen
         assert len(lines) == 1, f"{how}: logged exactly once, got {lines}"
     counters = re.search(r"counters \[fs\]: .*chunk_misses=\{'corrupt': (\d+)\}", warm.log)
     assert counters and int(counters.group(1)) == len(targets)
+    # The same events in the engine's Prometheus metrics, per group kind.
+    assert warm.metric("kvoffload_checksum_failures_total", tier="fs", group_kind="mamba") == 2
+    assert warm.metric("kvoffload_checksum_failures_total", tier="fs", group_kind="full_attention") == 2
+    assert warm.metric("kvoffload_failed_loads_total", tier="fs", reason="corrupt") == len(targets)
+    assert warm.metric("kvoffload_restored_tokens_total", tier="fs") == warm.restored_tokens
 
 
 @pytest.fixture(scope="module")
