@@ -54,6 +54,34 @@ class OffloadConfig(BaseModel):
         description="identity of the model in cache keys (default: the served model path); "
         "set it when one model is served from different paths sharing a cache",
     )
+    file_mode: str = Field(
+        default="0640", pattern=r"^0?[0-7]{3}$",
+        description="permissions of cache files, an octal string such as '0640' or '0660' (owner read+write "
+        "required; never writable by others)",
+    )
+    dir_mode: str = Field(
+        default="0750", pattern=r"^0?[0-7]{3}$",
+        description="permissions of cache directories, an octal string such as '0750' or '0770' (owner rwx "
+        "required; never writable by others)",
+    )
+    max_bytes: int | None = Field(
+        default=None, ge=1 << 20, le=1 << 50,
+        description="byte budget of the cache directory for store 'fs' (1 MiB to 1 PiB; default: no budget); "
+        "beyond it the least recently used chunks are evicted, descendants first",
+    )
+    orphan_tmp_age_s: float = Field(
+        default=3600.0, ge=60, le=7 * 86400,
+        description="age after which a temporary file of any host is an orphan and removed (60 s to 7 days); "
+        "this host's temporary files are removed at start-up as soon as their writer is gone",
+    )
+
+    @property
+    def file_mode_bits(self) -> int:
+        return int(self.file_mode, 8)
+
+    @property
+    def dir_mode_bits(self) -> int:
+        return int(self.dir_mode, 8)
 
     @property
     def tier_name(self) -> str:
@@ -65,7 +93,27 @@ class OffloadConfig(BaseModel):
             raise ValueError("path: required for store 'fs' (an absolute cache directory, created if missing)")
         if self.store == "cpu" and self.cpu_bytes is None:
             raise ValueError("cpu_bytes: required for store 'cpu' (the host memory budget in bytes)")
+        if self.store == "cpu" and self.path is not None:
+            raise ValueError("path: only for store 'fs'; remove it, or set \"store\": \"fs\"")
+        if self.store == "fs" and self.cpu_bytes is not None:
+            raise ValueError("cpu_bytes: only for store 'cpu'; remove it, or set \"store\": \"cpu\" "
+                             "(the file tier's budget is max_bytes)")
+        if self.store == "cpu" and self.max_bytes is not None:
+            raise ValueError("max_bytes: only for store 'fs'; the host-memory budget is cpu_bytes")
         return self
+
+    @field_validator("file_mode", "dir_mode")
+    @classmethod
+    def _mode(cls, v: str, info) -> str:
+        bits = int(v, 8)
+        if bits & 0o002:
+            raise ValueError("must not be writable by others (anyone could plant or replace cache files); "
+                             "use e.g. '0660'/'0770' to share with a group")
+        need = 0o600 if info.field_name == "file_mode" else 0o700
+        if bits & need != need:
+            raise ValueError(f"the owner needs {'read+write' if need == 0o600 else 'rwx'} "
+                             f"(at least {need:04o})")
+        return f"{bits:04o}"
 
     @field_validator("path")
     @classmethod
@@ -77,10 +125,13 @@ class OffloadConfig(BaseModel):
             raise ValueError("must be an absolute path, e.g. /var/cache/kvoffload")
         if ".." in p.parts:
             raise ValueError("must not contain '..'")
+        if "\x00" in v:
+            raise ValueError("must not contain NUL bytes")
         return os.path.normpath(v)
 
 
 def _describe(err: dict[str, Any]) -> str:
+    err = {**err, "msg": err["msg"].removeprefix("Value error, ")}
     if not err["loc"]:  # a rule across keys; its message starts with the key
         return f"{EXTRA_CONFIG}.{err['msg'].removeprefix('Value error, ')}"
     key = ".".join(str(p) for p in err["loc"])
@@ -99,7 +150,21 @@ def parse_config(extra: dict[str, Any] | None) -> OffloadConfig:
     if not isinstance(extra, dict):
         raise ConfigError(f"{EXTRA_CONFIG} must be a JSON object, got {type(extra).__name__}")
     try:
-        return OffloadConfig.model_validate(extra)
+        cfg = OffloadConfig.model_validate(extra)
     except ValidationError as e:
         lines = [_describe(err) for err in e.errors()]
         raise ConfigError("invalid OffloadConnector config:\n  " + "\n  ".join(lines)) from None
+    if cfg.store == "fs" and cfg.path is not None:
+        _FS_CONFIGS[cfg.path] = cfg
+    return cfg
+
+
+# The file tier's options (modes, budget, orphan age) by cache path, as parsed
+# in this process. The connector opens its FileStore with (path, fingerprint,
+# fsync) only; FileStore.open finds the rest here until the connector passes
+# its config explicitly (FileStore.open(..., cfg=self.cfg)).
+_FS_CONFIGS: dict[str, OffloadConfig] = {}
+
+
+def fs_config_for(path: str) -> OffloadConfig | None:
+    return _FS_CONFIGS.get(os.path.normpath(path))

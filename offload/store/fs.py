@@ -11,28 +11,42 @@ is not found again.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import stat
 import threading
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from offload import copier
+from offload.config import EXTRA_CONFIG, ConfigError, OffloadConfig, fs_config_for
 from offload.keys import ChunkKey, Fingerprint
 from offload.store.base import Placement, TierData, TierIndex, TierUsage
 from offload.store.buffers import DEFAULT_MAX_FREE_BYTES, BufferPool, probe_o_direct
+from offload.store import hygiene
+from offload.store.budget import DirBudget, budget_for
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
 from offload.store.usage import DirectoryUsage
 
 logger = logging.getLogger(__name__)
 
 LAYOUT_VERSION_DIR = "kvoffload-v1"
+# Defaults of the `dir_mode` / `file_mode` config keys: owner and group only.
 DIR_MODE = 0o750
 FILE_MODE = 0o640
+DEFAULT_ORPHAN_AGE_S = 3600.0
+# Read errors after which the file may still be good: a miss, not a quarantine.
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE,
+                              errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EACCES, errno.EPERM})
+_UMASK = hygiene.umask()
+_HOUSEKEEPING: set[str] = set()
+_HOUSEKEEPING_LOCK = threading.Lock()
 
 
 class ChunkMiss(Exception):
@@ -48,18 +62,126 @@ class FileStore:
     root: Path  # <path>/kvoffload-v1/<fingerprint hex>
     fingerprint: Fingerprint
     fsync: bool = False
+    file_mode: int = FILE_MODE
+    dir_mode: int = DIR_MODE
+    budget: DirBudget | None = field(default=None, compare=False, repr=False)
+    # realpath of `root`: nothing is read or written where a path resolves outside it.
+    real_root: str = field(default="", compare=False, repr=False)
+    _safe_dirs: set = field(default_factory=set, compare=False, repr=False)
 
     @classmethod
-    def open(cls, path: str, fp: Fingerprint, fsync: bool = False) -> FileStore:
-        root = Path(path) / LAYOUT_VERSION_DIR / fp.hex()
-        return cls(root, fp, fsync)
+    def open(cls, path: str, fp: Fingerprint, fsync: bool = False, cfg: OffloadConfig | None = None) -> FileStore:
+        """Open (and, in the background, tidy) the fingerprint directory under `path`.
+
+        `cfg` gives modes, the byte budget and the orphan age; without it the
+        options parsed for this path in this process are used (or defaults).
+        A world-writable cache directory is refused (ConfigError naming `path`).
+        """
+        cfg = cfg if cfg is not None else fs_config_for(path)
+        base = Path(path)
+        for d in (base, base / LAYOUT_VERSION_DIR, base / LAYOUT_VERSION_DIR / fp.hex()):
+            mode = hygiene.world_writable(d)
+            if mode is not None:
+                raise ConfigError(
+                    f"{EXTRA_CONFIG}.path={path!r}: {d} is writable by every user (mode {mode:04o}), so anyone "
+                    f"could plant, replace or link cache files; run 'chmod o-w {d}' or choose another path "
+                    f"(dir_mode sets the mode of directories the connector creates)")
+        root = base / LAYOUT_VERSION_DIR / fp.hex()
+        budget = None
+        if cfg is not None and cfg.max_bytes is not None:
+            budget = budget_for(Path(os.path.realpath(base / LAYOUT_VERSION_DIR)), cfg.max_bytes)
+        store = cls(root, fp, fsync,
+                    cfg.file_mode_bits if cfg is not None else FILE_MODE,
+                    cfg.dir_mode_bits if cfg is not None else DIR_MODE,
+                    budget, os.path.realpath(root))
+        store._start_housekeeping(cfg.orphan_tmp_age_s if cfg is not None else DEFAULT_ORPHAN_AGE_S)
+        return store
+
+    # ---- housekeeping: orphans, symlinks, budget ---------------------------------
+
+    def _start_housekeeping(self, orphan_age_s: float) -> None:
+        """Once per directory and process, off the start-up path: move symlinks
+        aside, remove orphaned temporary files, and keep the byte budget."""
+        with _HOUSEKEEPING_LOCK:
+            if self.real_root in _HOUSEKEEPING:
+                return
+            _HOUSEKEEPING.add(self.real_root)
+        if self.root.is_dir():
+            self.tidy(orphan_age_s)  # synchronous: cheap (a directory walk), and restarts rely on it
+        if self.budget is not None:
+            t = threading.Thread(target=self._budget_loop, args=(self.budget,), daemon=True,
+                                 name="kvoffload-budget")
+            t.start()
+
+    def tidy(self, orphan_age_s: float = DEFAULT_ORPHAN_AGE_S) -> tuple[int, int]:
+        """Move symlinks out of the way and remove orphaned temporary files;
+        returns (orphans removed, temporary files kept as possibly live)."""
+        hygiene.move_symlinks_aside(self.root, self.root / "quarantine")
+        return hygiene.clean_orphans(self.root, orphan_age_s)
+
+    @staticmethod
+    def _budget_loop(budget: DirBudget) -> None:
+        while True:
+            try:
+                budget.enforce()
+            except Exception:  # housekeeping must never take the engine down
+                logger.exception("kvoffload: budget enforcement failed")
+            time.sleep(budget.rescan_s)
+
+    def _dir_ok(self, d: Path) -> bool:
+        """`d` (inside root) resolves inside root: no symlink leads out."""
+        if d in self._safe_dirs:
+            return True
+        if hygiene.escapes(d, self.real_root):
+            return False
+        if d.is_dir():
+            self._safe_dirs.add(d)
+        return True
+
+    def prepare_dir(self, final: Path) -> None:
+        """Create the directory of `final` with `dir_mode`; raise OSError(ELOOP)
+        if it resolves outside the cache directory (a planted symlink)."""
+        d = final.parent
+        if d in self._safe_dirs:
+            return
+        missing = []
+        p = d
+        while not p.exists() and p != p.parent:
+            missing.append(p)
+            p = p.parent
+        for m in reversed(missing):
+            try:
+                os.mkdir(m, self.dir_mode)
+            except FileExistsError:
+                continue
+            if _UMASK is None or self.dir_mode & _UMASK:
+                os.chmod(m, self.dir_mode)
+        if not self._dir_ok(d) or not self._dir_ok(self.root):
+            raise OSError(errno.ELOOP, "cache subdirectory resolves outside the cache directory", str(d))
+
+    def tmp_path(self, final: Path) -> Path:
+        """`<final name>.tmp.<pid>.<8 hex>.<host tag>` (see offload/store/hygiene.py)."""
+        return final.with_name(f"{final.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}.{hygiene.HOST_TAG}")
+
+    def written(self, final: Path, nbytes: int) -> None:
+        """After a file appeared under its final name: exact mode, budget."""
+        if _UMASK is None or self.file_mode & _UMASK:
+            try:
+                os.chmod(final, self.file_mode)
+            except OSError:
+                pass  # evicted or replaced meanwhile
+        if self.budget is not None:
+            self.budget.note_write(final, nbytes)
+
+    # ---- files ----------------------------------------------------------------------
 
     def file_path(self, group: int, key: ChunkKey) -> Path:
         h = key.hex()
         return self.root / f"g{group}" / h[:2] / f"{h}.kv"
 
     def contains(self, group: int, key: ChunkKey) -> bool:
-        return os.path.exists(self.file_path(group, key))
+        path = self.file_path(group, key)
+        return os.path.exists(path) and self._dir_ok(path.parent)
 
     def write_layout(self, description: dict) -> None:
         """Record what the fingerprint stands for (for operators and tools).
@@ -67,7 +189,7 @@ class FileStore:
         If a layout file exists, its tensor layout must equal ours: the same
         fingerprint with different page bytes would load garbage.
         """
-        self.root.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        self.prepare_dir(self.root / "layout.json")
         target = self.root / "layout.json"
         doc = json.dumps(description, indent=2, sort_keys=True)
         if target.exists():
@@ -79,7 +201,11 @@ class FileStore:
                 )
             return
         tmp = target.with_name(f".layout.{uuid.uuid4().hex}.tmp")
-        tmp.write_text(doc)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.file_mode)
+        if _UMASK is None or self.file_mode & _UMASK:
+            os.fchmod(fd, self.file_mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(doc)
         os.replace(tmp, target)
 
     def write(self, header: ChunkHeader, payload: torch.Tensor) -> bool:
@@ -94,10 +220,10 @@ class FileStore:
         final = self.file_path(header.group, header.key)
         if final.exists():
             return False  # same key, same bytes: another request or instance stored it
-        final.parent.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        self.prepare_dir(final)
         full = ChunkHeader(**{**header.__dict__, "payload_crc": copier.crc32c(payload)})
-        tmp = final.with_name(f"{final.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-        copier.write_file(str(tmp), str(final), full.pack(), payload, self.fsync, FILE_MODE)
+        copier.write_file(str(self.tmp_path(final)), str(final), full.pack(), payload, self.fsync, self.file_mode)
+        self.written(final, HEADER_LEN + payload.numel())
         return True
 
     def read_into(self, expected: ChunkHeader, out: torch.Tensor) -> None:
@@ -113,11 +239,21 @@ class FileStore:
             raise ValueError(f"out must be a contiguous uint8 CPU tensor of {expected.payload_len} bytes, "
                              f"got {out.numel()} x {out.dtype} on {out.device}")
         path = self.file_path(expected.group, expected.key)
+        if not self._dir_ok(path.parent):
+            raise ChunkMiss("unsafe", f"{path.parent} resolves outside the cache directory")
         try:
+            if stat.S_ISLNK(os.lstat(path).st_mode):
+                self.quarantine(path)  # moves the link itself, never its target
+                raise ChunkMiss("unsafe", f"{path} is a symbolic link")
             raw, crc = copier.read_file(str(path), HEADER_LEN, out)
         except FileNotFoundError:
             raise ChunkMiss("missing", str(path)) from None
-        except (OSError, ValueError) as e:  # unreadable or wrong size (truncated)
+        except OSError as e:
+            if e.errno in TRANSIENT_ERRNOS:  # the file may be fine: a miss, but keep it
+                raise ChunkMiss("io_error", f"{path}: {e}") from None
+            self.quarantine(path)  # unreadable for good (e.g. a directory in its place)
+            raise ChunkMiss("corrupt", f"{path}: {e}") from None
+        except ValueError as e:  # wrong size (truncated or extended)
             self.quarantine(path)
             raise ChunkMiss("corrupt", f"{path}: {e}") from None
         try:
@@ -128,12 +264,20 @@ class FileStore:
         except FormatError as e:
             self.quarantine(path)
             raise ChunkMiss("corrupt", f"{path}: {e}") from None
+        if self.budget is not None:
+            try:
+                os.utime(path)  # recency for LRU eviction, visible to every instance
+            except OSError:
+                pass
 
     def quarantine(self, path: Path) -> None:
         """Move a bad file aside so lookups stop finding it; keep it for fsck."""
         qdir = self.root / "quarantine"
         try:
-            qdir.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+            if os.path.islink(qdir):
+                raise OSError(errno.ELOOP, "quarantine is a symbolic link", str(qdir))
+            if not qdir.exists():
+                self.prepare_dir(qdir / "x")
             os.replace(path, qdir / f"{path.name}.{uuid.uuid4().hex[:8]}")
         except OSError as e:  # another reader moved it first, or read-only dir
             logger.debug("quarantine of %s skipped: %s", path, e)

@@ -1,0 +1,205 @@
+"""Byte budget of a filesystem cache directory: prefix-closed LRU eviction.
+
+One `DirBudget` per cache directory and process watches everything under
+`<path>/kvoffload-v1/` (every fingerprint, quarantine and temporary files
+included), so several engines sharing one directory, each with the same
+`max_bytes`, keep it within the budget together. Each writer counts its own
+writes and rescans the directory at least every `rescan_s` seconds (and
+whenever its estimate passes the budget), so another writer's bytes are seen
+within `rescan_s`.
+
+Eviction keeps presence prefix-closed, which the lookup's binary search
+assumes: in an attention or windowed group a file is evicted only when no
+file of that group chains from it (its children name it in the header's
+`parent` field), so the oldest *leaf* goes first and its parent becomes a
+leaf in turn. Mamba states stand alone and are plain LRU. Recency is the
+file's mtime: the write, or the last successful load (`FileStore` touches a
+file it loaded), so it is shared between processes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MAMBA_KIND = 4  # header kind code (offload.store.format.KIND_CODES)
+HEADER_LEN = 128
+
+
+@dataclass
+class _Entry:
+    size: int
+    mtime: float
+    parent: bytes | None  # first 8 bytes of the parent key; None: stands alone (Mamba, quarantine, tmp)
+
+
+def _read_parent(path: str) -> tuple[bytes | None, bool]:
+    """(parent key prefix, is_mamba) from a chunk file's header, without verifying it:
+    an unreadable header makes the file a plain LRU entry."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            raw = f.read(HEADER_LEN)
+    except OSError:
+        return None, True
+    if len(raw) < HEADER_LEN:
+        return None, True
+    kind = int.from_bytes(raw[14:16], "little")
+    parent = raw[116:124]
+    return (None if kind == MAMBA_KIND or parent == bytes(8) else parent), kind == MAMBA_KIND
+
+
+class DirBudget:
+    def __init__(self, top: Path, max_bytes: int, low_water: float = 0.95, rescan_s: float = 1.0) -> None:
+        self.top = top  # <path>/kvoffload-v1
+        self.max_bytes = max_bytes
+        self.target = int(max_bytes * low_water)
+        self.rescan_s = rescan_s
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._usage = 0
+        self._scanned_at = 0.0
+        self.evicted_files = 0
+        self.evicted_bytes = 0
+
+    @property
+    def usage(self) -> int:
+        return self._usage
+
+    def note_write(self, path: Path, size: int) -> None:
+        """Called after a file was written under its final name (any thread)."""
+        self._usage += size  # an estimate until the next scan; races only blur it
+        if self._usage <= self.max_bytes and time.monotonic() - self._scanned_at < self.rescan_s:
+            return
+        if not self._lock.acquire(blocking=False):
+            return  # another I/O thread is scanning or evicting
+        try:
+            self._scan()
+            if self._usage > self.max_bytes:
+                self._evict()
+        finally:
+            self._lock.release()
+
+    def enforce(self) -> int:
+        """Scan, and evict down to the low-water mark if over budget; returns bytes used."""
+        with self._lock:
+            self._scan()
+            if self._usage > self.max_bytes:
+                self._evict()
+            return self._usage
+
+    # ---- internals (under the lock) ------------------------------------------
+
+    def _scan(self) -> None:
+        seen: dict[str, _Entry] = {}
+        usage = 0
+        stack = [str(self.top)]
+        while stack:
+            d = stack.pop()
+            try:
+                it = os.scandir(d)
+            except OSError:
+                continue
+            with it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if stat.S_ISDIR(st.st_mode):
+                        stack.append(e.path)
+                        continue
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    usage += st.st_size
+                    old = self._entries.get(e.path)
+                    if old is not None and old.size == st.st_size:
+                        old.mtime = st.st_mtime
+                        seen[e.path] = old
+                    elif e.name.endswith(".kv"):
+                        parent, _ = _read_parent(e.path)
+                        seen[e.path] = _Entry(st.st_size, st.st_mtime, parent)
+                    elif os.path.basename(d) == "quarantine":
+                        seen[e.path] = _Entry(st.st_size, st.st_mtime, None)
+                    # temporary files and layout.json count, but are not evicted here
+        self._entries = seen
+        self._usage = usage
+        self._scanned_at = time.monotonic()
+
+    def _evict(self) -> None:
+        # Children per (group directory, parent key prefix): a file with children is not a leaf.
+        children: dict[tuple[str, bytes], int] = {}
+        for path, ent in self._entries.items():
+            if ent.parent is not None:
+                k = (os.path.dirname(os.path.dirname(path)), ent.parent)
+                children[k] = children.get(k, 0) + 1
+
+        def key_of(path: str) -> tuple[str, bytes]:
+            name = os.path.basename(path)
+            return os.path.dirname(os.path.dirname(path)), bytes.fromhex(name[:16])
+
+        def is_leaf(path: str) -> bool:
+            if not path.endswith(".kv"):
+                return True
+            try:
+                return children.get(key_of(path), 0) == 0
+            except ValueError:  # not a hex name: not ours, evict as a leaf
+                return True
+
+        heap = [(e.mtime, p) for p, e in self._entries.items() if is_leaf(p)]
+        heapq.heapify(heap)
+        by_key = {}
+        for p in self._entries:
+            if p.endswith(".kv"):
+                try:
+                    by_key[key_of(p)] = p
+                except ValueError:
+                    pass
+        freed = files = 0
+        while heap and self._usage > self.target:
+            _, path = heapq.heappop(heap)
+            ent = self._entries.pop(path, None)
+            if ent is None:
+                continue
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass  # another instance evicted it
+            except OSError as e:
+                logger.warning("kvoffload: eviction of %s failed: %s", path, e)
+                continue
+            self._usage -= ent.size
+            freed += ent.size
+            files += 1
+            if ent.parent is not None:
+                k = (os.path.dirname(os.path.dirname(path)), ent.parent)
+                children[k] -= 1
+                if children[k] == 0 and k in by_key and by_key[k] in self._entries:
+                    parent_path = by_key[k]
+                    heapq.heappush(heap, (self._entries[parent_path].mtime, parent_path))
+        self.evicted_files += files
+        self.evicted_bytes += freed
+        if files:
+            logger.info("kvoffload: budget %d bytes: evicted %d files (%d bytes), %d bytes in use",
+                        self.max_bytes, files, freed, self._usage)
+
+
+_BUDGETS: dict[tuple[str, int], DirBudget] = {}
+_BUDGETS_LOCK = threading.Lock()
+
+
+def budget_for(top: Path, max_bytes: int) -> DirBudget:
+    """One budget per directory and process (the scheduler and worker halves share it)."""
+    with _BUDGETS_LOCK:
+        key = (str(top), max_bytes)
+        b = _BUDGETS.get(key)
+        if b is None:
+            b = _BUDGETS[key] = DirBudget(top, max_bytes)
+        return b
