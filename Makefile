@@ -11,7 +11,7 @@ test:  ## the whole suite, real vLLM engines included
 test-fast:  ## unit tests only (no engines)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e"
 
-demo:  ## cross-restart warm-up run on the embedded tiny hybrid model
+demo:  ## kvoffload warmup --verify (cross-restart warm-up) on the embedded tiny hybrid model
 	$(PY) -m offload.demo $(DEMO_ARGS)
 
 clean:

@@ -31,6 +31,7 @@ from offload import cli
 from offload.cli.prompts import load, token_ids
 from offload.engine_run import RunSpec, run_engine
 from offload.keys import chunk_keys, request_root
+from offload.store.format import HEADER_LEN, ChunkHeader
 
 pytestmark = pytest.mark.e2e
 
@@ -250,6 +251,38 @@ def test_gc_evicts_lru_chains_deepest_first_and_a_restart_restores_what_is_left(
         assert r.cached_tokens >= e, (i, r, e)
     assert run.results[3].restored_tokens == CHUNK and run.results[2].restored_tokens == 0
     assert run.results[0].restored_tokens == expect[0]
+
+
+def test_gc_without_parent_links_evicts_later_positions_first_and_leaves_no_hole(warm, tmp_path):
+    """Files written before the header carried the parent link: gc cannot tell
+    chains apart, so a chunk goes only after every chunk at a later position."""
+    cache = copy_cache(warm, tmp_path)
+    for f in cache.rglob("*.kv"):
+        raw = f.read_bytes()
+        h = ChunkHeader.unpack(raw[:HEADER_LEN])
+        assert h.token_start == 0 or h.parent != bytes(8), "the engine wrote parent links"
+        f.write_bytes(ChunkHeader(**{**h.__dict__, "parent": bytes(8)}).pack() + raw[HEADER_LEN:])
+    rc, out = cli_run("fsck", str(cache))
+    assert rc == 0, out
+    now = time.time()
+    for f in cache.rglob("*.kv"):
+        os.utime(f, (now - 10, now - 10))
+    for g in (ATTN, GDN):  # P2's chunk 0 is the least recently used file of all
+        os.utime(files_of(cache, TOKEN_PROMPTS[2], g)[0], (now - 9000, now - 9000))
+    ids = warm["ids"]
+    total = dir_bytes(cache)
+    for frac in (0.8, 0.5, 0.3):
+        rc, out = cli_run("gc", str(cache), "--max-bytes", str(int(total * frac)))
+        assert rc == 0, out
+        for p in ids:
+            present = [f.exists() for f in files_of(cache, p, ATTN)]
+            assert present == sorted(present, reverse=True), f"hole at {frac}: {present}"
+        if not files_of(cache, TOKEN_PROMPTS[2], ATTN)[0].exists():
+            later = [f for p in ids for f in files_of(cache, p, ATTN)[1:] if f.exists()]
+            assert not later, "a chunk went while chunks at later positions stayed"
+        rc, out = cli_run("fsck", str(cache))
+        assert rc == 0, out
+    assert not files_of(cache, TOKEN_PROMPTS[2], ATTN)[2].exists()
 
 
 # ---- warmup --url ----------------------------------------------------------------------

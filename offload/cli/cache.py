@@ -71,12 +71,17 @@ class FpDir:
     def chunk_size(self) -> int | None:
         return (self.layout or {}).get("chunk_size")
 
-    def group_kinds(self) -> dict[int, GroupKind]:
-        """Kind of each group: from layout.json's spec names, else from headers."""
+    def layout_kinds(self) -> dict[int, GroupKind]:
+        """Kind of each group, from the spec names in layout.json."""
         kinds: dict[int, GroupKind] = {}
         for i, g in enumerate((self.layout or {}).get("groups", [])):
-            spec = str(g.get("spec", ""))
-            kinds.update({i: k for name, k in SPEC_KINDS if spec.startswith(name) or f".{name}" in spec[:80]})
+            spec = str(g.get("spec", "")) if isinstance(g, dict) else ""
+            kinds.update({i: k for name, k in SPEC_KINDS if spec.startswith(name)})
+        return kinds
+
+    def group_kinds(self) -> dict[int, GroupKind]:
+        """Kind of each group: from layout.json, else from the files' headers."""
+        kinds = self.layout_kinds()
         for f in self.files:
             if f.header is not None:
                 kinds.setdefault(f.group, f.header.kind)
@@ -151,6 +156,7 @@ def _scan_fp(d: Path, verify: bool) -> FpDir:
 
 
 def _scan_group(fp: FpDir, gdir: Path, group: int, unknown_layout: str | None, verify: bool) -> None:
+    kinds = fp.layout_kinds()
     for sub in sorted(gdir.iterdir()):
         if not (sub.is_dir() and re.fullmatch(r"[0-9a-f]{2}", sub.name)):
             fp.unknown.append((sub, "unrecognised entry"))
@@ -166,11 +172,11 @@ def _scan_group(fp: FpDir, gdir: Path, group: int, unknown_layout: str | None, v
             else:
                 st = f.stat()
                 cf = ChunkFile(f, group, m.group(1), st.st_size, st.st_mtime, st.st_atime)
-                _check(fp, cf, verify)
+                _check(fp, cf, verify, kinds)
                 fp.files.append(cf)
 
 
-def _check(fp: FpDir, cf: ChunkFile, verify: bool) -> None:
+def _check(fp: FpDir, cf: ChunkFile, verify: bool, kinds: dict[int, GroupKind]) -> None:
     """Header (always) and payload CRC (when `verify`), as FileStore.read_into would."""
     try:
         with _open_noatime(cf.path) as fh:
@@ -183,7 +189,7 @@ def _check(fp: FpDir, cf: ChunkFile, verify: bool) -> None:
             cs = fp.chunk_size
             if cs and (h.token_start % cs or h.token_end - h.token_start != cs):
                 raise FormatError(f"token range [{h.token_start}, {h.token_end}) is not one chunk of {cs}")
-            kind = fp.group_kinds().get(cf.group) if fp.layout else None
+            kind = kinds.get(cf.group)
             if kind is not None and kind is not h.kind:
                 raise FormatError(f"kind {h.kind.value}, layout.json says g{cf.group} is {kind.value}")
             if verify:
@@ -236,14 +242,15 @@ def chunks(fp: FpDir) -> dict[str, Chunk]:
 
     A chunk whose header names a parent links to the chunk one position
     earlier whose key starts with those 8 bytes. A chunk whose parent is
-    unknown (all-zero `parent` past chunk 0: files written before the parent
-    link existed) is linked to *every* chunk one position earlier, so that
-    eviction treats it as a possible descendant of each (the safe side).
+    unknown (all-zero `parent` past chunk 0: files written before the header
+    carried the link) has no link; `gc` treats it as a possible descendant
+    of every chunk at an earlier position in its directory (the safe side).
 
-    `orphan` is set on every chunk below a hole: the parent is known and
-    absent or incomplete (a missing full-attention file), or no chunk at all
-    sits one position earlier. The lookup's binary search could step over
-    the hole and report a hit whose load fails.
+    `orphan` is set on every chunk below a hole: its parent is known and
+    absent, incomplete (a full-attention file missing) or itself below a
+    hole; or, parent unknown, no complete chunk sits one position earlier.
+    The lookup's binary search could step over such a hole and report a hit
+    whose load fails.
     """
     cs = fp.chunk_size
     out: dict[str, Chunk] = {}
@@ -252,43 +259,36 @@ def chunks(fp: FpDir) -> dict[str, Chunk]:
             continue
         h = f.header
         pos = h.token_start // (cs or (h.token_end - h.token_start) or 1)
-        par = getattr(h, "parent", NO_PARENT)
-        c = out.setdefault(f.key, Chunk(f.key, pos, [], None if par == NO_PARENT else bytes(par)))
+        par = bytes(getattr(h, "parent", NO_PARENT))
+        c = out.setdefault(f.key, Chunk(f.key, pos, [], None if par == NO_PARENT else par))
         c.files.append(f)
     full = {g for g, k in fp.group_kinds().items() if k is GroupKind.FULL_ATTENTION}
-    by_pos: dict[int, list[Chunk]] = {}
-    for c in out.values():
-        have = {f.group for f in c.files}
-        c.complete = full <= have
-        by_pos.setdefault(c.pos, []).append(c)
     if not full:  # no full-attention group: no chains; every state stands alone
+        for c in out.values():
+            c.complete = True
         return out
+    by_prefix: dict[tuple[int, str], list[Chunk]] = {}
+    for c in out.values():
+        c.complete = full <= {f.group for f in c.files}
+        by_prefix.setdefault((c.pos, c.key[:16]), []).append(c)
+    good_at: set[int] = set()  # positions holding a complete chunk not below a hole
     for c in sorted(out.values(), key=lambda c: c.pos):
         if c.pos == 0:
-            continue
-        before = by_pos.get(c.pos - 1, [])
-        parents = [p for p in before if c.parent is None or p.key.startswith(c.parent.hex())]
-        for p in parents:
-            p.children.append(c)
-        if not parents:
-            c.orphan = "parent chunk missing" if c.parent is not None else f"no chunk at position {c.pos - 1}"
-        elif c.parent is not None and not any(p.complete and not p.orphan for p in parents):
-            c.orphan = "parent chunk incomplete or itself below a hole"
-        elif c.parent is None and not any(p.complete and not p.orphan for p in parents):
-            c.orphan = f"no complete chunk at position {c.pos - 1}"
+            pass
+        elif c.parent is None:
+            if c.pos - 1 not in good_at:
+                c.orphan = f"parent unknown and no complete chunk at position {c.pos - 1}"
+        else:
+            parents = by_prefix.get((c.pos - 1, c.parent.hex()), [])
+            for p in parents:
+                p.children.append(c)
+            if not parents:
+                c.orphan = "parent chunk missing"
+            elif not any(p.complete and not p.orphan for p in parents):
+                c.orphan = "parent chunk incomplete or itself below a hole"
+        if c.complete and not c.orphan:
+            good_at.add(c.pos)
     return out
-
-
-def subtree(c: Chunk) -> list[Chunk]:
-    """`c` and every chunk that chains from it, deepest first."""
-    seen: dict[str, Chunk] = {}
-    stack = [c]
-    while stack:
-        x = stack.pop()
-        if x.key not in seen:
-            seen[x.key] = x
-            stack.extend(x.children)
-    return sorted(seen.values(), key=lambda x: -x.pos)
 
 
 def is_stale_tmp(p: Path, max_age_s: float, now: float | None = None) -> bool:

@@ -104,10 +104,12 @@ def run(args: argparse.Namespace) -> int:
     if args.repair:
         for fp in cache.dirs:
             remove_empty_dirs(fp)
-    counts = {k: sum(1 for p in found if p[0] == k) for k in ("corrupt", "orphaned-tmp", "unknown-layout", "chain-hole")}
+    kinds = ("corrupt", "orphaned-tmp", "unknown-layout", "chain-hole")
+    counts = {k: sum(1 for p in found if p[0] == k) for k in kinds}
     quarantined = sum(len(fp.quarantine) for fp in cache.dirs)
     summary = ", ".join(f"{v} {k}" for k, v in counts.items())
-    print(f"fsck {cache.root}: {n_files} chunk files in {len(cache.dirs)} fingerprint directories checked; "
+    dirs = f"{len(cache.dirs)} fingerprint dir{'' if len(cache.dirs) == 1 else 's'}"
+    print(f"fsck {cache.root}: {n_files} chunk files in {dirs} checked; "
           f"{summary}; {in_flight} temporary files in flight; {quarantined} files already in quarantine")
     for p in cache.other_versions:
         print(f"note: {p} is another format version; not checked")

@@ -77,20 +77,26 @@ def eviction_order(fp: FpDir, by_mtime: bool) -> list[tuple[float, int, Chunk]]:
 
     Sorted ascending, this is the order gc evicts in, across directories too:
     a descendant's recency is at most its ancestor's and its position is
-    larger, so it always sorts first.
+    larger, so it always sorts first. A chunk whose parent is unknown counts
+    as a descendant of every chunk at an earlier position.
     """
     graph = {k: c for k, c in chunks(fp).items() if not c.orphan}
     recency = {k: (max(f.mtime for f in c.files) if by_mtime else c.used) for k, c in graph.items()}
-    for c in sorted(graph.values(), key=lambda c: -c.pos):  # children before parents
-        for ch in c.children:
-            if ch.key in recency:
-                recency[c.key] = max(recency[c.key], recency[ch.key])
+    by_pos: dict[int, list[Chunk]] = {}
+    for c in graph.values():
+        by_pos.setdefault(c.pos, []).append(c)
+    unknown_below = float("-inf")  # latest recency of parent-unknown chunks at later positions
+    for pos in sorted(by_pos, reverse=True):  # children before parents
+        for c in by_pos[pos]:
+            recency[c.key] = max([recency[c.key], unknown_below]
+                                 + [recency[ch.key] for ch in c.children if ch.key in recency])
+        unknown_below = max([unknown_below] + [recency[c.key] for c in by_pos[pos]
+                                               if c.parent is None and c.pos > 0])
     return [(recency[k], -c.pos, c) for k, c in graph.items()]
 
 
-def evict_chunk(fp: FpDir, c: Chunk, dry_run: bool) -> int:
+def evict_chunk(c: Chunk, kinds: dict[int, GroupKind], dry_run: bool) -> int:
     """Delete a chunk's files, full attention first; returns bytes freed."""
-    kinds = fp.group_kinds()
     freed = 0
     for f in sorted(c.files, key=lambda f: kinds.get(f.group) is not GroupKind.FULL_ATTENTION):
         if dry_run or unlink(f.path):
@@ -110,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     verb = "would delete" if args.dry_run else "deleted"
     # 1. What no lookup can use.
     waste = 0
+    kinds: dict[int, dict[int, GroupKind]] = {}
     for fp in cache.dirs:
         dead = (list(fp.quarantine) + [t for t in fp.tmp if is_stale_tmp(t, args.tmp_age)]
                 + [f.path for f in fp.files if f.problem])
@@ -117,9 +124,10 @@ def run(args: argparse.Namespace) -> int:
             size = p.stat().st_size
             if args.dry_run or unlink(p):
                 waste += size
+        kinds[id(fp)] = fp.group_kinds()
         for c in chunks(fp).values():
             if c.orphan:
-                waste += evict_chunk(fp, c, args.dry_run)
+                waste += evict_chunk(c, kinds[id(fp)], args.dry_run)
     total -= waste
     print(f"gc {root}: {human(start)} in {sum(len(fp.files) for fp in cache.dirs)} chunk files; "
           f"limit {human(args.max_bytes)}; {verb} {human(waste)} of quarantined, corrupt, orphaned "
@@ -131,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     for _, _, _, c, fp in order:
         if total <= args.max_bytes:
             break
-        total -= evict_chunk(fp, c, args.dry_run)
+        total -= evict_chunk(c, kinds[id(fp)], args.dry_run)
         evicted += 1
         files += len(c.files)
     if not args.dry_run:

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from offload.cli.prompts import Prompt, PromptFileError, load, token_ids
-from offload.engine_run import PromptResult, RunResult, RunSpec
+from offload.engine_run import PromptResult, RunResult, RunSpec, read_metrics
 
 HYBRID_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "jamba",
                 "granitemoehybrid", "zamba2", "bamba", "mamba2"}
@@ -149,7 +149,7 @@ def run_engine_with_progress(spec: RunSpec, label: str, seed: str, timeout_s: fl
         text = log.read_text(errors="replace")
         if proc.returncode != 0 or not out.exists():
             raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{text[-6000:]}")
-        return RunResult([PromptResult(**r) for r in json.loads(out.read_text())], text)
+        return RunResult([PromptResult(**r) for r in json.loads(out.read_text())], text, read_metrics(out))
 
 
 # ---- report --------------------------------------------------------------------------
@@ -160,10 +160,10 @@ def expected(prompt_len: int, chunk: int) -> int:
     return (prompt_len - 1) // chunk * chunk
 
 
-def header(names: list[str]) -> str:
+def header(names: list[str], verify: bool = True) -> str:
     cols = "".join(f"{'from ' + t:>10}" for t in names)
     return (f"{'run':<18}{'prompts':>8}{'prompt tok':>11}{cols}{'prefix$':>9}{'computed':>9}{'hit rate':>9}"
-            f"{'expected':>9}{'failed':>7}{'med TTFT':>11}  identical to run 1")
+            f"{'expected':>9}{'failed':>7}{'med TTFT':>11}" + ("  identical to run 1" if verify else ""))
 
 
 def row(label: str, r: RunResult, names: list[str], exp: float | None, identical: str = "-") -> str:
@@ -241,7 +241,7 @@ def warm_engine(args: argparse.Namespace, kv: dict, ids: list[list[int]]) -> int
         spec = RunSpec(args.model, ids, kv if with_kv else None, max_tokens, eng, passes=passes)
         r = run_engine_with_progress(spec, label, seed)
         n = len(ids)
-        return [RunResult(r.results[i * n:(i + 1) * n], r.log) for i in range(passes)]
+        return [RunResult(r.results[i * n:(i + 1) * n], r.log, r.metrics) for i in range(passes)]
 
     try:
         ref = serve("no connector", False, "0")[0] if args.verify and args.reference else None
@@ -250,11 +250,11 @@ def warm_engine(args: argparse.Namespace, kv: dict, ids: list[list[int]]) -> int
     except RuntimeError as e:
         print(f"kvoffload warmup: {e}", file=sys.stderr)
         return 3
-    print("\n" + header(names))
+    print("\n" + header(names, args.verify))
     if ref is not None:
         print(row("no connector", ref, names, None))
     print(row("1" if args.verify else "warmup", run1, names, None,
-              f"-  | to no-connector run: {same(run1, ref)[1]}" if ref is not None else "-"))
+              f"-  | to no-connector run: {same(run1, ref)[1]}" if ref is not None else "-" if args.verify else ""))
     if not args.verify:
         print(f"\nrestored {run1.restored_tokens} and computed {run1.prompt_tokens - run1.cached_tokens} of "
               f"{run1.prompt_tokens} prompt tokens; {sum(r.load_failed for r in run1.results)} loads failed")
