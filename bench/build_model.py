@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 NAME = "llama-bench"
 CONFIG = dict(
-    hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=16,
+    hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
     num_key_value_heads=4, head_dim=64, max_position_embeddings=16384,
 )
 

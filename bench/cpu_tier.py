@@ -10,8 +10,11 @@ against a plain contiguous memcpy of the same bytes, in the same run.
 - memcpy baselines, same thread count: the same bytes from one contiguous
   buffer into the arena (and back), with the same per-call sizes; and one
   single memcpy of everything.
-- gather into a fresh buffer per call: what `FsData.stage` did before its
-  buffer pool (for comparison).
+- gather into a fresh buffer per call, all held until the pass ends (as
+  stores wait for their writes): what `FsData.stage` did before its buffer
+  pool (for comparison).
+Copies of 1 MiB and more use streaming (non-temporal) stores in the copier;
+the memcpy baselines are glibc's memcpy.
 """
 
 from __future__ import annotations
@@ -59,9 +62,9 @@ def run(gib: float, reps: int, tiny: bool = False, out_dir: Path | None = None) 
     def memcpy_one():
         copier.memcpy(arena, src)
 
-    def gather_fresh():
-        for c, g in files:
-            g.pages.gather(g.ids[c])
+    def gather_fresh():  # held until the pass ends, as stores wait for their writes
+        held = [g.pages.gather(g.ids[c]) for c, g in files]
+        del held
 
     ops = {"gather (pages -> host slots)": gather, "memcpy, same call sizes (in)": memcpy_in,
            "scatter (host slots -> pages)": scatter, "memcpy, same call sizes (out)": memcpy_out,

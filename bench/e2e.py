@@ -10,7 +10,9 @@ Each run is a fresh engine process (`python -m bench.e2e --child SPEC OUT`):
      disk (item 5). Skipped with --same-process, where B instead empties
      vLLM's prefix cache and serves the long prompts again in the same
      process (the small-size smoke run of the tests: one engine pair).
-Throughput of the no-reuse workload = (prompt + generated tokens) / wall time
+With --miss-rounds N > 1, N - 1 more engine pairs serve new no-reuse prompts,
+with the connector first, so that drift in a shared machine's load falls on
+both sides. Throughput of the no-reuse workload = (prompt + generated tokens) / wall time
 of one batched `generate` call; each repetition uses new prompts.
 """
 
@@ -54,6 +56,22 @@ def _wait_files(path: str, want: int, timeout_s: float = 120) -> int:
         time.sleep(0.2)
 
 
+def _tree_cpu_s() -> float:
+    """User + system CPU seconds of this process and its descendants (the
+    engine core and worker processes), so far."""
+    import psutil
+
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
 def child(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -72,11 +90,12 @@ def child(spec: dict) -> dict:
         if ph["kind"] == "batch":  # throughput of one batched call per repetition
             reps = []
             for prompts in ph["reps"]:
-                t0 = time.perf_counter()
+                c0, t0 = _tree_cpu_s(), time.perf_counter()
                 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-                wall = time.perf_counter() - t0
+                wall, cpu = time.perf_counter() - t0, _tree_cpu_s() - c0
                 toks = sum(len(p) for p in prompts) + sum(len(o.outputs[0].token_ids) for o in outs)
-                reps.append({"wall_s": wall, "tokens": toks, "tok_per_s": toks / wall,
+                reps.append({"wall_s": wall, "cpu_s": cpu, "tokens": toks, "tok_per_s": toks / wall,
+                             "cpu_ms_per_tok": cpu / toks * 1e3,
                              "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs)})
             out[ph["name"]] = reps
         else:  # TTFT, one prompt at a time
@@ -95,7 +114,7 @@ def child(spec: dict) -> dict:
     return out
 
 
-def run_child(spec: dict, timeout_s: float = 1800) -> dict:
+def run_child(spec: dict, timeout_s: float = 1800, log_path: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvoffload-bench-") as tmp:
         sp, op = Path(tmp, "spec.json"), Path(tmp, "out.json")
         sp.write_text(json.dumps(spec))
@@ -103,17 +122,22 @@ def run_child(spec: dict, timeout_s: float = 1800) -> dict:
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "bench.e2e", "--child", str(sp), str(op)],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_path.write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0 or not op.exists():
             raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
         res = json.loads(op.read_text())
         res["process_s"] = time.perf_counter() - t0
+        res["worker_counters"] = [l.split("worker counters", 1)[1].strip() for l in (proc.stdout + proc.stderr).splitlines()
+                                  if "kvoffload worker counters" in l]
         return res
 
 
 # ---------------------------------------------------------------- driver
 def run(model: str, long_tokens: int, n_long: int, miss_prompts: int, miss_tokens: int, miss_reps: int,
         max_num_batched_tokens: int, cache_dir: str | None, same_process: bool, hybrid: bool,
-        out_dir: Path | None = None) -> dict:
+        out_dir: Path | None = None, miss_rounds: int = 1) -> dict:
     engine_args = {"enable_prefix_caching": True, "enforce_eager": True,
                    "max_model_len": max(long_tokens, miss_tokens) + 64,
                    "max_num_batched_tokens": max_num_batched_tokens}
@@ -127,8 +151,10 @@ def run(model: str, long_tokens: int, n_long: int, miss_prompts: int, miss_token
                                                               "hybrid_chunk_size": CHUNK}}
     miss_phase = {"name": "miss", "kind": "batch", "reps": miss, "max_tokens": 16}
     try:
+        logs = Path(tempfile.gettempdir()) / "kvoffload-bench-logs"
         a = run_child({"model": model, "engine_args": engine_args, "kv_config": None, "phases": [
-            miss_phase, {"name": "long", "kind": "ttft", "prompts": long_p, "max_tokens": 1}]})
+            miss_phase, {"name": "long", "kind": "ttft", "prompts": long_p, "max_tokens": 1}]},
+            log_path=logs / "e2e-A.log")
         phases_b = [miss_phase, {"name": "long", "kind": "ttft", "prompts": long_p, "max_tokens": 1}]
         n_files = None
         if same_process:
@@ -136,15 +162,29 @@ def run(model: str, long_tokens: int, n_long: int, miss_prompts: int, miss_token
             want = n_long * ((long_tokens - 1) // CHUNK)
             phases_b.append({"name": "restored", "kind": "ttft", "prompts": long_p, "max_tokens": 1,
                              "reset_before": True, "wait_files": [str(cache), want]})
-        b = run_child({"model": model, "engine_args": engine_args, "kv_config": kv, "phases": phases_b})
+        b = run_child({"model": model, "engine_args": engine_args, "kv_config": kv, "phases": phases_b},
+                      log_path=logs / "e2e-B.log")
         if same_process:
             restored, cache_method = b["restored"], "warm (same process)"
         else:
             n_files = [str(p) for p in cache.rglob("*.kv")]
             cache_method = drop_page_cache(n_files)
+            # A warm-up request first: runs A and B served the no-reuse workload before their
+            # long prompts, so their first-request costs (kernel set-up) are paid already.
             c = run_child({"model": model, "engine_args": engine_args, "kv_config": kv, "phases": [
-                {"name": "restored", "kind": "ttft", "prompts": long_p, "max_tokens": 1}]})
+                {"name": "warmup", "kind": "batch", "reps": [_prompts(99, 2, miss_tokens)], "max_tokens": 16},
+                {"name": "restored", "kind": "ttft", "prompts": long_p, "max_tokens": 1}]},
+                log_path=logs / "e2e-C.log")
             restored = c["restored"]
+        # More rounds of the no-reuse workload alone, in the opposite order (with
+        # connector first), so drift in the machine's load hits both sides.
+        for r in range(1, miss_rounds):
+            for name, cfg_kv, side in (("B", kv, b), ("A", None, a)):
+                x = run_child({"model": model, "engine_args": engine_args, "kv_config": cfg_kv,
+                               "phases": [{**miss_phase, "reps": [_prompts(1000 * r + 100 + i, miss_prompts, miss_tokens)
+                                                                  for i in range(miss_reps)]}]},
+                              log_path=logs / f"e2e-{name}{r}.log")
+                side["miss"] = side["miss"] + x["miss"]
     finally:
         disk_bytes = sum(p.stat().st_size for p in cache.rglob("*.kv"))
         shutil.rmtree(cache, ignore_errors=True)
@@ -154,6 +194,8 @@ def run(model: str, long_tokens: int, n_long: int, miss_prompts: int, miss_token
     rest = [r["ttft_s"] for r in restored]
     thr_a = [r["tok_per_s"] for r in a["miss"]]
     thr_b = [r["tok_per_s"] for r in b["miss"]]
+    cpu_a = [r["cpu_ms_per_tok"] for r in a["miss"]]
+    cpu_b = [r["cpu_ms_per_tok"] for r in b["miss"]]
     ttft = {"prompt_tokens": long_tokens, "prompts": n_long, "compute_ttft_s": compute,
             "compute_with_connector_ttft_s": stored_run, "restored_ttft_s": rest,
             "restored_tokens": [r["restored_tokens"] for r in restored],
@@ -161,12 +203,15 @@ def run(model: str, long_tokens: int, n_long: int, miss_prompts: int, miss_token
             "median_compute_s": median(compute), "median_restored_s": median(rest),
             "speedup": median(compute) / median(rest), "page_cache_before_restore": cache_method,
             "disk_bytes": disk_bytes}
-    missd = {"prompts_per_rep": miss_prompts, "prompt_tokens": miss_tokens, "reps": miss_reps,
+    missd = {"prompts_per_rep": miss_prompts, "prompt_tokens": miss_tokens, "reps": miss_reps, "rounds": miss_rounds,
              "without_tok_per_s": thr_a, "with_tok_per_s": thr_b,
              "median_without": median(thr_a), "median_with": median(thr_b),
              "slowdown": 1 - median(thr_b) / median(thr_a),
+             "without_cpu_ms_per_tok": cpu_a, "with_cpu_ms_per_tok": cpu_b,
+             "cpu_overhead": median(cpu_b) / median(cpu_a) - 1,
              "cached_tokens_with": [r["cached_tokens"] for r in b["miss"]]}
     doc = {"model": model, "engine_args": engine_args, "cache_fs": filesystem_of(cache.parent),
+           "worker_counters": {"B": b["worker_counters"], "C": None if same_process else c["worker_counters"]},
            "ttft": ttft, "miss": missd, "engine_process_s": [a["process_s"], b["process_s"]]}
     print(table(["item 5: TTFT", "prompt tok", "compute (no connector)", "restored from disk",
                  "restored tok", "speedup", "page cache"],
@@ -174,8 +219,10 @@ def run(model: str, long_tokens: int, n_long: int, miss_prompts: int, miss_token
                   f"{median(rest) * 1e3:.0f} ms", median([r['restored_tokens'] for r in restored]),
                   f"{ttft['speedup']:.1f}x", cache_method]]))
     print(table(["item 6: no reuse", "prompts x tok", "without connector", "with connector", "slowdown"],
-                [[f"median of {miss_reps}", f"{miss_prompts} x {miss_tokens}", f"{missd['median_without']:.0f} tok/s",
-                  f"{missd['median_with']:.0f} tok/s", f"{missd['slowdown'] * 100:+.1f}%"]]))
+                [[f"median of {miss_reps * miss_rounds}", f"{miss_prompts} x {miss_tokens}", f"{missd['median_without']:.0f} tok/s",
+                  f"{missd['median_with']:.0f} tok/s", f"{missd['slowdown'] * 100:+.1f}%"],
+                 ["CPU per token", "", f"{median(cpu_a):.3f} ms", f"{median(cpu_b):.3f} ms",
+                  f"{missd['cpu_overhead'] * 100:+.1f}%"]]))
     path = write_results("e2e", doc, out_dir)
     print(f"wrote {path}")
     return doc
@@ -190,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--miss-prompts", type=int, default=8)
     ap.add_argument("--miss-tokens", type=int, default=1024)
     ap.add_argument("--miss-reps", type=int, default=3)
+    ap.add_argument("--miss-rounds", type=int, default=2, help="engine pairs for item 6 (alternating order)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--cache-dir", default=None, help="parent of the cache directory (default: $TMPDIR)")
     ap.add_argument("--same-process", action="store_true", help="no restart: restore in the storing engine")
@@ -205,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.build_model import ensure
         model = str(ensure(REPO / ".models"))
     run(model, args.long_tokens, args.long_prompts, args.miss_prompts, args.miss_tokens, args.miss_reps,
-        args.max_num_batched_tokens, args.cache_dir, args.same_process, args.hybrid, args.out_dir)
+        args.max_num_batched_tokens, args.cache_dir, args.same_process, args.hybrid, args.out_dir,
+        args.miss_rounds)
     return 0
 
 
