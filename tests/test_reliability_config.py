@@ -1,0 +1,158 @@
+"""Malformed or dangerous configurations fail at start-up (issue 5, item 7).
+
+Each case goes through the real start-up path, the connector's constructor
+as vLLM calls it in the engine core (role SCHEDULER), with a real VllmConfig
+of the tiny Qwen3-Next hybrid and its KV cache groups, but without loading
+weights: every case must raise ConfigError with one message that names the
+key (`kv_connector_extra_config.<key>`) and says how to fix it.
+tests/test_e2e_server.py shows such an error reaching the operator of a real
+engine start.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import engine_args
+from faults.report import record
+from offload.config import ConfigError
+
+OURS = {"kv_connector": "OffloadConnector", "kv_connector_module_path": "offload.connector", "kv_role": "kv_both"}
+LMCACHE = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+GOOD_PATH = "<tmp>/cache"
+
+
+def fs(**kw):
+    return {"store": "fs", "path": GOOD_PATH, **kw}
+
+
+# (id, extra config, key named, fragment of the fix)
+CASES = [
+    ("store-missing", {"path": GOOD_PATH}, "store", "'fs'"),
+    ("store-unknown", fs(store="s3"), "store", "'fs'"),
+    ("store-wrong-type", fs(store=1), "store", "'fs'"),
+    ("path-missing", {"store": "fs"}, "path", "absolute cache directory"),
+    ("path-relative", fs(path="cache/kv"), "path", "absolute path"),
+    ("path-dotdot", fs(path="/var/cache/../../etc"), "path", "'..'"),
+    ("path-not-string", fs(path=["/a"]), "path", "absolute cache directory"),
+    ("path-nul", fs(path="/tmp/a\x00b"), "path", "NUL"),
+    ("path-under-a-file", fs(path="<tmp>/afile/cache"), "path", "choose a directory"),
+    ("path-unwritable-fs", fs(path="/proc/kvoffload"), "path", "choose a directory"),
+    ("path-world-writable", fs(path="<tmp>/open"), "path", "chmod o-w"),
+    ("unknown-key", fs(bucket="x"), "bucket", "valid keys are"),
+    ("typo-key", fs(hybird_chunk_size=256), "hybird_chunk_size", "valid keys are"),
+    ("chunk-not-multiple", fs(hybrid_chunk_size=300), "hybrid_chunk_size", "e.g. 256"),
+    ("chunk-below-block", fs(hybrid_chunk_size=64), "hybrid_chunk_size", "multiples of 128"),
+    ("chunk-zero", fs(hybrid_chunk_size=0), "hybrid_chunk_size", "greater than 0"),
+    ("chunk-string", fs(hybrid_chunk_size="256"), "hybrid_chunk_size", "integer"),
+    ("max-bytes-zero", fs(max_bytes=0), "max_bytes", "1 MiB to 1 PiB"),
+    ("max-bytes-huge", fs(max_bytes=1 << 60), "max_bytes", "1 MiB to 1 PiB"),
+    ("max-bytes-on-cpu", {"store": "cpu", "cpu_bytes": 1 << 30, "max_bytes": 1 << 30}, "max_bytes", "cpu_bytes"),
+    ("cpu-bytes-zero", {"store": "cpu", "cpu_bytes": 0}, "cpu_bytes", "host memory"),
+    ("cpu-bytes-huge", {"store": "cpu", "cpu_bytes": 1 << 60}, "cpu_bytes", "host memory"),
+    ("cpu-bytes-missing", {"store": "cpu"}, "cpu_bytes", "budget in bytes"),
+    ("cpu-bytes-on-fs", fs(cpu_bytes=1 << 30), "cpu_bytes", "max_bytes"),
+    ("path-on-cpu", {"store": "cpu", "cpu_bytes": 1 << 30, "path": "/x"}, "path", '"store": "fs"'),
+    ("pending-tiny", fs(max_pending_store_bytes=1), "max_pending_store_bytes", "dropped"),
+    ("io-threads-zero", fs(io_threads=0), "io_threads", "greater than or equal to 1"),
+    ("io-threads-string", fs(io_threads="4"), "io_threads", "I/O threads"),
+    ("fsync-string", fs(fsync="yes"), "fsync", "boolean"),
+    ("timeout-inf", fs(shutdown_timeout_s=math.inf), "shutdown_timeout_s", "shutdown waits"),
+    ("file-mode-world-writable", fs(file_mode="0666"), "file_mode", "'0660'"),
+    ("file-mode-owner-cannot-write", fs(file_mode="0440"), "file_mode", "read+write"),
+    ("dir-mode-world-writable", fs(dir_mode="0777"), "dir_mode", "'0770'"),
+    ("dir-mode-int", fs(dir_mode=750), "dir_mode", "octal string"),
+    ("file-mode-symbolic", fs(file_mode="rw-r-----"), "file_mode", "octal string"),
+    ("orphan-age-zero", fs(orphan_tmp_age_s=0), "orphan_tmp_age_s", "60 s to 7 days"),
+    ("name-with-slash", fs(name="a/b"), "name", "tier's name"),
+    ("model-id-empty", fs(model_id=""), "model_id", "identity of the model"),
+    ("name-too-long", fs(name="x" * 65), "name", "tier's name"),
+    ("lmcache-child-on-hybrid", {"children": [LMCACHE, {**OURS, "kv_connector_extra_config": fs()}]},
+     "children[0].kv_connector", "Mamba"),
+]
+
+
+@pytest.fixture(scope="module")
+def vllm_setup(models_dir):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    args = EngineArgs(model=str(models_dir / "qwen3-next-tiny"), **engine_args(True))
+    vllm_config = args.create_engine_config()
+    groups = [
+        KVCacheGroupSpec(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
+                         MambaSpec(block_size=128, shapes=((3, 192), (1, 64, 64)),
+                                   dtypes=(torch.bfloat16, torch.float32))),
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
+                         FullAttentionSpec(block_size=128, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)),
+    ]
+    return vllm_config, KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def _start(vllm_setup, ktc: dict):
+    """What vLLM's connector factory does in the engine core."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from offload.connector import OffloadConnector
+    from offload.multi_connector.connector import MultiConnector
+
+    vllm_config, kv_cache_config = vllm_setup
+    vllm_config.kv_transfer_config = KVTransferConfig(**ktc)
+    cls = MultiConnector if ktc["kv_connector"] == "OffloadMultiConnector" else OffloadConnector
+    return cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def _subst(v, tmp: Path):
+    if isinstance(v, str):
+        return v.replace("<tmp>", str(tmp))
+    if isinstance(v, dict):
+        return {k: _subst(x, tmp) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_subst(x, tmp) for x in v]
+    return v
+
+
+def test_good_config_starts(vllm_setup, tmp_path):
+    conn = _start(vllm_setup, {**OURS, "kv_connector_extra_config": {"store": "fs", "path": str(tmp_path / "c"),
+                                                                      "max_bytes": 1 << 30, "file_mode": "0660",
+                                                                      "dir_mode": "0770"}})
+    assert conn.planner.chunk_size == 256
+
+
+def test_at_least_30_bad_configs_fail_at_start_up_naming_key_and_fix(vllm_setup, tmp_path):
+    assert len(CASES) >= 30
+    (tmp_path / "afile").write_text("not a directory")
+    (tmp_path / "open").mkdir()
+    os.chmod(tmp_path / "open", 0o777)
+    failures = []
+    for name, extra, key, fix in CASES:
+        extra = _subst(extra, tmp_path)
+        if isinstance(extra, dict) and "children" in extra:
+            ktc = {"kv_connector": "OffloadMultiConnector", "kv_connector_module_path": "offload.multi_connector",
+                   "kv_role": "kv_both", "kv_connector_extra_config": extra}
+        else:
+            ktc = {**OURS, "kv_connector_extra_config": extra}
+        try:
+            _start(vllm_setup, ktc)
+        except ConfigError as e:
+            msg = str(e)
+            named = f"kv_connector_extra_config.{key}" in msg if key else "kv_connector_extra_config" in msg
+            problems = msg.count("\n  ") if msg.startswith("invalid OffloadConnector config") else 1
+            if not named or fix not in msg or problems != 1 or "errors.pydantic.dev" in msg:
+                failures.append(f"{name}: unclear message: {msg!r}")
+        except Exception as e:  # noqa: BLE001 - the point: anything else is a failure
+            failures.append(f"{name}: {type(e).__name__} instead of ConfigError: {e}")
+        else:
+            failures.append(f"{name}: started")
+    print(f"\nbad configurations: {len(CASES)}, refused at start-up with the key and a fix: "
+          f"{len(CASES) - len(failures)}")
+    assert not failures, "\n".join(failures)
+    record("7 malformed or dangerous configurations, through the connector's start-up (scheduler role, "
+           "real VllmConfig)", "table of bad kv_connector_extra_config values", len(CASES), "-", 0, "-",
+           refused_with_key_and_fix=f"{len(CASES)}/{len(CASES)}")
