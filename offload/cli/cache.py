@@ -116,7 +116,7 @@ def scan(path: str | Path, verify_payloads: bool = False) -> Cache:
         return Cache(root.parent, [_scan_fp(root, verify_payloads)], [], [])
     dirs, other = [], []
     for e in sorted(root.iterdir()):
-        if e.is_dir() and HEX64.match(e.name):
+        if e.is_dir() and not e.is_symlink() and HEX64.match(e.name):
             dirs.append(_scan_fp(e, verify_payloads))
         else:
             other.append((e, "not a fingerprint directory (64 hex digits)"))
@@ -137,10 +137,12 @@ def _scan_fp(d: Path, verify: bool) -> FpDir:
     n_groups = len(fp.layout["groups"]) if fp.layout else None
     for e in sorted(d.iterdir()):
         m = GROUP_DIR.match(e.name)
-        if e.name == "layout.json":
+        if e.is_symlink():
+            fp.unknown.append((e, "symbolic link (never followed)"))
+        elif e.name == "layout.json":
             continue
-        if e.name == "quarantine" and e.is_dir():
-            fp.quarantine.extend(sorted(q for q in e.iterdir() if q.is_file()))
+        elif e.name == "quarantine" and e.is_dir():
+            fp.quarantine.extend(sorted(q for q in e.iterdir() if q.is_symlink() or q.is_file()))
         elif LAYOUT_TMP.match(e.name):
             fp.tmp.append(e)
         elif m and e.is_dir():
@@ -158,12 +160,14 @@ def _scan_fp(d: Path, verify: bool) -> FpDir:
 def _scan_group(fp: FpDir, gdir: Path, group: int, unknown_layout: str | None, verify: bool) -> None:
     kinds = fp.layout_kinds()
     for sub in sorted(gdir.iterdir()):
-        if not (sub.is_dir() and re.fullmatch(r"[0-9a-f]{2}", sub.name)):
+        if sub.is_symlink() or not (sub.is_dir() and re.fullmatch(r"[0-9a-f]{2}", sub.name)):
             fp.unknown.append((sub, "unrecognised entry"))
             continue
         for f in sorted(sub.iterdir()):
             m = CHUNK_NAME.match(f.name)
-            if TMP_NAME.match(f.name):
+            if f.is_symlink():
+                fp.unknown.append((f, "symbolic link (never followed)"))
+            elif TMP_NAME.match(f.name):
                 fp.tmp.append(f)
             elif not m or not f.is_file() or not f.name.startswith(sub.name):
                 fp.unknown.append((f, "unrecognised entry"))

@@ -10,7 +10,9 @@ chunk range = layout.json), and the payload CRC-32C. Also finds:
   reported as in flight, not as problems);
 - files of unknown layout: chunk files in a fingerprint directory without a
   readable layout.json, or in a group that layout.json does not list;
-  entries that are not named as the format says;
+  entries that are not named as the format says, and symbolic links
+  (never followed). Entries directly under kvoffload-v1/ that are not
+  fingerprint directories are reported and left to the operator;
 - chain holes: a chunk whose parent chunk (header `parent`) is missing or
   incomplete. The lookup's binary search could step over the hole and report
   a hit whose load fails (a recompute, never wrong output, but a waste).

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvoffload gc: {e}", file=sys.stderr)
         return 2
     root = cache.root
-    total = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    total = sum(p.lstat().st_size for p in root.rglob("*") if p.is_file() or p.is_symlink())
     start = total
     verb = "would delete" if args.dry_run else "deleted"
     # 1. What no lookup can use.
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         dead = (list(fp.quarantine) + [t for t in fp.tmp if is_stale_tmp(t, args.tmp_age)]
                 + [f.path for f in fp.files if f.problem])
         for p in dead:
-            size = p.stat().st_size
+            size = p.lstat().st_size
             if args.dry_run or unlink(p):
                 waste += size
         kinds[id(fp)] = fp.group_kinds()

@@ -53,7 +53,7 @@ def describe(fp: FpDir, now: float) -> dict:
         "files": len(fp.files),
         "bytes": sum(f.size for f in fp.files),
         "quarantined_files": len(fp.quarantine),
-        "quarantined_bytes": sum(q.stat().st_size for q in fp.quarantine),
+        "quarantined_bytes": sum(q.lstat().st_size for q in fp.quarantine),
         "tmp_files": len(fp.tmp),
         "unknown_entries": len(fp.unknown),
         "oldest_age_s": round(now - min(mtimes), 1) if mtimes else None,
