@@ -57,7 +57,7 @@ def _read_parent(path: str) -> tuple[bytes | None, bool]:
 
 
 class DirBudget:
-    def __init__(self, top: Path, max_bytes: int, low_water: float = 0.95, rescan_s: float = 1.0) -> None:
+    def __init__(self, top: Path, max_bytes: int, low_water: float = 0.9, rescan_s: float = 1.0) -> None:
         self.top = top  # <path>/kvoffload-v1
         self.max_bytes = max_bytes
         self.target = int(max_bytes * low_water)
@@ -68,6 +68,12 @@ class DirBudget:
         self._scanned_at = 0.0
         self.evicted_files = 0
         self.evicted_bytes = 0
+        self.scan_s = 0.0
+
+    def interval_s(self) -> float:
+        """Pause between background passes: 0.1 s, or 20 times the last scan
+        (a large directory costs at most ~5% of one thread), at most rescan_s x 10."""
+        return min(max(0.1, 20 * self.scan_s), 10 * self.rescan_s)
 
     @property
     def usage(self) -> int:
@@ -98,6 +104,7 @@ class DirBudget:
     # ---- internals (under the lock) ------------------------------------------
 
     def _scan(self) -> None:
+        t0 = time.monotonic()
         seen: dict[str, _Entry] = {}
         usage = 0
         stack = [str(self.top)]
@@ -131,7 +138,9 @@ class DirBudget:
                     # temporary files and layout.json count, but are not evicted here
         self._entries = seen
         self._usage = usage
-        self._scanned_at = time.monotonic()
+        now = time.monotonic()
+        self.scan_s = now - t0
+        self._scanned_at = now
 
     def _evict(self) -> None:
         # Children per (group directory, parent key prefix): a file with children is not a leaf.
@@ -170,14 +179,14 @@ class DirBudget:
                 continue
             try:
                 os.unlink(path)
+                freed += ent.size
+                files += 1
             except FileNotFoundError:
-                pass  # another instance evicted it
+                pass  # another instance evicted it: not ours to count, but the bytes are gone
             except OSError as e:
                 logger.warning("kvoffload: eviction of %s failed: %s", path, e)
                 continue
             self._usage -= ent.size
-            freed += ent.size
-            files += 1
             if ent.parent is not None:
                 k = (os.path.dirname(os.path.dirname(path)), ent.parent)
                 children[k] -= 1

@@ -126,7 +126,7 @@ class FileStore:
                 budget.enforce()
             except Exception:  # housekeeping must never take the engine down
                 logger.exception("kvoffload: budget enforcement failed")
-            time.sleep(budget.rescan_s)
+            time.sleep(budget.interval_s())
 
     def _dir_ok(self, d: Path) -> bool:
         """`d` (inside root) resolves inside root: no symlink leads out."""

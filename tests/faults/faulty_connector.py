@@ -1,0 +1,89 @@
+"""OffloadConnector with faults injected at the storage layer, for tests only.
+
+Select it with `"kv_connector_module_path": "faults.faulty_connector"` (and
+tests/ on PYTHONPATH): vLLM imports the module in every engine process, so
+the faults below, read from $KVOFFLOAD_FAULTS (JSON), apply in the scheduler
+and in the workers. Nothing of vLLM is replaced; the connector is ours,
+unchanged; only file-system calls of our store misbehave:
+
+- "slow_commit_s": every store's commit (checksum, write, rename, on the I/O
+  pool) first sleeps this long: slow storage.
+- "vanish_after_lookup": [{"group": g, "keys": [hex, ...], "how": "delete" |
+  "corrupt"}, ...]: once per file, right after the scheduler's lookup saw one of these files, it
+  is deleted or overwritten with garbage of the same size, i.e. between
+  lookup and load.
+- "enospc_while": a path; while it exists every commit fails with ENOSPC
+  before writing (a full disk, where no small filesystem can be mounted).
+- "eio_read_keys": [hex, ...]: reads of these files fail with EIO.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+import time
+
+from offload import copier
+from offload.connector import OffloadConnector  # noqa: F401  (what vLLM loads)
+from offload.store import fs
+
+FAULTS = json.loads(os.environ.get("KVOFFLOAD_FAULTS", "{}"))
+_lock = threading.Lock()
+VANISHED: set[tuple[int, str]] = set()
+
+
+def _install() -> None:
+    slow = float(FAULTS.get("slow_commit_s", 0))
+    enospc = FAULTS.get("enospc_while")
+    if slow or enospc:
+        commit = fs.FsData.commit
+
+        def faulty_commit(self, header, staged):
+            if slow:
+                time.sleep(slow)
+            if enospc and os.path.exists(enospc):
+                if staged is not fs._EXISTS and hasattr(staged, "pool"):
+                    staged.pool.put(staged.buf)
+                raise OSError(errno.ENOSPC, "No space left on device (injected)")
+            return commit(self, header, staged)
+
+        fs.FsData.commit = faulty_commit
+
+    vanish = {(v["group"], k): v.get("how", "delete") for v in FAULTS.get("vanish_after_lookup", [])
+              for k in v["keys"]}
+    if vanish:
+        contains = fs.FileStore.contains
+
+        def faulty_contains(self, group, key):
+            found = contains(self, group, key)
+            h = key.hex()
+            if found and (group, h) in vanish:
+                with _lock:
+                    first = (group, h) not in VANISHED
+                    VANISHED.add((group, h))
+                if first:
+                    path = self.file_path(group, key)
+                    if vanish[(group, h)] == "delete":
+                        os.unlink(path)
+                    else:
+                        n = path.stat().st_size
+                        path.write_bytes(os.urandom(n))
+            return found
+
+        fs.FileStore.contains = faulty_contains
+
+    eio = set(FAULTS.get("eio_read_keys", []))
+    if eio:
+        read_file = copier.read_file
+
+        def faulty_read(path, header_len, out):
+            if os.path.basename(str(path)).removesuffix(".kv") in eio:
+                raise OSError(errno.EIO, "Input/output error (injected)", str(path))
+            return read_file(path, header_len, out)
+
+        copier.read_file = faulty_read
+
+
+_install()

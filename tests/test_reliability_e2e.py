@@ -1,0 +1,543 @@
+"""Reliability on real vLLM engines (issue 5): corruption, failed loads between
+lookup and load, foreign format versions, I/O errors, full disks, kill -9,
+slow storage, a shared directory under a byte budget.
+
+Engines run in subprocesses (tests/faults/driver.py) on the tiny Qwen3-Next
+hybrid (group 0 = GDN state, group 1 = full attention). Faults are injected
+in files or, where a file cannot be made to fail at the right moment, by
+tests/faults/faulty_connector.py at our storage layer (never in vLLM). Each
+test prints one RELIABILITY line: its row in docs/reliability.md.
+
+Reference outputs are connector-loaded cold runs (loading any KV connector
+can flip a near-tie bf16 token; see tests/test_e2e_fs.py); comparisons are exact.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import random
+import re
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CHUNK, REPO, engine_args, layouts, random_prompt
+from faults.report import record
+from offload.copier import crc32c
+from offload.keys import chunk_keys, request_root
+
+pytestmark = pytest.mark.e2e
+
+GDN, ATTN = 0, 1
+MODEL = "qwen3-next-tiny"
+ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def kv_config(cache: Path, faulty: bool = False, **extra) -> dict:
+    return {"kv_connector": "OffloadConnector",
+            "kv_connector_module_path": "faults.faulty_connector" if faulty else "offload.connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"store": "fs", "path": str(cache), **extra}}
+
+
+class Run:
+    """A driver process: results per (phase, index), its log, its counters."""
+
+    def __init__(self, proc: subprocess.Popen, out: Path, log: Path) -> None:
+        self.proc, self.out, self.log_path = proc, out, log
+
+    def rows(self) -> list[dict]:
+        return [json.loads(ln) for ln in self.out.read_text().splitlines()] if self.out.exists() else []
+
+    def by_phase(self, phase: int) -> dict[int, dict]:
+        return {r["index"]: r["result"] for r in self.rows() if r["phase"] == phase}
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def counters(self) -> dict:
+        """The worker's counters from its shutdown log line (last one)."""
+        lines = re.findall(r"kvoffload worker counters \[[^\]]+\]: WorkerCounters\((.*)\)", self.log)
+        assert lines, f"no counters line in the engine log:\n{self.log[-3000:]}"
+        fields = {}
+        for m in re.finditer(r"(\w+)=(\{[^}]*\}|\d+)", lines[-1]):
+            fields[m.group(1)] = ast.literal_eval(m.group(2))
+        return fields
+
+
+def start(models: Path, tmp: Path, name: str, prompts, phases, kv=None, faults=None, hang=False,
+          max_tokens=2, extra_args=None) -> Run:
+    spec = {"model": str(models / MODEL), "prompts": prompts, "kv_transfer_config": kv, "max_tokens": max_tokens,
+            "engine_args": {**engine_args(True), **(extra_args or {})}, "phases": phases, "hang": hang}
+    spec_path, out, log = tmp / f"{name}.spec.json", tmp / f"{name}.jsonl", tmp / f"{name}.log"
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, **ENV, "KVOFFLOAD_FAULTS": json.dumps(faults or {})}
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "faults" / "driver.py"), str(spec_path), str(out)],
+                                stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return Run(proc, out, log)
+
+
+def finish(run: Run, timeout: float = 900) -> Run:
+    try:
+        rc = run.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.proc.pid, signal.SIGKILL)
+        raise
+    assert rc == 0, f"engine run failed ({rc}):\n{run.log[-5000:]}"
+    return run
+
+
+def serve(models, tmp, name, prompts, phases, **kw) -> Run:
+    return finish(start(models, tmp, name, prompts, phases, **kw))
+
+
+def files_of(cache: Path, prompt: list[int], group: int) -> list[Path]:
+    [(dirname, lay)] = list(layouts(cache).items())
+    keys = chunk_keys(request_root(bytes.fromhex(lay["base_fingerprint"])), prompt, CHUNK)
+    base = cache / "kvoffload-v1" / dirname / f"g{group}"
+    return [base / k.hex()[:2] / f"{k.hex()}.kv" for k in keys]
+
+
+def fix_header_crc(raw: bytearray) -> None:
+    raw[124:128] = struct.pack("<I", crc32c(bytes(raw[:124])))
+
+
+# ---- corruption, version, vanishing and unreadable files (items 2, 6, 9) -----------------
+
+CORRUPTIONS = ["bitflip", "truncate", "zero_page", "header_field", "header_crc_only"]
+N_CORRUPT = int(os.environ.get("KVOFFLOAD_CORRUPT_FILES", "200"))  # two per prompt: its g0 and g1 files
+VERSIONS = [0, 2, 0, 2, 7]
+
+
+def corrupt(path: Path, how: str, rng: random.Random) -> None:
+    raw = bytearray(path.read_bytes())
+    if how == "bitflip":  # one random bit of the payload
+        i = rng.randrange(128, len(raw))
+        raw[i] ^= 1 << rng.randrange(8)
+    elif how == "truncate":
+        raw = raw[: rng.randrange(0, len(raw))]
+    elif how == "zero_page":  # a 4 KiB page of zeros, as a torn write or a bad block leaves
+        while True:
+            off = 4096 * rng.randrange(0, len(raw) // 4096)
+            if any(raw[off:off + 4096]):
+                break
+        raw[off:off + 4096] = bytes(len(raw[off:off + 4096]))
+    elif how == "header_field":  # tampered token range, header CRC recomputed to match
+        raw[80:88] = struct.pack("<Q", struct.unpack("<Q", raw[80:88])[0] + CHUNK)
+        fix_header_crc(raw)
+    elif how == "header_crc_only":  # tampered group byte, header CRC left as it was
+        raw[12] ^= 1
+    path.write_bytes(bytes(raw))
+
+
+@pytest.fixture(scope="module")
+def bad_files(models_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rel-bad")
+    cache = tmp / "cache"
+    rng = random.Random(55)
+    n_ver, n_van, n_eio, n_ok = len(VERSIONS), 4, 2, 4
+    n_bad = N_CORRUPT // 2
+    prompts = [random_prompt(rng, 300) for _ in range(n_bad + n_ver)]
+    prompts += [random_prompt(rng, 4 * CHUNK + 80) for _ in range(n_van)]
+    prompts += [random_prompt(rng, 300) for _ in range(n_eio + n_ok)]
+    idx = {"corrupt": range(n_bad), "version": range(n_bad, n_bad + n_ver)}
+    idx["vanish"] = range(idx["version"].stop, idx["version"].stop + n_van)
+    idx["eio"] = range(idx["vanish"].stop, idx["vanish"].stop + n_eio)
+    idx["ok"] = range(idx["eio"].stop, idx["eio"].stop + n_ok)
+    everything = list(range(len(prompts)))
+    cold = serve(models_dir, tmp, "cold", prompts, [{"order": everything}], kv=kv_config(cache))
+    # Damage: both files of each prompt (GDN state and attention KV of chunk 0),
+    # every kind of damage on both groups. A load stops at its first bad file,
+    # so pass 1 finds one of the two, pass 2 the other, and pass 3 restores.
+    damaged = []
+    for i in idx["corrupt"]:
+        for group in (GDN, ATTN):
+            how = CORRUPTIONS[(i + group) % len(CORRUPTIONS)]
+            path = files_of(cache, prompts[i], group)[0]
+            corrupt(path, how, rng)
+            damaged.append((i, group, how, path))
+    for n, i in enumerate(idx["version"]):  # another format version where a v1 reader looks, valid CRC
+        path = files_of(cache, prompts[i], n % 2)[0]
+        raw = bytearray(path.read_bytes())
+        raw[8:10] = struct.pack("<H", VERSIONS[n])
+        fix_header_crc(raw)
+        path.write_bytes(bytes(raw))
+        damaged.append((i, n % 2, f"version {VERSIONS[n]}", path))
+    # Attention files: every chunk's (the lookup probes some of them). GDN: the
+    # state at the hit boundary, the first one the lookup asks for.
+    last = lambda i: files_of(cache, prompts[i], GDN)[_hit(prompts[i]) // CHUNK - 1].stem  # noqa: E731
+    vanish = [{"group": ATTN, "keys": [p.stem for i in idx["vanish"][:2] for p in files_of(cache, prompts[i], ATTN)],
+               "how": "delete"},
+              {"group": GDN, "keys": [last(i) for i in idx["vanish"][2:3]], "how": "delete"},
+              {"group": GDN, "keys": [last(i) for i in idx["vanish"][3:]], "how": "corrupt"}]
+    eio_keys = [files_of(cache, prompts[i], ATTN)[0].stem for i in idx["eio"]]
+    warm = serve(models_dir, tmp, "warm", prompts, [{"order": everything}] * 3,
+                 kv=kv_config(cache, faulty=True),
+                 faults={"vanish_after_lookup": vanish, "eio_read_keys": eio_keys})
+    return {"cache": cache, "prompts": prompts, "idx": idx, "cold": cold, "warm": warm, "damaged": damaged,
+            "eio_keys": eio_keys}
+
+
+def _hit(prompt: list[int]) -> int:
+    return (len(prompt) - 1) // CHUNK * CHUNK
+
+
+def test_corrupt_and_foreign_version_files_are_all_detected_counted_and_healed(bad_files):
+    b = bad_files
+    cold = b["cold"].by_phase(0)
+    p1, p2, p3 = (b["warm"].by_phase(k) for k in range(3))
+    for i in b["idx"]["corrupt"]:
+        for k, p in enumerate((p1, p2)):
+            assert p[i]["load_failed"] and p[i]["restored_tokens"] == 0, f"prompt {i}, pass {k + 1}: not refused"
+            assert p[i]["output_ids"] == cold[i]["output_ids"], f"prompt {i}, pass {k + 1}: output differs"
+    for i in b["idx"]["version"]:
+        assert p1[i]["load_failed"] and p1[i]["output_ids"] == cold[i]["output_ids"], f"prompt {i}"
+    # The recomputes stored every damaged chunk again: the last pass restores them all, identical.
+    for i in list(b["idx"]["corrupt"]) + list(b["idx"]["version"]):
+        assert p3[i]["restored_tokens"] == _hit(b["prompts"][i]) and not p3[i]["load_failed"], f"prompt {i}"
+        assert p3[i]["output_ids"] == cold[i]["output_ids"], f"prompt {i}: output differs after healing"
+    detected = sum(1 for _, _, _, path in b["damaged"]
+                   if list(path.parents[2].glob(f"quarantine/{path.name}.*")))
+    counters = b["warm"].counters()
+    q = list(b["cache"].glob("kvoffload-v1/*/quarantine/*"))
+    n = len(b["damaged"])
+    # + 1: the GDN state overwritten between lookup and load (next test)
+    assert counters["chunk_misses"].get("corrupt") == n + 1, counters
+    assert len(q) == n + 1
+    for i in b["idx"]["ok"]:
+        assert p1[i]["restored_tokens"] == _hit(b["prompts"][i]) and p1[i]["output_ids"] == cold[i]["output_ids"]
+    kinds = {how for _, _, how, _ in b["damaged"]}
+    groups = {g for _, g, _, _ in b["damaged"]}
+    print(f"\ndamaged files: {n} ({N_CORRUPT} corrupt + {len(VERSIONS)} of other versions), groups {sorted(groups)}, "
+          f"kinds {sorted(kinds)}; detected {detected}/{n}; counted corrupt={counters['chunk_misses'].get('corrupt')}; "
+          f"quarantined {len(q)}")
+    assert groups == {GDN, ATTN} and detected == n and n == N_CORRUPT + len(VERSIONS)
+    served = len(p1) + len(p2) + len(p3)
+    record("2 corruption of files of both groups (bit flip, truncation, zeroed 4 KiB page, tampered header "
+           "with and without a matching header CRC)", f"{N_CORRUPT} damaged files, both groups' files of {N_CORRUPT // 2} prompts",
+           N_CORRUPT, served, 0, "none: every damaged chunk recomputed, re-stored, and restored in pass 3",
+           detected=f"{detected - len(VERSIONS)}/{N_CORRUPT}", counted_corrupt=counters["chunk_misses"].get("corrupt"))
+    record("9 another format version (0, 2, 7) where a v1 reader looks, header CRC valid",
+           f"{len(VERSIONS)} files", len(VERSIONS), len(VERSIONS) * 3, 0, "none: refused before any byte is used")
+
+
+def test_a_file_that_vanishes_or_changes_between_lookup_and_load_is_recomputed(bad_files):
+    b = bad_files
+    cold, p1, p2 = b["cold"].by_phase(0), b["warm"].by_phase(0), b["warm"].by_phase(1)
+    for i in b["idx"]["vanish"]:
+        assert p1[i]["load_failed"] and p1[i]["restored_tokens"] == 0, f"prompt {i}"
+        assert p1[i]["output_ids"] == cold[i]["output_ids"], f"prompt {i}: output differs"
+        assert p2[i]["restored_tokens"] == _hit(b["prompts"][i]) and p2[i]["output_ids"] == cold[i]["output_ids"]
+    misses = b["warm"].counters()["chunk_misses"]
+    assert misses.get("missing", 0) >= 3 and misses.get("corrupt", 0) >= 1, misses
+    n = len(b["idx"]["vanish"])
+    print(f"\nfiles deleted (3 prompts) or overwritten (1 prompt) between lookup and load: {n} prompts, "
+          f"all recomputed with identical output; chunk misses {misses}")
+    record("6 file deleted (g1, g0) or overwritten with garbage (g1) between the scheduler's lookup and the "
+           "worker's load", "storage-layer hook right after the lookup saw the file", n, 2 * n, 0,
+           "none: recomputed, re-stored, restored next pass")
+
+
+def test_unreadable_file_is_a_miss_and_kept(bad_files):
+    b = bad_files
+    cold, p1 = b["cold"].by_phase(0), b["warm"].by_phase(0)
+    for i in b["idx"]["eio"]:
+        assert p1[i]["load_failed"] and p1[i]["output_ids"] == cold[i]["output_ids"]
+    misses = b["warm"].counters()["chunk_misses"]
+    assert misses.get("io_error") == 3 * len(b["idx"]["eio"]), misses
+    kept = [k for k in b["eio_keys"] if list(b["cache"].glob(f"kvoffload-v1/*/g1/*/{k}.kv"))]
+    assert len(kept) == len(b["eio_keys"]), "a file that failed with EIO is not quarantined"
+    record("3b EIO on read", "injected EIO on every read of 2 files", 6, 6, 0,
+           "none: a miss and a recompute; the file is kept (it may be fine)")
+
+
+def test_no_request_data_in_paths_and_default_modes(bad_files):
+    cache = bad_files["cache"]
+    names = [p.relative_to(cache).as_posix() for p in cache.rglob("*")]
+    pat = re.compile(r"^kvoffload-v1(/[0-9a-f]{64}(/layout\.json|/g\d+(/[0-9a-f]{2}(/[0-9a-f]{64}\.kv)?)?"
+                     r"|/quarantine(/[0-9a-f]{64}\.kv\.[0-9a-f]{8})?)?)?$")
+    bad = [n for n in names if not pat.match(n)]
+    assert not bad, bad[:5]
+    modes = {(p.is_dir(), oct(p.stat().st_mode & 0o777)) for p in cache.rglob("*")}
+    assert {m for d, m in modes if not d} == {"0o640"}, modes
+    record("8 paths and modes after a real run", "-", 1, len(names), 0, "-",
+           detail=f"{len(names)} paths: only hex names; modes {sorted(modes)}")
+    if {m for d, m in modes if d} != {"0o750"}:
+        # FsData._write creates g<group>/ with Path.mkdir(parents=True), which gives parents the
+        # umask's mode; the fix (FsData calling FileStore.prepare_dir) is with FsData's owner.
+        pytest.xfail(f"directory modes {sorted(modes)}: FsData does not create directories via FileStore yet")
+
+
+# ---- a full disk (item 3) ------------------------------------------------------------------
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                       capture_output=True)
+    return r.returncode == 0
+
+
+def test_full_disk_drops_and_counts_stores_serves_every_request_and_recovers(models_dir, tmp_path):
+    """A cache on a 6 MiB tmpfs (or, where mounting is not permitted, ENOSPC
+    injected at commit while a flag file exists) fills up during the first
+    pass; space returns before the second; the third restores everything."""
+    rng = random.Random(33)
+    prompts = [random_prompt(rng, 4 * CHUNK + 100) for _ in range(8)]  # ~2.2 MB of files each
+    mnt = tmp_path / "small"
+    mounted = _mount_tmpfs(mnt, "6m")
+    flag = tmp_path / "disk-full"
+    if mounted:
+        grow, faults, how = f"mount -o remount,size=256m {mnt}", None, "6 MiB tmpfs"
+    else:
+        flag.touch()
+        grow, faults, how = f"rm {flag}", {"enospc_while": str(flag)}, "ENOSPC injected at commit"
+    every = list(range(len(prompts)))
+    try:
+        run = serve(models_dir, tmp_path, "full", prompts,
+                    [{"order": every}, {"order": every, "before": grow}, {"order": every}],
+                    kv=kv_config(mnt / "cache", faulty=not mounted), faults=faults)
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(mnt)])
+    p1, p2, p3 = run.by_phase(0), run.by_phase(1), run.by_phase(2)
+    c = run.counters()
+    dropped = c["stores_dropped"].get("no_space", 0)
+    assert dropped > 0, c
+    assert "Traceback" not in run.log, "an exception reached the log"
+    for i in every:
+        assert p2[i]["output_ids"] == p1[i]["output_ids"] and p3[i]["output_ids"] == p1[i]["output_ids"], i
+        assert p3[i]["restored_tokens"] == _hit(prompts[i]) and not p3[i]["load_failed"], f"prompt {i}: {p3[i]}"
+    print(f"\nfull disk ({how}): {3 * len(prompts)} requests served, stores dropped no_space={dropped}, "
+          f"files written {c['files_written']}; after space returned every prompt restored "
+          f"({sum(p3[i]['restored_tokens'] for i in every)} tokens)")
+    record(f"3 full disk ({how}), space returned between passes", "ENOSPC on every store once full",
+           dropped, 3 * len(prompts), 0, "only the dropped stores, re-stored once space returned",
+           stores_dropped_no_space=dropped, corrupt_misses=c["chunk_misses"].get("corrupt", 0))
+    assert c["chunk_misses"].get("corrupt", 0) == 0
+
+
+# ---- kill -9 with stores in flight, and slow storage (items 1 and 5) ---------------------------
+
+KILL_CYCLES = int(os.environ.get("KVOFFLOAD_ENGINE_KILL_CYCLES", "1"))
+DECODE_TOKENS = 48
+
+
+def _decode_tps(rows: dict[int, dict], decode_s: dict[int, float]) -> float:
+    import statistics
+
+    return statistics.median((DECODE_TOKENS - 1) / decode_s[i] for i in rows)
+
+
+def _decode_s(run: Run, phase: int = 0) -> dict[int, float]:
+    return {r["index"]: r["decode_s"] for r in run.rows() if r["phase"] == phase}
+
+
+class RssPeak:
+    """Peak resident memory of a run's process session (engine core and workers included)."""
+
+    def __init__(self, run: Run) -> None:
+        self.run, self.peak, self._stop = run, 0, threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+
+    def _loop(self) -> None:
+        sid = self.run.proc.pid
+        while not self._stop.is_set():
+            total = 0
+            for d in Path("/proc").iterdir():
+                if not d.name.isdigit():
+                    continue
+                try:
+                    if os.getsid(int(d.name)) != sid:
+                        continue
+                    for ln in (d / "status").read_text().splitlines():
+                        if ln.startswith("VmRSS:"):
+                            total += int(ln.split()[1]) * 1024
+                except (OSError, ValueError):
+                    continue
+            self.peak = max(self.peak, total)
+            time.sleep(0.5)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._t.join()
+        return self.peak
+
+
+def _wait_done(run: Run, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while "DONE" not in run.log:
+        assert run.proc.poll() is None, f"engine exited early:\n{run.log[-4000:]}"
+        assert time.monotonic() < deadline, "engine did not finish its prompts"
+        time.sleep(0.2)
+
+
+def test_kill9_with_stores_in_flight_and_slow_storage(models_dir, tmp_path):
+    """Every storing engine writes through a slow store path (each commit
+    waits 0.5 s, at most 1 MiB of staged stores pending) and is killed with
+    SIGKILL (the whole process group) right after its last request, with
+    stores in flight. The next engine verifies: outputs identical to the
+    connector-loaded cold run, no corrupt load, no temporary file left.
+    Decode throughput is compared with a run without the connector."""
+    rng = random.Random(77)
+    shared = random_prompt(rng, 2 * CHUNK)
+    prompts = [shared + random_prompt(rng, 200 + 40 * i) if i % 2 else random_prompt(rng, 700 + 30 * i)
+               for i in range(12)]
+    every = list(range(len(prompts)))
+    cache = tmp_path / "cache"
+    base = serve(models_dir, tmp_path, "noconn", prompts, [{"order": every}], max_tokens=DECODE_TOKENS)
+    base_tps = _decode_tps(base.by_phase(0), _decode_s(base))
+    reference = None
+    tmp_seen = corrupt = restored = served = 0
+    ratios, peaks, dropped = [], [], {}
+    for cycle in range(KILL_CYCLES):
+        run = start(models_dir, tmp_path, f"kill{cycle}", prompts, [{"order": every}],
+                    kv=kv_config(cache, faulty=True, max_pending_store_bytes=1 << 20), hang=True,
+                    faults={"slow_commit_s": 0.5}, max_tokens=DECODE_TOKENS)
+        rss = RssPeak(run)
+        try:
+            _wait_done(run)
+        finally:
+            os.killpg(run.proc.pid, signal.SIGKILL)
+            run.proc.wait()
+            peaks.append(rss.stop())
+        rows = run.by_phase(0)
+        served += len(rows)
+        if reference is None:
+            reference = {i: r["output_ids"] for i, r in rows.items()}
+        for i, r in rows.items():
+            assert r["output_ids"] == reference[i], f"cycle {cycle}, prompt {i}: output differs after restart"
+            assert not r["load_failed"], f"cycle {cycle}, prompt {i}: a load failed after a kill"
+            restored += r["restored_tokens"]
+        ratios.append(_decode_tps(rows, _decode_s(run)) / base_tps)
+        tmp_seen += len([p for p in cache.rglob("*") if ".tmp" in p.name])
+        assert "kvoffload worker counters" not in run.log, "the engine was meant to die without its shutdown"
+    final = serve(models_dir, tmp_path, "final", prompts, [{"order": every}], kv=kv_config(cache),
+                  max_tokens=DECODE_TOKENS)
+    c = final.counters()
+    corrupt = c["chunk_misses"].get("corrupt", 0)
+    for i, r in final.by_phase(0).items():
+        assert r["output_ids"] == reference[i] and not r["load_failed"], f"final run, prompt {i}"
+        restored += r["restored_tokens"]
+    assert corrupt == 0 and c["loads_failed"] == 0, c
+    assert not [p for p in cache.rglob("*") if ".tmp" in p.name], "temporary files left after restart"
+    assert restored > 0, "nothing was ever restored: the kill test proves nothing"
+    print(f"\nengine kill -9 cycles: {KILL_CYCLES}; requests {served + len(prompts)}; tokens restored {restored}; "
+          f"corrupt loads {corrupt}; tmp files seen right after kills {tmp_seen}; decode throughput vs "
+          f"no connector (slow store path): {[f'{r:.3f}' for r in ratios]}; peak RSS of killed engines "
+          f"{[p >> 20 for p in peaks]} MiB")
+    record(f"1b kill -9 of a real engine (process group) with stores in flight", "SIGKILL after the last "
+           "request, slow store path (0.5 s per commit) so stores are pending", KILL_CYCLES,
+           served + len(prompts), corrupt, "only stores in flight at the kill; outputs identical after restart",
+           tokens_restored=restored)
+    record("5 slow storage (0.5 s per commit, 1 MiB pending-store budget)", "sleep before every commit",
+           KILL_CYCLES, served, 0, "stores beyond the pending budget dropped by policy",
+           decode_throughput_vs_no_connector=[round(r, 3) for r in ratios], peak_rss_mib=[p >> 20 for p in peaks])
+    assert min(ratios) >= 0.9, f"decode throughput fell to {min(ratios):.2f} of the no-connector run"
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("cycles", [20])
+def test_kill9_real_engine_many_cycles(models_dir, tmp_path, cycles, monkeypatch):
+    """The on-demand version of the test above: `pytest -m long` (about 40 s per cycle)."""
+    global KILL_CYCLES
+    monkeypatch.setattr(sys.modules[__name__], "KILL_CYCLES", cycles)
+    test_kill9_with_stores_in_flight_and_slow_storage(models_dir, tmp_path)
+
+
+# ---- two engines, one directory, one byte budget (item 4) ------------------------------------
+
+SHARED_BUDGET = 16 << 20
+
+
+def _dir_bytes(top: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(top):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _shared_directory(models_dir, tmp_path, repeats: int) -> None:
+    rng = random.Random(404)
+    prefixes = [random_prompt(rng, 3 * CHUNK) for _ in range(6)]
+    pool = [p + random_prompt(rng, 60 + rng.randrange(180)) for p in prefixes for _ in range(4)]
+    handoff = [random_prompt(rng, 3 * CHUNK + 100) for _ in range(3)]
+    prompts = pool + handoff
+    ho = list(range(len(pool), len(prompts)))
+    cache, flag = tmp_path / "shared", tmp_path / "a-stored-handoff"
+    kv = kv_config(cache, max_bytes=SHARED_BUDGET)
+    order_a = [i for _ in range(repeats) for i in rng.sample(range(len(pool)), len(pool))]
+    order_b = [i for _ in range(repeats) for i in rng.sample(range(len(pool)), len(pool))]
+    a = start(models_dir, tmp_path, "share-a", prompts, [{"order": ho, "touch": str(flag)}, {"order": order_a}],
+              kv=kv, max_tokens=4)
+    b = start(models_dir, tmp_path, "share-b", prompts,
+              [{"order": [], "wait_for": str(flag), "before": "sleep 2"}, {"order": ho}, {"order": order_b}],
+              kv=kv, max_tokens=4)
+    top, peak, samples, stop = cache / "kvoffload-v1", [0], [0], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _dir_bytes(top))
+            samples[0] += 1
+            time.sleep(0.05)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        finish(a)
+        finish(b)
+    finally:
+        stop.set()
+        t.join()
+    wall = time.monotonic() - t0
+    ca, cb = a.counters(), b.counters()
+    evicted = sum(int(n) for run in (a, b) for n in re.findall(r"evicted (\d+) files", run.log))
+    present = len(list(top.rglob("*.kv")))
+    written = ca["files_written"] + cb["files_written"]
+    # Every serve of a prompt, in either engine, restored or recomputed, gives the same tokens.
+    outs: dict[int, list[int]] = {}
+    served = 0
+    for run in (a, b):
+        for r in run.rows():
+            served += 1
+            assert outs.setdefault(r["index"], r["result"]["output_ids"]) == r["result"]["output_ids"], r["index"]
+    handoff_restored = sum(r["restored_tokens"] for r in b.by_phase(1).values())
+    corrupt = ca["chunk_misses"].get("corrupt", 0) + cb["chunk_misses"].get("corrupt", 0)
+    unaccounted = written - present - evicted
+    print(f"\nshared directory, 2 engines, budget {SHARED_BUDGET >> 20} MiB, {wall:.0f} s: {served} requests; "
+          f"peak {peak[0] / SHARED_BUDGET:.3f} of the budget over {samples[0]} samples; written {written}, "
+          f"evicted {evicted}, present {present}, unaccounted (racing duplicates) {unaccounted}; "
+          f"misses A {ca['chunk_misses']} B {cb['chunk_misses']}; tokens B restored from A's files {handoff_restored}")
+    assert corrupt == 0
+    assert evicted > 0, "the budget never had to evict: the test proves nothing"
+    assert peak[0] <= 1.05 * SHARED_BUDGET, f"directory reached {peak[0] / SHARED_BUDGET:.3f} of its budget"
+    assert handoff_restored > 0, "engine B never used a file engine A stored"
+    assert 0 <= unaccounted <= max(2, written // 50), (written, present, evicted)
+    record(f"4 two engines share one directory with a {SHARED_BUDGET >> 20} MiB budget, prefix-heavy load "
+           f"({wall:.0f} s)", "concurrent stores, loads and evictions", 1, served, corrupt,
+           f"none beyond {unaccounted} racing duplicates", peak_of_budget=round(peak[0] / SHARED_BUDGET, 3),
+           evicted_files=evicted, cross_instance_tokens_restored=handoff_restored)
+
+
+def test_two_engines_share_a_directory_within_a_byte_budget(models_dir, tmp_path):
+    _shared_directory(models_dir, tmp_path, repeats=2)
+
+
+@pytest.mark.long
+def test_two_engines_share_a_directory_for_minutes(models_dir, tmp_path):
+    _shared_directory(models_dir, tmp_path, repeats=12)
