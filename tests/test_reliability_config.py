@@ -156,3 +156,64 @@ def test_at_least_30_bad_configs_fail_at_start_up_naming_key_and_fix(vllm_setup,
     record("7 malformed or dangerous configurations, through the connector's start-up (scheduler role, "
            "real VllmConfig)", "table of bad kv_connector_extra_config values", len(CASES), "-", 0, "-",
            refused_with_key_and_fix=f"{len(CASES)}/{len(CASES)}")
+
+
+def test_models_dtypes_tp_layouts_and_chunk_sizes_never_share_files(vllm_setup, tmp_path):
+    """Item 9: every variant gets its own fingerprint directory, and a file of
+    one variant placed where another looks is refused (identity check).
+    Different models sharing a directory run on real engines in
+    tests/test_e2e_fs.py; other format versions in test_reliability_e2e.py."""
+    import copy
+    import dataclasses
+
+    from offload.keys import fingerprint, rank_fingerprint
+    from offload.layout import fingerprint_fields
+    from offload.store.format import ChunkHeader
+    from offload.store.fs import ChunkMiss, FileStore
+
+    vllm_config, kvc = vllm_setup
+
+    def variant(dtype=None, tp=1, chunk=256, model_id=None, kv=kvc):
+        vc = copy.copy(vllm_config)
+        vc.model_config = copy.copy(vllm_config.model_config)
+        vc.parallel_config = copy.copy(vllm_config.parallel_config)
+        if dtype is not None:
+            vc.model_config.dtype = dtype
+        vc.parallel_config.tensor_parallel_size = tp
+        return fingerprint(fingerprint_fields(vc, kv, chunk, model_id))
+
+    f32 = copy.deepcopy(kvc)
+    attn = f32.kv_cache_groups[1]
+    f32.kv_cache_groups[1] = dataclasses.replace(attn, kv_cache_spec=dataclasses.replace(attn.kv_cache_spec,
+                                                                                         dtype=torch.float32))
+    base = variant()
+    fps = {"base": rank_fingerprint(base, 0, 1),
+           "dtype float32": rank_fingerprint(variant(torch.float32, kv=f32), 0, 1),
+           "tp 2 rank 0": rank_fingerprint(variant(tp=2), 0, 2),
+           "tp 2 rank 1": rank_fingerprint(variant(tp=2), 1, 2),
+           "chunk 512": rank_fingerprint(variant(chunk=512), 0, 1),
+           "other model id": rank_fingerprint(variant(model_id="other"), 0, 1)}
+    assert len({fp.hex() for fp in fps.values()}) == len(fps), "two variants share a directory"
+    # A base file copied to where each other variant would look: refused, not misread.
+    from faults.store_writer import KvCache
+
+    kv = KvCache()
+    h = dataclasses.replace(kv.header(1, 1), fingerprint=fps["base"])
+    src = FileStore.open(str(tmp_path), fps["base"])
+    src.write(h, kv.pages[1].gather(kv.fill(1, 1)))
+    refused = 0
+    for name, fp in fps.items():
+        if name == "base":
+            continue
+        dst = FileStore.open(str(tmp_path), fp)
+        assert not dst.contains(1, h.key)
+        target = dst.file_path(1, h.key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(src.file_path(1, h.key).read_bytes())
+        with pytest.raises(ChunkMiss) as e:
+            dst.read_into(dataclasses.replace(h, fingerprint=fp), torch.empty(h.payload_len, dtype=torch.uint8))
+        assert "fingerprint" in str(e.value)
+        refused += 1
+    print(f"\nvariants: {len(fps)} distinct directories; foreign files refused: {refused}/{len(fps) - 1}")
+    record("9 dtype, TP layout and rank, chunk size, model id: one directory", "a file of the base variant "
+           "copied where each other variant looks", refused, "-", 0, "none: distinct directories, identity refused")
