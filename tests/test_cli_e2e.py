@@ -16,17 +16,13 @@ import os
 import random
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt
+from serving import api_server
 from offload import cli
 from offload.cli.prompts import load, token_ids
 from offload.engine_run import RunSpec, run_engine
@@ -288,51 +284,16 @@ def test_gc_without_parent_links_evicts_later_positions_first_and_leaves_no_hole
 # ---- warmup --url ----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_warmup_url_replays_text_and_token_prompts_through_a_running_server(models_dir, tmp_path):
-    model = str(models_dir / "qwen3-next-tiny")
-    port = _free_port()
-    args = engine_args(True)
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching", "--enable-prompt-tokens-details",
-           "--max-model-len", str(args["max_model_len"]),
-           "--max-num-batched-tokens", str(args["max_num_batched_tokens"]),
-           "--prefix-cache-retention-interval", str(args["prefix_cache_retention_interval"]),
-           "--enforce-eager", "--shutdown-timeout", "30",
-           "--kv-transfer-config", json.dumps(fs_kv_config(tmp_path / "cache"))]
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    try:
-        deadline = time.monotonic() + 400
-        while True:
-            assert server.poll() is None, log_path.read_text()[-4000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "server did not become healthy"
-                time.sleep(1)
-        prompts = tmp_path / "prompts.jsonl"
-        prompts.write_text(json.dumps({"prompt": TEXT}) + "\n"
-                           + json.dumps({"prompt_token_ids": TOKEN_PROMPTS[3]}) + "\n")
-        url = f"http://127.0.0.1:{port}"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": TEXT}) + "\n"
+                       + json.dumps({"prompt_token_ids": TOKEN_PROMPTS[3]}) + "\n")
+    with api_server(models_dir / "qwen3-next-tiny", fs_kv_config(tmp_path / "cache"), tmp_path / "server.log",
+                    extra_args=("--enable-prompt-tokens-details",)) as url:
         rc, first = cli_run("warmup", "--prompts", str(prompts), "--url", url)
         assert rc == 0, first
         rc, second = cli_run("warmup", "--prompts", str(prompts), "--url", url)
         assert rc == 0, second
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            server.kill()
     n_tok = int(re.search(r"2 prompts, (\d+) prompt tokens", first).group(1))
     assert n_tok > len(TOKEN_PROMPTS[3])  # the server tokenized the text prompt
     cached1 = int(re.search(r"cached (\d+) ", first).group(1))
