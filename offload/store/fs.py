@@ -378,11 +378,12 @@ class FsData(TierData):
             staged.pool.put(staged.buf)
 
     def _write(self, header: ChunkHeader, staged: _Staged) -> bool:
-        """`FileStore.write`, from a buffer that holds the header's room too."""
+        """`FileStore.write`, from a buffer that holds the header's room too
+        (same directory preparation, temporary name, modes and budget)."""
         final = self.store.file_path(header.group, header.key)
         if final.exists():
             return False  # same key, same bytes: another request or instance stored it
-        final.parent.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
+        self.store.prepare_dir(final)  # modes, and no planted symlink leads out of the cache
         if self.direct is None:
             self.direct = probe_o_direct(final.parent)
             logger.info("kvoffload: O_DIRECT writes %s in %s", "on" if self.direct else "off (refused)",
@@ -391,9 +392,9 @@ class FsData(TierData):
         payload = buf[HEADER_LEN:HEADER_LEN + n]
         full = ChunkHeader(**{**header.__dict__, "payload_crc": copier.crc32c(payload)})
         buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(full.pack()), dtype=torch.uint8))
-        tmp = final.with_name(f"{final.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-        used = copier.write_file_direct(str(tmp), str(final), buf, HEADER_LEN + n, self.store.fsync,
-                                        FILE_MODE, direct=self.direct)
+        used = copier.write_file_direct(str(self.store.tmp_path(final)), str(final), buf, HEADER_LEN + n,
+                                        self.store.fsync, self.store.file_mode, direct=self.direct)
+        self.store.written(final, HEADER_LEN + n)  # exact mode, budget accounting
         if used:
             self.direct_writes += 1
         else:
