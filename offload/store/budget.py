@@ -57,7 +57,7 @@ def _read_parent(path: str) -> tuple[bytes | None, bool]:
 
 
 class DirBudget:
-    def __init__(self, top: Path, max_bytes: int, low_water: float = 0.9, rescan_s: float = 1.0) -> None:
+    def __init__(self, top: Path, max_bytes: int, low_water: float = 0.8, rescan_s: float = 1.0) -> None:
         self.top = top  # <path>/kvoffload-v1
         self.max_bytes = max_bytes
         self.target = int(max_bytes * low_water)
@@ -71,8 +71,11 @@ class DirBudget:
         self.scan_s = 0.0
 
     def interval_s(self) -> float:
-        """Pause between background passes: 0.1 s, or 20 times the last scan
-        (a large directory costs at most ~5% of one thread), at most rescan_s x 10."""
+        """Pause between background passes. Below 70% of the budget: 0.1 s, or
+        20 times the last scan (a large directory costs at most ~5% of one
+        thread). Above it: 0.02 s, or twice the last scan."""
+        if self._usage > 0.7 * self.max_bytes:
+            return min(max(0.02, 2 * self.scan_s), self.rescan_s)
         return min(max(0.1, 20 * self.scan_s), 10 * self.rescan_s)
 
     @property
