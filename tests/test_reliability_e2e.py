@@ -451,13 +451,14 @@ def test_kill9_with_stores_in_flight_and_slow_storage(models_dir, tmp_path):
     assert restored > 0, "nothing was ever restored: the kill test proves nothing"
     assert dropped.get("backpressure", 0) > 0, f"no store dropped by policy under slow storage: {dropped}"
     ratio = slow_tps[0] / base_tps
-    print(f"\nengine kill -9 cycles: {KILL_CYCLES}; requests {served + len(prompts)}; tokens restored {restored}; "
+    served_after = len(final.rows())
+    print(f"\nengine kill -9 cycles: {KILL_CYCLES}; requests {served + served_after}; tokens restored {restored}; "
           f"corrupt loads {corrupt}; loads that missed a file and recomputed {recomputed}; tmp files seen right after kills {tmp_seen}; decode throughput vs "
           f"no connector, served side by side (slow store path): {ratio:.3f}; peak RSS of killed engines "
           f"{[p >> 20 for p in peaks]} MiB (no connector: {base_peak >> 20} MiB); stores dropped {dropped}")
     record(f"1b kill -9 of a real engine (process group) with stores in flight", "SIGKILL after the last "
            "request, slow store path (0.5 s per commit) so stores are pending", KILL_CYCLES,
-           served + len(prompts), corrupt, "only stores in flight at the kill; outputs identical after restart",
+           served + served_after, corrupt, "only stores in flight at the kill; outputs identical after restart",
            tokens_restored=restored)
     record("5 slow storage (0.5 s per commit, 1 MiB pending-store budget)", "sleep before every commit",
            KILL_CYCLES, served, 0, "stores beyond the pending budget dropped by policy",
