@@ -244,7 +244,7 @@ def test_a_file_that_vanishes_or_changes_between_lookup_and_load_is_recomputed(b
     print(f"\nfiles deleted (3 prompts) or overwritten (1 prompt) between lookup and load: {n} prompts, "
           f"all recomputed with identical output; chunk misses {misses}")
     record("6 file deleted (attention files of 2 prompts, the GDN state of 1) or overwritten with garbage "
-           "(the GDN state of 1) between the scheduler's lookup and the worker's load", "storage-layer hook right after the lookup saw the file", n, 2 * n, 0,
+           "(the GDN state of 1) between the scheduler's lookup and the worker's load", "storage-layer hook right after the lookup saw the file", n, 3 * n, 0,
            "none: recomputed, re-stored, restored next pass")
 
 
