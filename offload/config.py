@@ -154,17 +154,4 @@ def parse_config(extra: dict[str, Any] | None) -> OffloadConfig:
     except ValidationError as e:
         lines = [_describe(err) for err in e.errors()]
         raise ConfigError("invalid OffloadConnector config:\n  " + "\n  ".join(lines)) from None
-    if cfg.store == "fs" and cfg.path is not None:
-        _FS_CONFIGS[cfg.path] = cfg
     return cfg
-
-
-# The file tier's options (modes, budget, orphan age) by cache path, as parsed
-# in this process. The connector opens its FileStore with (path, fingerprint,
-# fsync) only; FileStore.open finds the rest here until the connector passes
-# its config explicitly (FileStore.open(..., cfg=self.cfg)).
-_FS_CONFIGS: dict[str, OffloadConfig] = {}
-
-
-def fs_config_for(path: str) -> OffloadConfig | None:
-    return _FS_CONFIGS.get(os.path.normpath(path))

@@ -60,7 +60,8 @@ METRICS: dict[str, MetricDef] = {
     "kvoffload_stores_dropped": MetricDef(
         "counter", _TR, "Stores dropped: backpressure, no_space, error, shutdown, no_room (host-memory tier full)."),
     "kvoffload_failed_loads": MetricDef(
-        "counter", _TR, "Loads that failed and became a recompute: missing, corrupt, error, allocation mismatch."),
+        "counter", _TR, "Loads that failed and became a recompute: missing, corrupt, io_error, unsafe, error, "
+        "allocation mismatch."),
     "kvoffload_checksum_failures": MetricDef(
         "counter", _TG, "Files that failed verification (header, size or CRC) and were quarantined."),
     "kvoffload_evictions": MetricDef("counter", _TG, "Entries evicted from the tier to make room."),
@@ -82,7 +83,7 @@ METRICS: dict[str, MetricDef] = {
 
 GROUP_KINDS = tuple(k.value for k in GroupKind)
 DROP_REASONS = ("backpressure", "no_space", "error", "shutdown", "no_room")
-LOAD_FAILURE_REASONS = ("missing", "corrupt", "error", "allocation mismatch")
+LOAD_FAILURE_REASONS = ("missing", "corrupt", "io_error", "unsafe", "error", "allocation mismatch")
 
 
 class Recorder:

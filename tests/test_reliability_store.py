@@ -247,7 +247,7 @@ for n, (umask, fm, dm) in enumerate({MODE_CASES!r}):
     if fm:
         extra |= {{"file_mode": fm, "dir_mode": dm}}
     cfg = parse_config(extra)
-    s = FileStore.open(cfg.path, FP)
+    s = FileStore.open(cfg.path, FP, cfg=cfg)
     k = KvCache(); h = k.header(1, 1)
     s.write(h, k.pages[1].gather(k.fill(1, 1)))
     s.write_layout({{"tensors": {{}}}})

@@ -57,10 +57,10 @@ def _share_vllm_logging() -> None:
         ours.propagate = False
 
 
-def _check_directory(path: str) -> None:
+def _check_directory(path: str, mode: int) -> None:
     p = Path(path)
     try:
-        p.mkdir(parents=True, exist_ok=True, mode=0o750)
+        p.mkdir(parents=True, exist_ok=True, mode=mode)
     except OSError as e:
         raise ConfigError(f"{EXTRA_CONFIG}.path={path!r}: cannot create the cache directory ({e.strerror}); "
                           "choose a directory this user can create or write") from None
@@ -130,10 +130,11 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         from offload.store.fs import FileStore, FsIndex
 
         assert self.cfg.path is not None
-        _check_directory(self.cfg.path)
+        _check_directory(self.cfg.path, self.cfg.dir_mode_bits)
         # Rank 0's files stand for the request on every rank; a rank missing
         # its file fails the load, which is a recompute, never a wrong hit.
-        store = FileStore.open(self.cfg.path, rank_fingerprint(self.fingerprint, 0, pc.tensor_parallel_size))
+        store = FileStore.open(self.cfg.path, rank_fingerprint(self.fingerprint, 0, pc.tensor_parallel_size),
+                               cfg=self.cfg)
         return FsIndex(store, num_groups=len(self.planner.groups))
 
     def _tier_data_factory(self, rank_fp):
@@ -145,7 +146,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         from offload.store.fs import FileStore, FsData
 
         assert self.cfg.path is not None
-        store = FileStore.open(self.cfg.path, rank_fp, fsync=self.cfg.fsync)
+        store = FileStore.open(self.cfg.path, rank_fp, fsync=self.cfg.fsync, cfg=self.cfg)
         return lambda device: FsData(store)
 
     def _cpu_layout(self):

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from offload import copier
-from offload.config import EXTRA_CONFIG, ConfigError, OffloadConfig, fs_config_for
+from offload.config import EXTRA_CONFIG, ConfigError, OffloadConfig
 from offload.keys import ChunkKey, Fingerprint
 from offload.store.base import Placement, TierData, TierIndex, TierUsage
 from offload.store.buffers import DEFAULT_MAX_FREE_BYTES, BufferPool, probe_o_direct
@@ -73,11 +73,9 @@ class FileStore:
     def open(cls, path: str, fp: Fingerprint, fsync: bool = False, cfg: OffloadConfig | None = None) -> FileStore:
         """Open (and, in the background, tidy) the fingerprint directory under `path`.
 
-        `cfg` gives modes, the byte budget and the orphan age; without it the
-        options parsed for this path in this process are used (or defaults).
+        `cfg` gives modes, the byte budget and the orphan age (defaults without it).
         A world-writable cache directory is refused (ConfigError naming `path`).
         """
-        cfg = cfg if cfg is not None else fs_config_for(path)
         base = Path(path)
         for d in (base, base / LAYOUT_VERSION_DIR, base / LAYOUT_VERSION_DIR / fp.hex()):
             mode = hygiene.world_writable(d)
