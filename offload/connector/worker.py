@@ -8,6 +8,7 @@ load in WAITING_FOR_REMOTE_KVS, so its destination blocks are ours alone.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +45,17 @@ class WorkerCounters:
     bytes_written: int = 0
     bytes_read: int = 0
     stores_dropped: dict[str, int] = field(default_factory=dict)
+
+
+def _background_priority() -> None:
+    """Store threads yield the CPU to the model: on a small CPU machine an
+    I/O thread that preempts one of vLLM's OpenMP threads stalls the whole
+    step. SCHED_IDLE (Linux) runs them only on otherwise idle cores; they
+    still finish between steps, and overflow is dropped by policy."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
+        pass
 
 
 def failure_label(reason: str) -> str:
@@ -91,7 +103,8 @@ class WorkerSide:
         # stores; stores get half as many, and overflow is dropped by policy
         # (max_pending_store_bytes) rather than queued without bound.
         self.load_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvoffload-load")
-        self.store_pool = ThreadPoolExecutor(max(1, cfg.io_threads // 2), thread_name_prefix="kvoffload-store")
+        self.store_pool = ThreadPoolExecutor(max(1, cfg.io_threads // 2), thread_name_prefix="kvoffload-store",
+                                             initializer=_background_priority)
         self.counters = WorkerCounters()
         self._lock = threading.Lock()
         self._loads: dict[str, Future[str | None]] = {}
