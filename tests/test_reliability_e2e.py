@@ -562,6 +562,7 @@ def _shared_directory(models_dir, tmp_path, repeats: int) -> None:
            evicted_files=evicted, cross_instance_tokens_restored=handoff_restored)
 
 
+@pytest.mark.long  # ~2 min: keeps `make test` (CI) under 30 min; -m long runs it with its longer twin
 def test_two_engines_share_a_directory_within_a_byte_budget(models_dir, tmp_path):
     _shared_directory(models_dir, tmp_path, repeats=1)
 
