@@ -35,6 +35,23 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 30
 
 
 @contextmanager
+def _running(cmd: list[str], log: Path, base: str, ready_path: str, start_s: float, stop_s: float,
+             env: dict[str, str] | None = None) -> Iterator[str]:
+    """Run `cmd` until the block ends (SIGTERM, then SIGKILL after `stop_s`)."""
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_http(f"{base}{ready_path}", proc, log, timeout_s=start_s)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=stop_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextmanager
 def api_server(model: Path, kv_transfer_config: dict, log: Path, hybrid: bool = True,
                extra_env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
     """Yields the base URL of `python -m vllm.entrypoints.openai.api_server`
@@ -49,18 +66,8 @@ def api_server(model: Path, kv_transfer_config: dict, log: Path, hybrid: bool = 
     if hybrid:
         cmd += ["--prefix-cache-retention-interval", str(args["prefix_cache_retention_interval"])]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(extra_env or {})}
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(f"{base}/health", proc, log)
+    with _running(cmd, log, f"http://127.0.0.1:{port}", "/health", 300, 90, env) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def complete(base: str, prompt: list[int], max_tokens: int = 4) -> dict:
@@ -80,15 +87,5 @@ def prometheus(config: Path, workdir: Path) -> Iterator[str]:
     log = workdir / "prometheus.log"
     cmd = ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
            f"--web.listen-address=127.0.0.1:{port}"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(f"{base}/-/ready", proc, log, timeout_s=60)
+    with _running(cmd, log, f"http://127.0.0.1:{port}", "/-/ready", 60, 30) as base:
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
