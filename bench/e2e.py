@@ -47,13 +47,20 @@ def _restored(o: Any) -> int:
 
 
 def _wait_files(path: str, want: int, timeout_s: float = 120) -> int:
-    """Until `want` chunk files exist under `path` (stores are asynchronous)."""
+    """Until at least `want` chunk files exist under `path`, no temporary file
+    is left and the count held still for one poll: stores are asynchronous
+    and finish out of order across the store threads, so a count alone can
+    be reached while an earlier chunk is still being written."""
     deadline = time.monotonic() + timeout_s
+    last = -1
     while True:
-        n = sum(1 for _ in Path(path).rglob("*.kv"))
-        if n >= want or time.monotonic() > deadline:
+        names = [p.name for p in Path(path).rglob("*") if p.is_file()]
+        n = sum(1 for x in names if x.endswith(".kv"))
+        busy = any(".tmp." in x for x in names)
+        if (n >= want and not busy and n == last) or time.monotonic() > deadline:
             return n
-        time.sleep(0.2)
+        last = n
+        time.sleep(0.3)
 
 
 def _tree_cpu_s() -> float:
@@ -158,8 +165,8 @@ def run(model: str, long_tokens: int, n_long: int, miss_prompts: int, miss_token
         phases_b = [miss_phase, {"name": "long", "kind": "ttft", "prompts": long_p, "max_tokens": 1}]
         n_files = None
         if same_process:
-            # every stored chunk of the long prompts (hits are <= num_tokens - 1), at least one group
-            want = n_long * ((long_tokens - 1) // CHUNK)
+            # every full chunk of the long prompts is stored (at least one group's files)
+            want = n_long * (long_tokens // CHUNK)
             phases_b.append({"name": "restored", "kind": "ttft", "prompts": long_p, "max_tokens": 1,
                              "reset_before": True, "wait_files": [str(cache), want]})
         b = run_child({"model": model, "engine_args": engine_args, "kv_config": kv, "phases": phases_b},
