@@ -425,22 +425,16 @@ std::string dir_of(const std::string& path) {
   return path.substr(0, pos);
 }
 
-bool write_file_impl(const std::string& tmp, const std::string& fin, const std::string& header,
-                     uintptr_t payload, size_t payload_len, bool do_fsync, int mode,
-                     IoError& e) {
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
-  // On EEXIST the tmp file belongs to someone else: never unlink it.
-  if (fd < 0) return e.set(errno, tmp);
-  auto fail = [&](int err, const std::string& p) {
+// The end of every file write: optional fdatasync, close, rename of the
+// temporary file into place, optional fsync of the directory. Takes `fd`;
+// on failure before the rename the temporary file is removed.
+bool publish(int fd, const std::string& tmp, const std::string& fin, bool do_fsync, IoError& e) {
+  if (do_fsync && ::fdatasync(fd) != 0) {
+    int err = errno;
     ::close(fd);
     ::unlink(tmp.c_str());
-    return e.set(err, p);
-  };
-  if (!write_all(fd, reinterpret_cast<const uint8_t*>(header.data()), header.size(), e, tmp))
-    return fail(e.err, e.path);
-  if (!write_all(fd, reinterpret_cast<const uint8_t*>(payload), payload_len, e, tmp))
-    return fail(e.err, e.path);
-  if (do_fsync && ::fdatasync(fd) != 0) return fail(errno, tmp);
+    return e.set(err, tmp);
+  }
   if (::close(fd) != 0) {  // close can report deferred write errors (NFS, quota)
     int err = errno;
     ::unlink(tmp.c_str());
@@ -464,6 +458,24 @@ bool write_file_impl(const std::string& tmp, const std::string& fin, const std::
     ::close(dfd);
   }
   return true;
+}
+
+bool write_file_impl(const std::string& tmp, const std::string& fin, const std::string& header,
+                     uintptr_t payload, size_t payload_len, bool do_fsync, int mode,
+                     IoError& e) {
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);
+  // On EEXIST the tmp file belongs to someone else: never unlink it.
+  if (fd < 0) return e.set(errno, tmp);
+  auto fail = [&](int err, const std::string& p) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    return e.set(err, p);
+  };
+  if (!write_all(fd, reinterpret_cast<const uint8_t*>(header.data()), header.size(), e, tmp))
+    return fail(e.err, e.path);
+  if (!write_all(fd, reinterpret_cast<const uint8_t*>(payload), payload_len, e, tmp))
+    return fail(e.err, e.path);
+  return publish(fd, tmp, fin, do_fsync, e);
 }
 
 void write_file(const std::string& tmp, const std::string& fin, const py::bytes& header_obj,
@@ -581,29 +593,7 @@ bool write_file_direct_impl(const std::string& tmp, const std::string& fin, uint
   } else if (!write_all(fd, p, file_len, e, tmp)) {
     return fail(e.err, e.path);
   }
-  if (do_fsync && ::fdatasync(fd) != 0) return fail(errno, tmp);
-  if (::close(fd) != 0) {
-    int err = errno;
-    ::unlink(tmp.c_str());
-    return e.set(err, tmp);
-  }
-  if (::rename(tmp.c_str(), fin.c_str()) != 0) {
-    int err = errno;
-    ::unlink(tmp.c_str());
-    return e.set(err, fin);
-  }
-  if (do_fsync) {
-    const std::string dir = dir_of(fin);
-    int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd < 0) return e.set(errno, dir);
-    if (::fsync(dfd) != 0 && errno != EINVAL) {
-      int err = errno;
-      ::close(dfd);
-      return e.set(err, dir);
-    }
-    ::close(dfd);
-  }
-  return true;
+  return publish(fd, tmp, fin, do_fsync, e);
 }
 
 bool write_file_direct(const std::string& tmp, const std::string& fin, uint64_t buf_ptr,

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from offload.store.hygiene import walk
+
 logger = logging.getLogger(__name__)
 
 MAMBA_KIND = 4  # header kind code (offload.store.format.KIND_CODES)
@@ -110,35 +112,24 @@ class DirBudget:
         t0 = time.monotonic()
         seen: dict[str, _Entry] = {}
         usage = 0
-        stack = [str(self.top)]
-        while stack:
-            d = stack.pop()
+        for d, e in walk(self.top):
             try:
-                it = os.scandir(d)
+                st = e.stat(follow_symlinks=False)
             except OSError:
                 continue
-            with it:
-                for e in it:
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    if stat.S_ISDIR(st.st_mode):
-                        stack.append(e.path)
-                        continue
-                    if not stat.S_ISREG(st.st_mode):
-                        continue
-                    usage += st.st_size
-                    old = self._entries.get(e.path)
-                    if old is not None and old.size == st.st_size:
-                        old.mtime = st.st_mtime
-                        seen[e.path] = old
-                    elif e.name.endswith(".kv"):
-                        parent, _ = _read_parent(e.path)
-                        seen[e.path] = _Entry(st.st_size, st.st_mtime, parent)
-                    elif os.path.basename(d) == "quarantine":
-                        seen[e.path] = _Entry(st.st_size, st.st_mtime, None)
-                    # temporary files and layout.json count, but are not evicted here
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            usage += st.st_size
+            old = self._entries.get(e.path)
+            if old is not None and old.size == st.st_size:
+                old.mtime = st.st_mtime
+                seen[e.path] = old
+            elif e.name.endswith(".kv"):
+                parent, _ = _read_parent(e.path)
+                seen[e.path] = _Entry(st.st_size, st.st_mtime, parent)
+            elif os.path.basename(d) == "quarantine":
+                seen[e.path] = _Entry(st.st_size, st.st_mtime, None)
+            # temporary files and layout.json count, but are not evicted here
         self._entries = seen
         self._usage = usage
         now = time.monotonic()

@@ -28,6 +28,7 @@ import socket
 import stat
 import time
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -129,13 +130,11 @@ def is_orphan(name: str, mtime: float, now: float, local_only: bool, max_age_s: 
     return ours or age >= NET_GRACE_S
 
 
-def clean_orphans(root: Path, max_age_s: float, local_only: bool | None = None) -> tuple[int, int]:
-    """Remove orphaned temporary files under `root` (a fingerprint directory).
-    Returns (removed, kept): kept are temporary files that may still be written."""
-    if local_only is None:
-        local_only = not is_network_fs(root)
-    now = time.time()
-    removed = kept = 0
+def walk(root: str | Path, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, os.DirEntry]]:
+    """Every entry under `root` that is not a directory, as (its directory,
+    entry), depth first. Symlinks are entries, never followed; directories
+    named in `skip`, and directories that cannot be read (removed meanwhile
+    by another engine, which is normal on a shared cache), are passed over."""
     stack = [str(root)]
     while stack:
         d = stack.pop()
@@ -145,26 +144,40 @@ def clean_orphans(root: Path, max_age_s: float, local_only: bool | None = None) 
             continue
         with it:
             for e in it:
-                if e.is_dir(follow_symlinks=False):
-                    if e.name != "quarantine":
-                        stack.append(e.path)
-                    continue
-                if ".tmp" not in e.name:
-                    continue
                 try:
-                    mtime = e.stat(follow_symlinks=False).st_mtime
+                    is_dir = e.is_dir(follow_symlinks=False)
                 except OSError:
                     continue
-                if is_orphan(e.name, mtime, now, local_only, max_age_s):
-                    try:
-                        os.unlink(e.path)
-                        removed += 1
-                    except FileNotFoundError:
-                        pass
-                    except OSError as err:
-                        logger.warning("kvoffload: cannot remove orphaned %s: %s", e.path, err)
-                else:
-                    kept += 1
+                if not is_dir:
+                    yield d, e
+                elif e.name not in skip:
+                    stack.append(e.path)
+
+
+def clean_orphans(root: Path, max_age_s: float, local_only: bool | None = None) -> tuple[int, int]:
+    """Remove orphaned temporary files under `root` (a fingerprint directory).
+    Returns (removed, kept): kept are temporary files that may still be written."""
+    if local_only is None:
+        local_only = not is_network_fs(root)
+    now = time.time()
+    removed = kept = 0
+    for _, e in walk(root, skip=frozenset({"quarantine"})):
+        if ".tmp" not in e.name:
+            continue
+        try:
+            mtime = e.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        if is_orphan(e.name, mtime, now, local_only, max_age_s):
+            try:
+                os.unlink(e.path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError as err:
+                logger.warning("kvoffload: cannot remove orphaned %s: %s", e.path, err)
+        else:
+            kept += 1
     if removed:
         logger.info("kvoffload: removed %d orphaned temporary files under %s", removed, root)
     return removed, kept
