@@ -125,7 +125,11 @@ def run_child(spec: dict, timeout_s: float = 1800, log_path: Path | None = None)
     with tempfile.TemporaryDirectory(prefix="kvoffload-bench-") as tmp:
         sp, op = Path(tmp, "spec.json"), Path(tmp, "out.json")
         sp.write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+        # vLLM-CPU reserves one core more when any KV connector is set (none at all on 2 cores):
+        # every run gets the no-connector reservation, so runs differ only by the connector
+        # (docs/operations.md#cpu-machines). An operator's own setting is kept.
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "bench.e2e", "--child", str(sp), str(op)],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -222,6 +226,7 @@ def run(model: str, long_tokens: int, n_long: int, miss_prompts: int, miss_token
              "cpu_overhead": median(cpu_b) / median(cpu_a) - 1,
              "cached_tokens_with": [r["cached_tokens"] for r in b["miss"]]}
     doc = {"model": model, "engine_args": engine_args, "cache_fs": filesystem_of(cache.parent),
+           "vllm_cpu_num_of_reserved_cpu": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
            "worker_counters": {"B": b["worker_counters"], "C": None if same_process else c["worker_counters"]},
            "ttft": ttft, "miss": missd, "engine_process_s": [a["process_s"], b["process_s"]]}
     print(table(["item 5: TTFT", "prompt tok", "compute (no connector)", "restored from disk",

@@ -125,6 +125,30 @@ def test_good_config_starts(vllm_setup, tmp_path):
     assert conn.planner.chunk_size == 256
 
 
+@pytest.mark.parametrize("cores,reserved,warned", [(2, None, True), (2, "1", False), (64, None, False)])
+def test_cpu_core_reservation_warning_names_the_fix(vllm_setup, tmp_path, monkeypatch, caplog, cores, reserved,
+                                                     warned):
+    """vLLM-CPU reserves one core more for any connector; on a machine with no more cores than that it
+    reserves none, and decode slows by 20% (docs/operations.md#cpu-machines). The start-up says so."""
+    import logging
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cores)))
+    if reserved is None:
+        monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", reserved)
+    ours = logging.getLogger("offload")  # prints through vLLM's handlers, without propagating
+    ours.addHandler(caplog.handler)
+    try:
+        _start(vllm_setup, {**OURS, "kv_connector_extra_config": {"store": "fs", "path": str(tmp_path / "c")}})
+    finally:
+        ours.removeHandler(caplog.handler)
+    hits = [r.getMessage() for r in caplog.records if "VLLM_CPU_NUM_OF_RESERVED_CPU" in r.getMessage()]
+    assert bool(hits) == warned, hits
+    if warned:
+        assert "Set VLLM_CPU_NUM_OF_RESERVED_CPU=1" in hits[0] and f"this machine has {cores}" in hits[0]
+
+
 def test_at_least_30_bad_configs_fail_at_start_up_naming_key_and_fix(vllm_setup, tmp_path):
     assert len(CASES) >= 30
     (tmp_path / "afile").write_text("not a directory")

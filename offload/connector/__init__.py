@@ -69,6 +69,33 @@ def _check_directory(path: str, mode: int) -> None:
                           "fix its permissions or choose another path")
 
 
+def _check_cpu_core_reservation(vllm_config: VllmConfig) -> None:
+    """vLLM-CPU reserves one more core per rank for any KV connector (meant
+    for NIXL's transfer threads). Our store threads run at idle priority and
+    need no core of their own. On a machine with no more cores than that
+    reservation, vLLM reserves none at all, so the scheduler and API server
+    compete with the model's OpenMP threads: decode measured 20% slower on 2
+    cores (docs/operations.md#cpu-machines). Say so, with the fix."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"):
+        return
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return
+    pc = vllm_config.parallel_config
+    ranks = pc.tensor_parallel_size * pc.pipeline_parallel_size
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 0
+    if cores <= 2 * ranks:
+        logger.warning("OffloadConnector: vLLM-CPU reserves %d cores when a KV connector is set, and this "
+                       "machine has %d, so it reserves none and the scheduler competes with the model's "
+                       "OpenMP threads. Set VLLM_CPU_NUM_OF_RESERVED_CPU=%d (vLLM's reservation without a "
+                       "connector); this connector's I/O threads need no core of their own",
+                       2 * ranks, cores, ranks)
+
+
 class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads KV cache chunks of every group (attention KV, windowed KV,
     Mamba/GDN state) to canonical per-group files, and restores a prefix only
@@ -178,6 +205,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
                            "--shutdown-timeout %d to let them finish", max(1, int(self.cfg.shutdown_timeout_s)))
         if any(g.kind is GroupKind.MAMBA for g in self.planner.groups):
             self._check_mamba_checkpoints(vllm_config)
+        _check_cpu_core_reservation(vllm_config)
 
     def _check_mamba_checkpoints(self, vllm_config: VllmConfig) -> None:
         """A hybrid hit at boundary N needs the Mamba state at exactly N. vLLM
