@@ -77,28 +77,6 @@ def _describe(name: str, t: torch.Tensor, num_blocks: int) -> str:
     return f"{name}:{t.dtype}:pre{tuple(t.shape[:d])}:post{tuple(t.shape[d + 1:])}/{tuple(t.stride()[d + 1:])}"
 
 
-class _RequestLoad:
-    """One request's restore in flight: files left, and the first failure.
-    The request is finished when its last file is, whatever the outcome."""
-
-    def __init__(self, files: int, reason: str | None = None) -> None:
-        self.left = files
-        self.reason = reason
-        self.t0 = time.perf_counter()
-        self.finished = threading.Event()
-        self._lock = threading.Lock()
-
-    def file_done(self, reason: str | None, worker: WorkerSide) -> None:
-        with self._lock:
-            if reason is not None and self.reason is None:
-                self.reason = reason
-            self.left -= 1
-            last = self.left == 0
-        if last:
-            worker._load_finished(self)
-            self.finished.set()
-
-
 class WorkerSide:
     def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fingerprint: Fingerprint,
                  make_data: Callable[[torch.device], TierData], layer_names: list[list[str]],
@@ -129,7 +107,7 @@ class WorkerSide:
                                              initializer=_background_priority)
         self.counters = WorkerCounters()
         self._lock = threading.Lock()
-        self._loads: dict[str, _RequestLoad] = {}
+        self._loads: dict[str, Future[str | None]] = {}
         self._stores: set[Future[None]] = set()
         self._pending_store_bytes = 0
         self._closed = False
@@ -168,55 +146,44 @@ class WorkerSide:
             page_bytes=self.pages[ref.group].page_bytes, parent=ref.parent,
         )
 
-    def _load_file(self, job: LoadJob, i: int, load: _RequestLoad) -> None:
-        """Restore one file of a request's hit, on a load thread."""
-        if load.reason is not None:  # another file of this request failed: the request recomputes
-            load.file_done(None, self)
-            return
-        ref, pairs = job.files[i], job.pages[i]
-        slot = job.slots[i] if job.slots else None
-        reason = None
-        try:
-            assert self.data is not None
-            moved = self.data.load(self._header(ref), self.pages[ref.group], pairs, Placement(slot))
-        except ChunkMiss as e:
-            with self._lock:
-                self.counters.chunk_misses[e.reason] = self.counters.chunk_misses.get(e.reason, 0) + 1
-            if e.reason == "corrupt":
-                self.recorder.inc("kvoffload_checksum_failures", group_kind=ref.kind.value)
-            logger.warning("kvoffload: load of request %s is a miss (%s); it will be recomputed", job.req_id, e)
-            reason = e.reason
-        except Exception as e:  # a load must never take the engine down
-            logger.exception("kvoffload: load of request %s failed", job.req_id)
-            reason = f"error: {type(e).__name__}"
-        else:
+    def _load(self, job: LoadJob) -> str | None:
+        """Restore one request; returns a failure reason or None."""
+        if job.fail_reason:
+            return job.fail_reason
+        assert self.data is not None
+        slots = job.slots or (None,) * len(job.files)
+        for ref, pairs, slot in zip(job.files, job.pages, slots):
+            try:
+                moved = self.data.load(self._header(ref), self.pages[ref.group], pairs, Placement(slot))
+            except ChunkMiss as e:
+                with self._lock:
+                    self.counters.chunk_misses[e.reason] = self.counters.chunk_misses.get(e.reason, 0) + 1
+                if e.reason == "corrupt":
+                    self.recorder.inc("kvoffload_checksum_failures", group_kind=ref.kind.value)
+                logger.warning("kvoffload: load of request %s is a miss (%s); it will be recomputed",
+                               job.req_id, e)
+                return e.reason
             with self._lock:
                 self.counters.bytes_read += moved
             self.recorder.inc("kvoffload_restored_bytes", moved, group_kind=ref.kind.value)
-        load.file_done(reason, self)
-
-    def _load_finished(self, load: _RequestLoad) -> None:
-        if load.reason is None:
-            self.recorder.observe("kvoffload_load_seconds", time.perf_counter() - load.t0)
-        else:
-            self.recorder.inc("kvoffload_failed_loads", reason=failure_label(load.reason))
+        return None
 
     def start_load_kv(self, meta: OffloadMetadata) -> None:
-        """One task per file: a request's files load in parallel on the load
-        threads, so its wait is the slowest file, not the sum of them."""
         for job in meta.loads:
-            load = _RequestLoad(len(job.files), job.fail_reason)
-            self._loads[job.req_id] = load
-            if job.fail_reason or not job.files:
-                load.left = 0
-                self._load_finished(load)
-                load.finished.set()
-                continue
-            for i in range(len(job.files)):
-                try:
-                    self.load_pool.submit(self._load_file, job, i, load)
-                except RuntimeError:  # pool shut down: the engine is stopping
-                    load.file_done("error: shutdown", self)
+            self._loads[job.req_id] = self.load_pool.submit(self._load_guarded, job)
+
+    def _load_guarded(self, job: LoadJob) -> str | None:
+        t0 = time.perf_counter()
+        try:
+            reason = self._load(job)
+        except Exception as e:  # a load must never take the engine down
+            logger.exception("kvoffload: load of request %s failed", job.req_id)
+            reason = f"error: {type(e).__name__}"
+        if reason is None:
+            self.recorder.observe("kvoffload_load_seconds", time.perf_counter() - t0)
+        else:
+            self.recorder.inc("kvoffload_failed_loads", reason=failure_label(reason))
+        return reason
 
     # ---- stores -----------------------------------------------------------------
 
@@ -296,11 +263,11 @@ class WorkerSide:
     def get_transfer_results(self) -> KVConnectorTransferResults:
         done: set[str] = set()
         failed: set[str] = set()
-        for req_id, load in list(self._loads.items()):
-            if load.finished.is_set():
+        for req_id, fut in list(self._loads.items()):
+            if fut.done():
                 del self._loads[req_id]
                 done.add(req_id)
-                if load.reason is not None:
+                if fut.result() is not None:
                     failed.add(req_id)
         with self._lock:
             self.counters.loads_ok += len(done) - len(failed)
