@@ -152,14 +152,19 @@ def run(model: str, long_tokens: int, n_long: int, miss_prompts: int, miss_token
     engine_args = {"enable_prefix_caching": True, "enforce_eager": True,
                    "max_model_len": max(long_tokens, miss_tokens) + 64,
                    "max_num_batched_tokens": max_num_batched_tokens}
-    if hybrid:
-        engine_args["prefix_cache_retention_interval"] = CHUNK
+    chunk = CHUNK
+    if hybrid:  # a hybrid's chunk is its block size; the flags come from the plan
+        from offload.plan import plan_for_model
+
+        plan = plan_for_model(model)
+        chunk = plan.hybrid_chunk_size
+        engine_args.update(plan.engine_kwargs)
     long_p = _prompts(1, n_long, long_tokens)
     miss = [_prompts(100 + r, miss_prompts, miss_tokens) for r in range(miss_reps)]
     cache = Path(tempfile.mkdtemp(prefix="kvoffload-e2e-", dir=cache_dir))
     kv = {"kv_connector": "OffloadConnector", "kv_connector_module_path": "offload.connector",
           "kv_role": "kv_both", "kv_connector_extra_config": {"store": "fs", "path": str(cache),
-                                                              "hybrid_chunk_size": CHUNK}}
+                                                              "hybrid_chunk_size": chunk}}
     miss_phase = {"name": "miss", "kind": "batch", "reps": miss, "max_tokens": 16}
     try:
         logs = Path(tempfile.gettempdir()) / "kvoffload-bench-logs"
@@ -170,7 +175,7 @@ def run(model: str, long_tokens: int, n_long: int, miss_prompts: int, miss_token
         n_files = None
         if same_process:
             # every full chunk of the long prompts is stored (at least one group's files)
-            want = n_long * (long_tokens // CHUNK)
+            want = n_long * (long_tokens // chunk)
             phases_b.append({"name": "restored", "kind": "ttft", "prompts": long_p, "max_tokens": 1,
                              "reset_before": True, "wait_files": [str(cache), want]})
         b = run_child({"model": model, "engine_args": engine_args, "kv_config": kv, "phases": phases_b},

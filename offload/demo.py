@@ -34,7 +34,8 @@ import sys
 from pathlib import Path
 
 from offload import cli
-from offload.cli.warmup import chunk_size, is_hybrid, tiers
+from offload.cli.warmup import explicit_chunk_size, tiers
+from offload.plan import plan_for_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,14 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     for t in tiers(kv):
         if t.get("store") == "fs":
             t["path"] = str(cache / "fs")
-    chunk = chunk_size(kv)
+    plan = plan_for_model(args.model, hybrid_chunk_size=explicit_chunk_size(kv))
+    chunk = plan.hybrid_chunk_size
     model_cfg = json.loads((Path(args.model) / "config.json").read_text())
     prompts, shared = prompt_set(chunk, int(model_cfg.get("vocab_size", 1024)))
     cache.mkdir(parents=True)
     cfg_path, prompts_path = cache / "kv-transfer-config.json", cache / "prompts.jsonl"
     cfg_path.write_text(json.dumps(kv, indent=2))
     prompts_path.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
-    print(f"kvoffload demo: {Path(args.model).name} ({'hybrid' if is_hybrid(args.model) else 'attention'}), "
+    print(f"kvoffload demo: {Path(args.model).name} ({'hybrid' if 'mamba' in {g.kind for g in plan.groups} else 'attention'}), "
           f"{len(prompts)} prompts in 4 shared-prefix groups (run 1 can reuse "
           f"{sum(shared) / sum(map(len, prompts)):.1%} of its tokens within the run), cache {cache}")
     cmd = ["warmup", "--config", str(cfg_path), "--prompts", str(prompts_path), "--model", args.model,

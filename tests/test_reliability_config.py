@@ -46,7 +46,8 @@ CASES = [
     ("path-world-writable", fs(path="<tmp>/open"), "path", "chmod o-w"),
     ("unknown-key", fs(bucket="x"), "bucket", "valid keys are"),
     ("typo-key", fs(hybird_chunk_size=256), "hybird_chunk_size", "valid keys are"),
-    ("chunk-not-multiple", fs(hybrid_chunk_size=300), "hybrid_chunk_size", "e.g. 256"),
+    ("chunk-not-multiple", fs(hybrid_chunk_size=300), "hybrid_chunk_size", "e.g. 128"),
+    ("chunk-coarser-than-mamba-checkpoints", fs(hybrid_chunk_size=256), "hybrid_chunk_size", "set it to 128"),
     ("chunk-below-block", fs(hybrid_chunk_size=64), "hybrid_chunk_size", "multiples of 128"),
     ("chunk-zero", fs(hybrid_chunk_size=0), "hybrid_chunk_size", "greater than 0"),
     ("chunk-string", fs(hybrid_chunk_size="256"), "hybrid_chunk_size", "integer"),
@@ -122,7 +123,7 @@ def test_good_config_starts(vllm_setup, tmp_path):
     conn = _start(vllm_setup, {**OURS, "kv_connector_extra_config": {"store": "fs", "path": str(tmp_path / "c"),
                                                                       "max_bytes": 1 << 30, "file_mode": "0660",
                                                                       "dir_mode": "0770"}})
-    assert conn.planner.chunk_size == 256
+    assert conn.planner.chunk_size == 128  # a hybrid's default: the block-size LCM
 
 
 @pytest.mark.parametrize("cores,reserved,warned", [(2, None, True), (2, "1", False), (64, None, False)])
@@ -241,3 +242,39 @@ def test_models_dtypes_tp_layouts_and_chunk_sizes_never_share_files(vllm_setup, 
     print(f"\nvariants: {len(fps)} distinct directories; foreign files refused: {refused}/{len(fps) - 1}")
     record("9 dtype, TP layout and rank, chunk size, model id: one directory", "a file of the base variant "
            "copied where each other variant looks", refused, "-", 0, "none: distinct directories, identity refused")
+
+
+@pytest.mark.parametrize("step,retention,lost", [
+    (128, 128, []),  # the plan's flags
+    (64, None, []),  # shorter steps, every state kept: still a state at every chunk boundary
+    (2048, 0, ["--max-num-batched-tokens 128 (now 2048)", "--prefix-cache-retention-interval 128 (now 0)"]),
+    (2048, 128, ["--max-num-batched-tokens 128 (now 2048)"]),
+    (128, 256, ["--prefix-cache-retention-interval 128 (now 256)"]),
+])
+def test_start_up_logs_the_plan_and_names_flags_that_lose_hits(vllm_setup, tmp_path, caplog, step, retention, lost):
+    """The scheduler-side connector logs what `kvoffload plan` prints, and warns with the exact flags
+    when the engine's would keep Mamba states at prompt ends only (offload/plan.py::serve_flags)."""
+    import copy
+    import logging
+
+    vllm_config, kvc = vllm_setup
+    vc = copy.copy(vllm_config)
+    vc.scheduler_config = copy.copy(vllm_config.scheduler_config)
+    vc.cache_config = copy.copy(vllm_config.cache_config)
+    vc.scheduler_config.max_num_batched_tokens = step
+    vc.cache_config.prefix_cache_retention_interval = retention
+    ours = logging.getLogger("offload")
+    ours.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="offload")
+    try:
+        _start((vc, kvc), {**OURS, "kv_connector_extra_config": {"store": "fs", "path": str(tmp_path / "c")}})
+    finally:
+        ours.removeHandler(caplog.handler)
+    msgs = [r.getMessage() for r in caplog.records]
+    plan = [m for m in msgs if "plan (as `kvoffload plan` prints it)" in m]
+    assert plan and "hybrid_chunk_size 128 tokens" in plan[0]
+    assert "--max-num-batched-tokens 128 --prefix-cache-retention-interval 128" in plan[0]
+    warned = [m for m in msgs if "prompt's last block boundary" in m]
+    assert bool(warned) == bool(lost), warned
+    for flag in lost:
+        assert flag in warned[0]

@@ -5,6 +5,7 @@
     kvoffload fsck PATH [--repair]
     kvoffload gc PATH --max-bytes N
     kvoffload check-config CONFIG
+    kvoffload plan --model PATH [--tensor-parallel-size N] [--json]
 
 One module per command; each has `add_parser(subparsers)` and `run(args) -> int`
 (the exit code). `cache.py` is the read-only view of a cache directory that
@@ -16,14 +17,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from offload.cli import check_config, fsck, gc, stats, warmup
+from offload.cli import check_config, fsck, gc, plan, stats, warmup
 
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvoffload", description=__doc__.split("\n\n")[0],
                                  epilog="`kvoffload COMMAND --help` describes a command and its exit codes.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for mod in (warmup, stats, fsck, gc, check_config):
+    for mod in (warmup, stats, fsck, gc, check_config, plan):
         mod.add_parser(sub)
     return ap
 

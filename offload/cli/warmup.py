@@ -4,9 +4,9 @@
     kvoffload warmup --prompts FILE --url http://host:8000 [--config CONFIG]
 
 With --model, each run is a fresh engine process (`offload.engine_run`) with
-the kv-transfer-config CONFIG and the settings a hybrid model needs
-(--max-num-batched-tokens a multiple of the chunk, a Mamba state kept at every
-chunk boundary). Prompts are served one at a time, greedy, and only their
+the kv-transfer-config CONFIG and the chunk size and vLLM flags `kvoffload
+plan` gives for the model (on a hybrid: a Mamba state kept at every chunk
+boundary). Prompts are served one at a time, greedy, and only their
 prompt tokens are stored. The report gives, per run: prompt tokens, tokens
 restored from each offload tier, tokens vLLM's own prefix cache had, tokens
 computed, the hit rate and load failures.
@@ -48,10 +48,8 @@ from typing import Any
 
 from offload.cli.prompts import Prompt, PromptFileError, load, token_ids
 from offload.engine_run import PromptResult, RunResult, RunSpec, read_metrics
+from offload.plan import ModelPlan, PlanError, plan_for_model
 
-HYBRID_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "falcon_h1", "jamba",
-                "granitemoehybrid", "zamba2", "bamba", "mamba2"}
-DEFAULT_CHUNK = 256  # the connector's default for block sizes that divide 256
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -70,7 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "check the cross-restart hit rate and output identity")
     p.add_argument("--max-tokens", type=int, help="tokens generated per prompt (default 1; 16 with --verify)")
     p.add_argument("--max-num-batched-tokens", type=int,
-                   help="vLLM prefill step size, a multiple of the chunk size (default: the chunk size)")
+                   help="vLLM prefill step size, a multiple of the chunk size (default: `kvoffload plan`'s)")
     p.add_argument("--max-model-len", type=int, help="default: the model's, at most 8192")
     p.add_argument("--again-after-reset", action="store_true",
                    help="with --verify: run 2 serves the set a second time after reset_prefix_cache(), "
@@ -83,13 +81,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 # ---- engine settings -----------------------------------------------------------------
 
 
-def is_hybrid(model: str) -> bool:
-    cfg_path = Path(model) / "config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-    layer_types = set(cfg.get("layer_types") or [])
-    return cfg.get("model_type") in HYBRID_TYPES or bool(layer_types & {"linear_attention", "mamba"})
-
-
 def tiers(kv: dict) -> list[dict]:
     """Each OffloadConnector tier's extra config (a MultiConnector's children, or the config itself)."""
     children = kv.get("kv_connector_extra_config", {}).get("children", [kv])
@@ -100,20 +91,16 @@ def tier_names(kv: dict | None) -> list[str]:
     return [t.get("name") or t.get("store", "?") for t in tiers(kv)] if kv else []
 
 
-def chunk_size(kv: dict) -> int:
-    return int(next((t["hybrid_chunk_size"] for t in tiers(kv) if t.get("hybrid_chunk_size")), DEFAULT_CHUNK))
+def explicit_chunk_size(kv: dict) -> int | None:
+    return next((int(t["hybrid_chunk_size"]) for t in tiers(kv) if t.get("hybrid_chunk_size")), None)
 
 
-def engine_args(model: str, chunk: int, batched: int | None = None, max_len: int | None = None) -> dict:
-    cfg_path = Path(model) / "config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-    args: dict[str, Any] = {
-        "enable_prefix_caching": True, "enforce_eager": True,
-        "max_model_len": max_len or min(int(cfg.get("max_position_embeddings", 4096)), 8192),
-        "max_num_batched_tokens": batched or chunk,
-    }
-    if is_hybrid(model):  # a Mamba state at every chunk boundary (docs/architecture.md)
-        args["prefix_cache_retention_interval"] = chunk
+def engine_args(plan: ModelPlan, batched: int | None = None, max_len: int | None = None) -> dict:
+    """The plan's flags (offload/plan.py::serve_flags), eager, and a model length for small machines."""
+    args: dict[str, Any] = {**plan.engine_kwargs, "enforce_eager": True,
+                            "max_model_len": max_len or min(plan.max_model_len or 4096, 8192)}
+    if batched:
+        args["max_num_batched_tokens"] = batched
     return args
 
 
@@ -224,14 +211,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def warm_engine(args: argparse.Namespace, kv: dict, ids: list[list[int]]) -> int:
-    chunk = chunk_size(kv)
+    try:
+        plan = plan_for_model(args.model, max_model_len=args.max_model_len, hybrid_chunk_size=explicit_chunk_size(kv))
+    except (OSError, ValueError, PlanError) as e:
+        print(f"kvoffload warmup: {e}", file=sys.stderr)
+        return 2
+    chunk = plan.hybrid_chunk_size
     if args.max_num_batched_tokens and args.max_num_batched_tokens % chunk:
         print(f"kvoffload warmup: --max-num-batched-tokens={args.max_num_batched_tokens} must be a multiple of "
               f"the chunk size {chunk}", file=sys.stderr)
         return 2
     names = tier_names(kv)
     max_tokens = args.max_tokens or (16 if args.verify else 1)
-    eng = engine_args(args.model, chunk, args.max_num_batched_tokens, args.max_model_len)
+    eng = engine_args(plan, args.max_num_batched_tokens, args.max_model_len)
     total = sum(map(len, ids))
     exp = sum(expected(len(p), chunk) for p in ids) / max(1, total)
     print(f"kvoffload warmup: {len(ids)} prompts, {total} tokens, model {args.model}, "

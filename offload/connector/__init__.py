@@ -29,7 +29,8 @@ from offload.connector.metadata import OffloadMetadata
 from offload.keys import FORMAT_VERSION, fingerprint, rank_fingerprint
 from offload.layout import fingerprint_fields, group_specs
 from offload.metrics import OffloadPromMetrics, OffloadStats, Recorder
-from offload.planner import ChunkSizeError, GroupKind, HybridOffloadPlanner
+from offload.plan import check_chunk_size, plan_from_engine
+from offload.planner import ChunkSizeError, HybridOffloadPlanner
 from offload.store.base import TierIndex
 
 if TYPE_CHECKING:
@@ -96,6 +97,24 @@ def _check_cpu_core_reservation(vllm_config: VllmConfig) -> None:
                        2 * ranks, cores, ranks)
 
 
+def _flags_losing_hits(vllm_config: VllmConfig, planned: dict[str, Any]) -> list[str]:
+    """The planned Mamba checkpoint flags this engine runs without, as
+    `vllm serve` flags. A prefill step longer than a chunk, or a retention
+    interval that drops the states between steps, leaves states only at
+    prompt ends (measured, offload/plan.py::serve_flags)."""
+    if "prefix_cache_retention_interval" not in planned:
+        return []
+    chunk = planned["prefix_cache_retention_interval"]
+    step = vllm_config.scheduler_config.max_num_batched_tokens
+    retention = vllm_config.cache_config.prefix_cache_retention_interval  # None: every state
+    lost = []
+    if step > chunk:
+        lost.append(f"--max-num-batched-tokens {planned['max_num_batched_tokens']} (now {step})")
+    if retention is not None and (retention == 0 or chunk % retention):
+        lost.append(f"--prefix-cache-retention-interval {chunk} (now {retention})")
+    return lost
+
+
 class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads KV cache chunks of every group (attention KV, windowed KV,
     Mamba/GDN state) to canonical per-group files, and restores a prefix only
@@ -122,6 +141,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         specs = group_specs(kv_cache_config)
         try:
             self.planner = HybridOffloadPlanner(specs, self.cfg.hybrid_chunk_size)
+            check_chunk_size(specs, self.cfg.hybrid_chunk_size)
         except ChunkSizeError as e:
             raise ConfigError(f"{EXTRA_CONFIG}.{e}") from None
         fields = fingerprint_fields(vllm_config, kv_cache_config, self.planner.chunk_size, self.cfg.model_id)
@@ -190,10 +210,12 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def _startup_checks(self, vllm_config: VllmConfig) -> None:
         ktc = vllm_config.kv_transfer_config
         groups = ", ".join(f"{g.kind.value}/{g.block_size}" for g in self.planner.groups)
-        how = "set" if self.cfg.hybrid_chunk_size else "defaulted to the smallest valid multiple >= 256 tokens"
+        how = "set" if self.cfg.hybrid_chunk_size else "the default for these block sizes"
         where = self.cfg.path if self.cfg.store == "fs" else f"{self.cfg.cpu_bytes} bytes"
         logger.info("OffloadConnector: store=%s (%s) hybrid_chunk_size=%d (%s); groups: %s",
                     self.cfg.store, where, self.planner.chunk_size, how, groups)
+        plan = plan_from_engine(vllm_config, self._kv_cache_config, self.cfg.hybrid_chunk_size)
+        logger.info("OffloadConnector: plan (as `kvoffload plan` prints it):\n%s", plan.describe())
         if ktc.kv_load_failure_policy != "recompute":
             # A failed or corrupt load must become a miss and a recompute.
             ktc.kv_load_failure_policy = "recompute"
@@ -203,31 +225,14 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("OffloadConnector: vLLM's shutdown_timeout is 0, so SIGTERM of a server kills "
                            "its workers at once and stores still in flight are lost; pass "
                            "--shutdown-timeout %d to let them finish", max(1, int(self.cfg.shutdown_timeout_s)))
-        if any(g.kind is GroupKind.MAMBA for g in self.planner.groups):
-            self._check_mamba_checkpoints(vllm_config)
+        lost = _flags_losing_hits(vllm_config, plan.engine_kwargs)
+        if lost:
+            logger.warning("OffloadConnector: hybrid model, and vLLM keeps a Mamba state only at each prompt's "
+                           "last block boundary with these flags: repeated prompts and conversation turns hit, "
+                           "but a prefix shared by prompts that differ after it does not. For a state at every "
+                           "%d-token chunk boundary set: %s (docs/operations.md#plan)",
+                           self.planner.chunk_size, " ".join(lost))
         _check_cpu_core_reservation(vllm_config)
-
-    def _check_mamba_checkpoints(self, vllm_config: VllmConfig) -> None:
-        """A hybrid hit at boundary N needs the Mamba state at exactly N. vLLM
-        computes a state only where a prefill step ends, and hands it to a
-        connector only if its retention interval keeps it: say plainly when
-        the engine settings make chunk-boundary states rare."""
-        c = self.planner.chunk_size
-        step = vllm_config.scheduler_config.max_num_batched_tokens
-        retention = self._kv_cache_config.prefix_cache_retention_interval
-        fixes = []
-        if step % c:
-            fixes.append(f"--max-num-batched-tokens {max(1, step // c) * c} (a multiple of {c}; "
-                         f"now {step}: prefill steps must end on chunk boundaries)")
-        if retention is not None and (retention == 0 or c % retention):
-            fixes.append(f"--prefix-cache-retention-interval {c} (now {retention}: vLLM keeps only the "
-                         "prompt's last state, not one per chunk)")
-        if fixes:
-            logger.warning("OffloadConnector: hybrid model, but Mamba states will rarely exist at "
-                           "chunk boundaries, so hits will be rare. Set: %s", "; ".join(fixes))
-        else:
-            logger.info("OffloadConnector: Mamba states are stored at chunk boundaries where a prefill "
-                        "step ends (every %d tokens of a long prefill)", step)
 
     # ---- scheduler side ---------------------------------------------------------
 

@@ -83,8 +83,21 @@ class HybridOffloadPlanner:
     def default_chunk_size(
         cls, groups: Sequence[GroupSpec], min_tokens: int = DEFAULT_MIN_CHUNK_TOKENS
     ) -> int:
-        """Smallest multiple of every block size that is at least `min_tokens`."""
+        """The chunk size used when `hybrid_chunk_size` is not set.
+
+        With a Mamba/GDN group: the LCM of the block sizes. vLLM hands a
+        recurrent state over only at a block boundary where a prefill step
+        ended, so every coarser chunk size loses boundaries vLLM did
+        checkpoint (a 745-token prompt on 128-token blocks has its state at
+        640; 256-token chunks could restore none of it).
+        Attention only: every block boundary is restorable, so the smallest
+        multiple of the LCM that is at least `min_tokens`, which keeps the
+        file count and per-file overhead down (CUDA attention blocks are 16
+        tokens).
+        """
         lcm = cls.block_lcm(groups)
+        if any(g.kind is GroupKind.MAMBA for g in groups):
+            return lcm
         return lcm * max(1, -(-min_tokens // lcm))
 
     @classmethod
