@@ -26,7 +26,7 @@ else
   fi
 fi
 
-"${PIP[@]}" pybind11 pytest aiofiles prometheus-client pyyaml
+"${PIP[@]}" pybind11 pytest aiofiles prometheus-client pyyaml aiohttp
 
 # A real Prometheus for tests/test_prometheus.py (Debian package, on 127.0.0.1 only).
 if ! command -v prometheus >/dev/null 2>&1; then
