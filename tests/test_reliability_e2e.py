@@ -156,18 +156,23 @@ def bad_files(models_dir, tmp_path_factory):
     idx["ok"] = range(idx["eio"].stop, idx["eio"].stop + n_ok)
     everything = list(range(len(prompts)))
     cold = serve(models_dir, tmp, "cold", prompts, [{"order": everything}], kv=kv_config(cache))
-    # Damage: both files of each prompt (GDN state and attention KV of chunk 0),
-    # every kind of damage on both groups. A load stops at its first bad file,
-    # so pass 1 finds one of the two, pass 2 the other, and pass 3 restores.
+    # Damage: two files each hit reads (the GDN state at the hit boundary and the
+    # attention KV of chunk 0), every kind of damage on both groups. A load stops
+    # at its first bad file, so pass 1 finds one of the two, pass 2 the other, and
+    # pass 3 restores.
+    def read_by_hit(i: int, group: int) -> Path:
+        files = files_of(cache, prompts[i], group)
+        return files[_hit(prompts[i]) // CHUNK - 1] if group == GDN else files[0]
+
     damaged = []
     for i in idx["corrupt"]:
         for group in (GDN, ATTN):
             how = CORRUPTIONS[(i + group) % len(CORRUPTIONS)]
-            path = files_of(cache, prompts[i], group)[0]
+            path = read_by_hit(i, group)
             corrupt(path, how, rng)
             damaged.append((i, group, how, path))
     for n, i in enumerate(idx["version"]):  # another format version where a v1 reader looks, valid CRC
-        path = files_of(cache, prompts[i], n % 2)[0]
+        path = read_by_hit(i, n % 2)
         raw = bytearray(path.read_bytes())
         raw[8:10] = struct.pack("<H", VERSIONS[n])
         fix_header_crc(raw)
