@@ -455,13 +455,12 @@ def run_concurrent_load(servers: Servers, size: LoadSize, name: str) -> None:
     check_series(after)
 
 
-def test_concurrent_load(servers):
-    run_concurrent_load(servers, LOAD["default"], "concurrent_load_default")
+SIZES = ["default", pytest.param("long", marks=pytest.mark.long)]
 
 
-@pytest.mark.long
-def test_concurrent_load_long(servers):
-    run_concurrent_load(servers, LOAD["long"], "concurrent_load_long")
+@pytest.mark.parametrize("size", SIZES)
+def test_concurrent_load(servers, size):
+    run_concurrent_load(servers, LOAD[size], f"concurrent_load_{size}")
 
 
 # ---- test 2: client aborts with loads and stores in flight -----------------------------------
@@ -618,10 +617,6 @@ def run_aborts(servers: Servers, size: AbortSize, name: str) -> None:
     check_series(after)
 
 
-def test_client_aborts(servers):
-    run_aborts(servers, ABORTS["default"], "client_aborts_default")
-
-
-@pytest.mark.long
-def test_client_aborts_long(servers):
-    run_aborts(servers, ABORTS["long"], "client_aborts_long")
+@pytest.mark.parametrize("size", SIZES)
+def test_client_aborts(servers, size):
+    run_aborts(servers, ABORTS[size], f"client_aborts_{size}")
