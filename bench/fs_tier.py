@@ -43,8 +43,8 @@ from bench.common import GB, cpu_seconds, drop_page_cache, filesystem_of, median
 from bench.kvsynth import CHUNK, TINY, HybridKV, Shape
 from offload import copier
 from offload.keys import Fingerprint
-from offload.store.base import Placement
-from offload.store.buffers import probe_o_direct
+from offload.store.base import HostChunk, Placement
+from offload.store.buffers import BufferPool, probe_o_direct
 from offload.store.format import ChunkHeader
 from offload.store.fs import FileStore, FsData
 
@@ -147,17 +147,21 @@ def ours_store(kv: HybridKV, data: FsData, threads: int) -> None:
     is full in steady state and its buffers cycle through the pool."""
     slots = threading.BoundedSemaphore(2 * threads)
 
-    def commit(h, staged) -> bool:
+    buffers = BufferPool()
+
+    def commit(h, staged: HostChunk) -> bool:
         try:
-            return data.commit(h, staged)
+            return data.put(h, staged, Placement())
         finally:
+            staged.release()
             slots.release()
     with ThreadPoolExecutor(threads) as pool:
         futs = []
         for c, g in kv.files():
             h = _header(kv, c, g)
             slots.acquire()
-            staged = data.stage(h, g.pages, g.ids[c], Placement())  # forward path: the gather
+            staged = HostChunk.pooled(buffers, h.payload_len)
+            g.pages.gather(g.ids[c], out=staged.payload)  # forward path: the gather
             futs.append(pool.submit(commit, h, staged))
         for f in futs:
             assert f.result() is True
@@ -165,9 +169,17 @@ def ours_store(kv: HybridKV, data: FsData, threads: int) -> None:
 
 
 def ours_load(kv: HybridKV, data: FsData, threads: int) -> None:
+    buffers = BufferPool()
+
     def one(cg) -> int:
         c, g = cg
-        return data.load(_header(kv, c, g), g.pages, list(enumerate(g.ids[c])), Placement())
+        h = _header(kv, c, g)
+        chunk = data.get(h, Placement(), buffers)
+        try:
+            g.pages.scatter(chunk.payload, h.num_pages, list(enumerate(g.ids[c])))
+        finally:
+            chunk.release()
+        return h.payload_len
     with ThreadPoolExecutor(threads) as pool:
         assert sum(pool.map(one, kv.files())) == kv.total_bytes
 

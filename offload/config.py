@@ -9,9 +9,13 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from offload.store.cpu import CpuOptions
+    from offload.store.fs import FsOptions
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 
@@ -20,8 +24,8 @@ class ConfigError(ValueError):
     """A kv-transfer-config that cannot work; the message says how to fix it."""
 
 
-class OffloadConfig(BaseModel):
-    """Options of one OffloadConnector (one tier)."""
+class TierConfig(BaseModel):
+    """Options of one tier of the stack; `options()` gives the store's own dataclass."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -31,29 +35,10 @@ class OffloadConfig(BaseModel):
                              "(required for store 'fs')")
     cpu_bytes: int | None = Field(default=None, ge=1 << 20, le=1 << 44,
                                   description="host memory for store 'cpu', in bytes (required for it)")
-    hybrid_chunk_size: int | None = Field(
-        default=None, gt=0,
-        description="tokens per chunk; a multiple of every KV cache group's block size "
-        "(default: the smallest such multiple >= 256)",
-    )
     fsync: bool = Field(default=False, description="fsync each file and its directory before it becomes visible")
-    io_threads: int = Field(default=4, ge=1, le=64, description="file I/O threads per worker")
-    max_pending_store_bytes: int = Field(
-        default=1 << 30, ge=1 << 20,
-        description="bytes of gathered pages waiting to be written; stores beyond it are dropped",
-    )
-    # Bounded: concurrent.futures.wait overflows (and shutdown crashes) on inf or beyond TIMEOUT_MAX.
-    shutdown_timeout_s: float = Field(
-        default=60.0, ge=0, le=threading.TIMEOUT_MAX, description="how long shutdown waits for pending stores"
-    )
     name: str | None = Field(
         default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
         description="this tier's name in per-request results and logs (default: the store kind)")
-    model_id: str | None = Field(
-        default=None, min_length=1,
-        description="identity of the model in cache keys (default: the served model path); "
-        "set it when one model is served from different paths sharing a cache",
-    )
     file_mode: str = Field(
         default="0640", pattern=r"^0?[0-7]{3}$",
         description="permissions of cache files, an octal string such as '0640' or '0660' (owner read+write "
@@ -87,8 +72,21 @@ class OffloadConfig(BaseModel):
     def tier_name(self) -> str:
         return self.name or self.store
 
+    def options(self) -> CpuOptions | FsOptions:
+        """The store's own options (stores never see this config)."""
+        # Imported here: `kvoffload plan` and `check-config` import this module without torch.
+        from offload.store.cpu import CpuOptions
+        from offload.store.fs import FsOptions
+
+        if self.store == "cpu":
+            assert self.cpu_bytes is not None
+            return CpuOptions(cpu_bytes=self.cpu_bytes)
+        assert self.path is not None
+        return FsOptions(path=self.path, fsync=self.fsync, max_bytes=self.max_bytes, file_mode=self.file_mode_bits,
+                         dir_mode=self.dir_mode_bits, orphan_tmp_age_s=self.orphan_tmp_age_s)
+
     @model_validator(mode="after")
-    def _tier_keys(self) -> OffloadConfig:
+    def _tier_keys(self) -> TierConfig:
         if self.store == "fs" and self.path is None:
             raise ValueError("path: required for store 'fs' (an absolute cache directory, created if missing)")
         if self.store == "cpu" and self.cpu_bytes is None:
@@ -130,28 +128,118 @@ class OffloadConfig(BaseModel):
         return os.path.normpath(v)
 
 
-def _describe(err: dict[str, Any]) -> str:
-    err = {**err, "msg": err["msg"].removeprefix("Value error, ")}
-    if not err["loc"]:  # a rule across keys; its message starts with the key
-        return f"{EXTRA_CONFIG}.{err['msg'].removeprefix('Value error, ')}"
-    key = ".".join(str(p) for p in err["loc"])
+TIER_KEYS = tuple(TierConfig.model_fields)
+
+
+class OffloadConfig(BaseModel):
+    """Options of one OffloadConnector: its tier stack, top (fastest) first,
+    and what applies to all of them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    tiers: list[TierConfig] = Field(
+        min_length=1, max_length=8,
+        description="the tier stack, fastest first, e.g. [{\"store\": \"cpu\", \"cpu_bytes\": ...}, "
+        "{\"store\": \"fs\", \"path\": ...}]; or give one tier's keys at the top level instead")
+    hybrid_chunk_size: int | None = Field(
+        default=None, gt=0,
+        description="tokens per chunk; a multiple of every KV cache group's block size "
+        "(default: the smallest such multiple >= 256)",
+    )
+    io_threads: int = Field(default=4, ge=1, le=64, description="file I/O threads per worker")
+    max_pending_store_bytes: int = Field(
+        default=1 << 30, ge=1 << 20,
+        description="bytes of gathered pages waiting to be written; stores beyond it are dropped",
+    )
+    # Bounded: concurrent.futures.wait overflows (and shutdown crashes) on inf or beyond TIMEOUT_MAX.
+    shutdown_timeout_s: float = Field(
+        default=60.0, ge=0, le=threading.TIMEOUT_MAX, description="how long shutdown waits for pending stores"
+    )
+    model_id: str | None = Field(
+        default=None, min_length=1,
+        description="identity of the model in cache keys (default: the served model path); "
+        "set it when one model is served from different paths sharing a cache",
+    )
+
+    @model_validator(mode="after")
+    def _distinct(self) -> OffloadConfig:
+        names = [t.tier_name for t in self.tiers]
+        for i, n in enumerate(names):
+            if n in names[:i]:
+                raise ValueError(f"tiers[{i}].name: tier name {n!r} is also tiers[{names.index(n)}]'s; "
+                                 "give each tier a distinct 'name'")
+        paths = [t.path for t in self.tiers]
+        for i, p in enumerate(paths):
+            if p is not None and p in paths[:i]:
+                raise ValueError(f"tiers[{i}].path={p!r}: also tiers[{paths.index(p)}]'s; one directory per tier")
+        return self
+
+
+def _describe(err: dict[str, Any], flat: bool) -> str:
+    """One operator-facing line: the key path as the user wrote it, the
+    value, and what would be valid. In the one-tier form (tier keys at the
+    top level) `tiers[0].` is not what the user wrote, so it is dropped."""
+    msg = err["msg"].removeprefix("Value error, ")
+    loc = list(err["loc"])
+    model: type[BaseModel] = OffloadConfig
+    prefix = ""
+    if len(loc) >= 2 and loc[0] == "tiers" and isinstance(loc[1], int):
+        model = TierConfig
+        prefix = "" if flat else f"tiers[{loc[1]}]."
+        loc = loc[2:]
+    if not loc:  # a rule across keys; its message starts with the key
+        if flat and msg.startswith("tiers[0]."):
+            msg = msg.removeprefix("tiers[0].")
+        return f"{EXTRA_CONFIG}.{prefix}{msg}"
+    key = prefix + ".".join(str(p) for p in loc)
     if err["type"] == "extra_forbidden":
-        valid = ", ".join(OffloadConfig.model_fields)
+        fields = [*TIER_KEYS, *(k for k in OffloadConfig.model_fields if k != "tiers")] if flat \
+            else list(model.model_fields)
+        valid = ", ".join(fields)
         return f"{EXTRA_CONFIG}.{key}: unknown key; valid keys are: {valid}"
-    field = OffloadConfig.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+    field = model.model_fields.get(str(loc[0]))
     hint = f" ({field.description})" if field is not None and field.description else ""
     if err["type"] == "missing":
         return f"{EXTRA_CONFIG}.{key}: required{hint}"
-    return f"{EXTRA_CONFIG}.{key}={err.get('input')!r}: {err['msg']}{hint}"
+    return f"{EXTRA_CONFIG}.{key}={err.get('input')!r}: {msg}{hint}"
 
 
 def parse_config(extra: dict[str, Any] | None) -> OffloadConfig:
-    """Validate the extra config dict; raise ConfigError listing every problem."""
+    """Validate the extra config dict; raise ConfigError listing every problem.
+
+    Two forms: `{"tiers": [{tier keys}, ...], connector keys}`, or one tier's
+    keys next to the connector keys (`{"store": "fs", "path": ...}`), which is
+    a stack of that one tier.
+    """
     if not isinstance(extra, dict):
         raise ConfigError(f"{EXTRA_CONFIG} must be a JSON object, got {type(extra).__name__}")
+    flat = "tiers" not in extra
+    if flat:
+        doc: dict[str, Any] = {k: v for k, v in extra.items() if k not in TIER_KEYS}
+        doc["tiers"] = [{k: v for k, v in extra.items() if k in TIER_KEYS}]
+    else:
+        mixed = sorted(k for k in extra if k in TIER_KEYS)
+        if mixed:
+            raise ConfigError(f"invalid OffloadConnector config:\n  {EXTRA_CONFIG}.{mixed[0]}: a tier key next to "
+                              "'tiers'; move it into the tier it belongs to (tiers[i]) or drop 'tiers'")
+        doc = extra
     try:
-        cfg = OffloadConfig.model_validate(extra)
+        cfg = OffloadConfig.model_validate(doc)
     except ValidationError as e:
-        lines = [_describe(err) for err in e.errors()]
+        lines = [_describe(err, flat) for err in e.errors()]
         raise ConfigError("invalid OffloadConnector config:\n  " + "\n  ".join(lines)) from None
     return cfg
+
+
+def connector_extras(kv_transfer_config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each OffloadConnector's extra config in a kv-transfer-config: the
+    config's own, or those of an OffloadMultiConnector's children (the dicts
+    themselves, so a tool can edit them)."""
+    children = (kv_transfer_config.get(EXTRA_CONFIG) or {}).get("children", [kv_transfer_config])
+    return [c.setdefault(EXTRA_CONFIG, {}) for c in children if c.get("kv_connector") == "OffloadConnector"]
+
+
+def tier_dicts(kv_transfer_config: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every tier's keys, in either form (`tiers: [...]`, or one tier's keys
+    next to the connector's), across the connectors of a kv-transfer-config."""
+    return [t for extra in connector_extras(kv_transfer_config) for t in extra.get("tiers", [extra])]

@@ -34,7 +34,8 @@ import sys
 from pathlib import Path
 
 from offload import cli
-from offload.cli.warmup import explicit_chunk_size, tiers
+from offload.cli.warmup import explicit_chunk_size
+from offload.config import tier_dicts
 from offload.plan import plan_for_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     kv = json.loads(Path(args.config).read_text())
     cache = Path(args.cache_dir).resolve()
     shutil.rmtree(cache, ignore_errors=True)  # run 1 must start cold
-    for t in tiers(kv):
+    for t in tier_dicts(kv):
         if t.get("store") == "fs":
             t["path"] = str(cache / "fs")
     plan = plan_for_model(args.model, hybrid_chunk_size=explicit_chunk_size(kv))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from offload.planner import GroupKind
+from offload.store.base import MissReason
 
 CONNECTOR = "OffloadConnector"
 # Label values are joined with this into one payload key (payloads are
@@ -83,7 +84,7 @@ METRICS: dict[str, MetricDef] = {
 
 GROUP_KINDS = tuple(k.value for k in GroupKind)
 DROP_REASONS = ("backpressure", "no_space", "error", "shutdown", "no_room")
-LOAD_FAILURE_REASONS = ("missing", "corrupt", "io_error", "unsafe", "error", "allocation mismatch")
+LOAD_FAILURE_REASONS = tuple(r.value for r in MissReason)
 
 
 class Recorder:

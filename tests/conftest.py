@@ -54,6 +54,18 @@ def fs_kv_config(path: Path, **extra) -> dict:
     }
 
 
+def shipped_config(name: str, path: Path) -> dict:
+    """configs/<name> with every filesystem tier's `path` set to `path` (nothing else changed)."""
+    from offload.config import tier_dicts
+
+    kv = json.loads((REPO / "configs" / name).read_text())
+    fs = [t for t in tier_dicts(kv) if t.get("store") == "fs"]
+    assert fs, f"configs/{name} has no filesystem tier"
+    for t in fs:
+        t["path"] = str(path)
+    return kv
+
+
 def random_prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(2, 1000) for _ in range(n)]
 

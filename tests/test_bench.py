@@ -14,7 +14,7 @@ import torch
 from offload import copier
 from offload.copier import GroupPages, LayerPages
 from offload.planner import GroupKind
-from offload.store.base import Placement
+from offload.store.base import HostChunk, Placement
 from offload.store.buffers import BufferPool, probe_o_direct
 from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.fs import FileStore, FsData
@@ -41,18 +41,24 @@ def _header(key: bytes, pages: GroupPages, n: int) -> ChunkHeader:
 def test_fsdata_round_trip_pooled(tmp_path: Path, direct: bool | None) -> None:
     src, pages = _pages()
     data = FsData(FileStore.open(str(tmp_path), FP), direct=direct)
+    pool = BufferPool()
     ids = [7, 3, 30, 4]
     for i in range(3):
         h = _header(bytes([i]) * 32, pages, len(ids))
-        assert data.commit(h, data.stage(h, pages, ids, Placement())) is True
+        chunk = HostChunk.pooled(pool, h.payload_len)
+        pages.gather(ids, out=chunk.payload)
+        assert data.put(h, chunk, Placement()) is True
+        chunk.release()
         path = data.store.file_path(1, h.key)
         assert path.stat().st_size == HEADER_LEN + h.payload_len  # truncated back from the aligned write
-    assert data.pool(False).allocated == 1 and data.pool(False).reused == 2  # one buffer, reused
+    assert pool.allocated == 1 and pool.reused == 2  # one buffer, reused
     assert data.direct_writes + data.buffered_writes == 3
     if direct is False:
         assert data.direct_writes == 0
     dst, dpages = _pages(fill=0)
-    assert data.load(h, dpages, list(zip(range(4), [1, 2, 5, 6])), Placement()) == h.payload_len
+    loaded = data.get(h, Placement(), pool)
+    dpages.scatter(loaded.payload, h.num_pages, list(zip(range(4), [1, 2, 5, 6])))
+    loaded.release()
     assert torch.equal(dst[:, [1, 2, 5, 6]], src[:, ids])
     # The file is byte-identical to FileStore.write's: the plain reader verifies it.
     out = torch.empty(h.payload_len, dtype=torch.uint8)
@@ -60,17 +66,19 @@ def test_fsdata_round_trip_pooled(tmp_path: Path, direct: bool | None) -> None:
     assert torch.equal(out, pages.gather(ids))
 
 
-def test_fsdata_skips_gather_when_stored(tmp_path: Path) -> None:
+def test_fsdata_put_is_idempotent_and_checks_length(tmp_path: Path) -> None:
     _, pages = _pages()
     data = FsData(FileStore.open(str(tmp_path), FP))
     h = _header(b"k" * 32, pages, 2)
-    assert data.commit(h, data.stage(h, pages, [1, 2], Placement())) is True
-    allocated = data.pool(False).allocated + data.pool(False).reused
-    staged = data.stage(h, pages, [1, 2], Placement())
-    assert data.pool(False).allocated + data.pool(False).reused == allocated  # no buffer, no gather
-    assert data.commit(h, staged) is False
+    chunk = HostChunk.pooled(BufferPool(), h.payload_len)
+    pages.gather([1, 2], out=chunk.payload)
+    assert not data.holds(h, Placement())
+    assert data.put(h, chunk, Placement()) is True
+    assert data.holds(h, Placement())  # the worker skips the gather for such an entry
+    assert data.put(h, chunk, Placement()) is False
+    longer = _header(b"j" * 32, pages, 3)  # page count contradicts the payload
     with pytest.raises(ValueError):
-        data.stage(h, pages, [1, 2, 3], Placement())  # page count contradicts the header
+        data.put(longer, chunk, Placement())
 
 
 def test_write_file_direct_unaligned_falls_back(tmp_path: Path) -> None:

@@ -66,7 +66,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, shipped_config
 from offload.store.format import HEADER_LEN, ChunkHeader
 from loadgen import LoadReport, Request, Result, by_label, run_load, scrape, total
 from serving import api_server
@@ -113,13 +113,8 @@ ABORTS = {"default": AbortSize(rounds=1, prefixes=4, per_prefix=6, fresh=9, conc
 
 
 def tiered_config(cache: Path) -> dict:
-    """configs/hybrid-tiered.json, only the filesystem child's `path` changed."""
-    cfg = json.loads((REPO / "configs" / "hybrid-tiered.json").read_text())
-    fs = [c for c in cfg["kv_connector_extra_config"]["children"]
-          if c["kv_connector_extra_config"].get("store") == "fs"]
-    assert len(fs) == 1, "configs/hybrid-tiered.json has one filesystem child"
-    fs[0]["kv_connector_extra_config"]["path"] = str(cache)
-    return cfg
+    """configs/hybrid-tiered.json, only the filesystem tier's `path` changed."""
+    return shipped_config("hybrid-tiered.json", cache)
 
 
 def chunk_from_log(log: Path) -> int:

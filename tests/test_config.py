@@ -93,10 +93,11 @@ def test_every_problem_is_listed_at_once():
 def test_good_config_defaults():
     cfg = parse_config(dict(GOOD))
     assert isinstance(cfg, OffloadConfig)
-    assert cfg.store == "fs"
-    assert cfg.path == "/var/cache/kvoffload"
+    [tier] = cfg.tiers  # the one-tier form is a stack of one
+    assert tier.store == "fs" and tier.tier_name == "fs"
+    assert tier.path == "/var/cache/kvoffload"
     assert cfg.hybrid_chunk_size is None
-    assert cfg.fsync is False
+    assert tier.fsync is False
     assert cfg.io_threads == 4
     assert cfg.max_pending_store_bytes == 1 << 30
     assert cfg.shutdown_timeout_s == 60.0
@@ -109,7 +110,7 @@ def test_good_config_defaults():
     ("/", "/"),
 ])
 def test_path_is_normalized(raw, norm):
-    assert parse_config({**GOOD, "path": raw}).path == norm
+    assert parse_config({**GOOD, "path": raw}).tiers[0].path == norm
 
 
 def test_good_config_all_keys_from_json():
@@ -118,7 +119,7 @@ def test_good_config_all_keys_from_json():
                        "io_threads": 64, "max_pending_store_bytes": 1 << 20, "shutdown_timeout_s": 0,
                        "model_id": "qwen3-next"})
     cfg = parse_config(json.loads(text))
-    assert (cfg.hybrid_chunk_size, cfg.fsync, cfg.io_threads) == (512, True, 64)
+    assert (cfg.hybrid_chunk_size, cfg.tiers[0].fsync, cfg.io_threads) == (512, True, 64)
     assert cfg.max_pending_store_bytes == 1 << 20
     assert cfg.shutdown_timeout_s == 0.0 and cfg.model_id == "qwen3-next"
     assert parse_config({**GOOD, "io_threads": 1}).io_threads == 1
@@ -137,3 +138,41 @@ def test_parse_does_not_mutate_input():
     snapshot = dict(extra)
     parse_config(extra)
     assert extra == snapshot
+
+
+STACK = {"tiers": [{"store": "cpu", "cpu_bytes": 1 << 30}, {"store": "fs", "path": "/var/cache/kvoffload"}]}
+
+# (id, config, key path the message must name, fragments)
+BAD_STACK = [
+    ("tier-path-relative", {"tiers": [STACK["tiers"][0], {"store": "fs", "path": "rel"}]}, "tiers[1].path",
+     ["'rel'", "absolute"]),
+    ("tier-unknown-key", {"tiers": [{**STACK["tiers"][0], "bucket": 1}]}, "tiers[0].bucket",
+     ["unknown key", "cpu_bytes"]),
+    ("tier-store-missing", {"tiers": [{"cpu_bytes": 1 << 30}]}, "tiers[0].store", ["required", "'fs'"]),
+    ("tier-key-at-top", {**STACK, "path": "/x"}, "path", ["tiers[i]"]),
+    ("tiers-empty", {"tiers": []}, "tiers", ["at least 1"]),
+    ("same-name", {"tiers": [STACK["tiers"][1], {"store": "fs", "path": "/other"}]}, "tiers[1].name",
+     ["distinct"]),
+    ("same-path", {"tiers": [STACK["tiers"][1], {**STACK["tiers"][1], "name": "b"}]}, "tiers[1].path",
+     ["one directory per tier"]),
+    ("tier-mixed-keys", {"tiers": [{"store": "cpu", "cpu_bytes": 1 << 30, "path": "/x"}]}, "tiers[0].path",
+     ['"store": "fs"']),
+]
+
+
+@pytest.mark.parametrize("cfg,key,fragments", [b[1:] for b in BAD_STACK], ids=[b[0] for b in BAD_STACK])
+def test_bad_stack_names_the_tier_key(cfg, key, fragments):
+    with pytest.raises(ConfigError) as ei:
+        parse_config(cfg)
+    msg = str(ei.value)
+    assert f"kv_connector_extra_config.{key}" in msg, msg
+    for frag in fragments:
+        assert frag in msg, (frag, msg)
+
+
+def test_stack_form():
+    cfg = parse_config({**STACK, "io_threads": 2})
+    assert [t.tier_name for t in cfg.tiers] == ["cpu", "fs"] and cfg.io_threads == 2
+    assert cfg.tiers[0].options().cpu_bytes == 1 << 30
+    assert cfg.tiers[1].options().path == "/var/cache/kvoffload"
+    assert cfg.tiers[1].options().file_mode == 0o640

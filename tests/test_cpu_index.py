@@ -95,7 +95,8 @@ def test_cpu_data_round_trip_and_slot_identity_check():
     from offload.keys import ChunkKey
     from offload.store.format import ChunkHeader
     from offload.store.fs import ChunkMiss
-    from offload.store.base import Placement
+    from offload.store.base import HostChunk, Placement
+    from offload.store.buffers import BufferPool
     from offload.store.cpu import CpuData
 
     num_blocks = 8
@@ -108,11 +109,16 @@ def test_cpu_data_round_trip_and_slot_identity_check():
         return ChunkHeader(b"\0" * 32, ChunkKey(k(key)), 0, FULL, 0, 32, 2, pages.page_bytes)
 
     expected = kv[[3, 5]].clone()
-    assert data.stage(header(1), pages, [3, 5], Placement(2)) is None
+    pages.gather([3, 5], out=data.gather_target(header(1), Placement(2)))
+    data.gathered(header(1), Placement(2))
     kv[[6, 7]] = 0
-    data.load(header(1), pages, [(0, 6), (1, 7)], Placement(2))
+    pool = BufferPool()
+    pages.scatter(data.get(header(1), Placement(2), pool).payload, 2, [(0, 6), (1, 7)])
     assert torch.equal(kv[[6, 7]], expected)
     with pytest.raises(ChunkMiss):  # the slot holds key 1, not key 9
-        data.load(header(9), pages, [(0, 6)], Placement(2))
-    with pytest.raises(ChunkMiss):  # never staged
-        data.load(header(1), pages, [(0, 6)], Placement(0))
+        data.get(header(9), Placement(2), pool)
+    with pytest.raises(ChunkMiss):  # never stored
+        data.get(header(1), Placement(0), pool)
+    # A promotion puts bytes read from a tier below into a slot.
+    data.put(header(4), HostChunk(expected.reshape(-1).view(torch.uint8)), Placement(0))
+    assert torch.equal(data.get(header(4), Placement(0), pool).payload, expected.reshape(-1).view(torch.uint8))

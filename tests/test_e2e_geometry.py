@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, random_prompt
+from conftest import REPO, random_prompt, shipped_config
 from serving import api_server, complete, post
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
@@ -42,13 +42,7 @@ TIMEOUT_S = 1800
 
 
 def shipped(name: str, path: Path) -> dict:
-    kv = json.loads((REPO / "configs" / name).read_text())
-    children = kv["kv_connector_extra_config"].get("children", [kv])
-    for c in children:
-        extra = c["kv_connector_extra_config"]
-        if extra["store"] == "fs":
-            extra["path"] = str(path)
-    return kv
+    return shipped_config(name, path)
 
 
 def restored(base: str, tier: str) -> float:

@@ -1,5 +1,7 @@
-"""The tiered service (CPU child + filesystem child under our MultiConnector)
-on real vLLM engines: which tier restores, promotion, weights.
+"""The tiered service on real vLLM engines: configs/hybrid-tiered.json is one
+OffloadConnector with a tier stack (host memory, then files): which tier
+restores, promotion, a host tier too small for the working set. Weights are a
+MultiConnector's business: its test runs our two tiers as two children.
 
 Reference outputs are pass 1 of the cold process: the same engine with the
 connector loaded and nothing restored (asserted); see test_e2e_cpu.py for why.
@@ -13,7 +15,8 @@ import re
 
 import pytest
 
-from conftest import CHUNK, REPO, engine_args, random_prompt
+from conftest import CHUNK, engine_args, random_prompt, shipped_config
+from offload.config import tier_dicts
 from offload.engine_run import RunSpec, run_engine
 
 pytestmark = pytest.mark.e2e
@@ -24,12 +27,24 @@ HITS = [(len(p) - 1) // CHUNK * CHUNK for p in PROMPTS]
 LLAMA_HITS = [(len(p) - 1) // 256 * 256 for p in PROMPTS]  # attention only: 256-token chunks by default
 
 
-def tiered(path, fs_weight: float = 1.0) -> dict:
-    kv = json.loads((REPO / "configs" / "hybrid-tiered.json").read_text())
-    cpu, fs = kv["kv_connector_extra_config"]["children"]
-    fs["kv_connector_extra_config"]["path"] = str(path)
-    fs["load_weight"] = fs_weight
+def tiered(path, cpu_bytes: int | None = None) -> dict:
+    kv = shipped_config("hybrid-tiered.json", path)
+    if cpu_bytes is not None:
+        tier_dicts(kv)[0]["cpu_bytes"] = cpu_bytes
     return kv
+
+
+def weighted(path, fs_weight: float) -> dict:
+    """The same two tiers as two children of our MultiConnector, which picks
+    by matched tokens x load_weight."""
+    cpu, fs = tier_dicts(tiered(path))
+    child = {"kv_connector": "OffloadConnector", "kv_connector_module_path": "offload.connector",
+             "kv_role": "kv_both"}
+    return {"kv_connector": "OffloadMultiConnector", "kv_connector_module_path": "offload.multi_connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"children": [
+                {**child, "kv_connector_extra_config": cpu},
+                {**child, "kv_connector_extra_config": fs, "load_weight": fs_weight}]}}
 
 
 def serve(models_dir, kv):
@@ -51,8 +66,7 @@ def runs(models_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("tiered")
     cold = serve(models_dir, tiered(cache))
     restart = serve(models_dir, tiered(cache))
-    weighted = serve(models_dir, tiered(cache, fs_weight=2.0))
-    return {"cold": cold, "restart": restart, "weighted": weighted}
+    return {"cold": cold, "restart": restart}
 
 
 def test_cpu_tier_after_reset_disk_after_restart_then_promoted_to_cpu(runs):
@@ -71,9 +85,10 @@ def test_cpu_tier_after_reset_disk_after_restart_then_promoted_to_cpu(runs):
         assert not any(r.load_failed for r in results)
 
 
-def test_weights_favour_the_filesystem_child_on_a_tie(runs):
+def test_weights_favour_the_filesystem_child_on_a_tie(runs, models_dir, tmp_path):
     _, ref, _ = runs["cold"]
-    _, first, second = runs["weighted"]
+    serve(models_dir, weighted(tmp_path, 2.0))  # stores into both children
+    _, first, second = serve(models_dir, weighted(tmp_path, 2.0))
     assert by_tier(first, "fs") == HITS  # CPU empty after the restart
     # Both tiers now hold the same prefixes: a tie in tokens, fs weighs 2.0.
     assert by_tier(second, "fs") == HITS and by_tier(second, "cpu") == [0, 0, 0]
@@ -88,3 +103,16 @@ def test_llama_restart_restores_from_disk_then_from_promoted_cpu(models_dir, tmp
     first, second = warm.results[:3], warm.results[3:]
     assert by_tier(first, "fs") == LLAMA_HITS and by_tier(second, "cpu") == LLAMA_HITS
     assert [r.output_ids for r in first] == cold.outputs() == [r.output_ids for r in second]
+
+
+def test_host_memory_too_small_files_serve_the_rest(models_dir, tmp_path, runs):
+    """4 MiB of host memory holds 14 of the 20 chunks: after a reset the hit
+    comes from both tiers, and every prompt restores its whole prefix."""
+    _, ref, _ = runs["cold"]
+    run, _, again = serve(models_dir, tiered(tmp_path, cpu_bytes=4 << 20))
+    assert [r.restored_tokens for r in again] == HITS
+    cpu, fs = by_tier(again, "cpu"), by_tier(again, "fs")
+    assert [c + f for c, f in zip(cpu, fs)] == HITS
+    assert sum(cpu) > 0 and sum(fs) > 0, (cpu, fs)
+    assert [r.output_ids for r in again] == [r.output_ids for r in ref]
+    assert not any(r.load_failed for r in again)

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CHUNK, REPO, random_prompt
+from conftest import CHUNK, REPO, random_prompt, shipped_config
+from offload.config import tier_dicts
 from serving import api_server, complete, post, prometheus
 
 pytestmark = pytest.mark.e2e
@@ -31,10 +32,9 @@ DASHBOARD = REPO / "configs" / "grafana" / "dashboards" / "kvoffload.json"
 
 
 def tiered_config(cache: Path) -> dict:
-    cfg = json.loads((REPO / "configs" / "hybrid-tiered.json").read_text())
-    cpu, fs = cfg["kv_connector_extra_config"]["children"]
-    cpu["kv_connector_extra_config"]["cpu_bytes"] = 64 << 20
-    fs["kv_connector_extra_config"]["path"] = str(cache)
+    cfg = shipped_config("hybrid-tiered.json", cache)
+    cpu, _ = tier_dicts(cfg)
+    cpu["cpu_bytes"] = 64 << 20
     return cfg
 
 

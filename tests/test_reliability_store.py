@@ -31,6 +31,7 @@ from offload.copier import crc32c
 from offload.store import hygiene
 from offload.store.budget import DirBudget
 from offload.store.format import HEADER_LEN, ChunkHeader
+from offload.store.base import OptionError
 from offload.store.fs import ChunkMiss, FileStore
 
 CYCLES = int(os.environ.get("KVOFFLOAD_KILL_CYCLES", "20"))
@@ -246,8 +247,8 @@ for n, (umask, fm, dm) in enumerate({MODE_CASES!r}):
     extra = {{"store": "fs", "path": {str(tmp_path)!r} + f"/c{{n}}"}}
     if fm:
         extra |= {{"file_mode": fm, "dir_mode": dm}}
-    cfg = parse_config(extra)
-    s = FileStore.open(cfg.path, FP, cfg=cfg)
+    opts = parse_config(extra).tiers[0].options()
+    s = FileStore.open(opts.path, FP, options=opts)
     k = KvCache(); h = k.header(1, 1)
     s.write(h, k.pages[1].gather(k.fill(1, 1)))
     s.write_layout({{"tensors": {{}}}})
@@ -268,10 +269,10 @@ def test_world_writable_cache_dir_is_refused_naming_the_key(tmp_path):
     d = tmp_path / "shared"
     d.mkdir()
     d.chmod(0o777)
-    with pytest.raises(ConfigError) as e:
+    with pytest.raises(OptionError) as e:  # the connector prefixes the key path (test_reliability_config)
         FileStore.open(str(d), FP)
     msg = str(e.value)
-    assert "kv_connector_extra_config.path=" in msg and "0777" in msg and "chmod o-w" in msg
+    assert msg.startswith("path=") and "0777" in msg and "chmod o-w" in msg
 
 
 def test_names_are_made_of_hashes_only(tmp_path):

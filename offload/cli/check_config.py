@@ -106,11 +106,12 @@ def check_multi(extra: Any) -> tuple[list[str], list[str]]:
             inner = check_offload(ktc.get(EXTRA_CONFIG), where)
             problems += inner
             if not inner:
-                cfg = parse_config(ktc.get(EXTRA_CONFIG))
-                if cfg.tier_name in names:
-                    problems.append(f"{where}{EXTRA_CONFIG}.name={cfg.name!r}: tier name {cfg.tier_name!r} is "
-                                    f"also children[{names[cfg.tier_name]}]'s; give each tier a distinct 'name'")
-                names[cfg.tier_name] = i
+                for tier in parse_config(ktc.get(EXTRA_CONFIG)).tiers:
+                    if tier.tier_name in names:
+                        problems.append(f"{where}{EXTRA_CONFIG}.name={tier.name!r}: tier name {tier.tier_name!r} "
+                                        f"is also children[{names[tier.tier_name]}]'s; give each tier a distinct "
+                                        "'name'")
+                    names[tier.tier_name] = i
         elif "lmcache" in ktc["kv_connector"].lower():
             notes.append(f"{where}kv_connector={ktc['kv_connector']!r}: refused at start-up on hybrid "
                          "(Mamba/GDN) models; fine for pure-attention models")

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from offload.cli.prompts import Prompt, PromptFileError, load, token_ids
+from offload.config import connector_extras, tier_dicts
 from offload.engine_run import PromptResult, RunResult, RunSpec, read_metrics
 from offload.plan import ModelPlan, PlanError, plan_for_model
 
@@ -81,18 +82,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 # ---- engine settings -----------------------------------------------------------------
 
 
-def tiers(kv: dict) -> list[dict]:
-    """Each OffloadConnector tier's extra config (a MultiConnector's children, or the config itself)."""
-    children = kv.get("kv_connector_extra_config", {}).get("children", [kv])
-    return [c.get("kv_connector_extra_config", {}) for c in children if c.get("kv_connector") == "OffloadConnector"]
-
-
 def tier_names(kv: dict | None) -> list[str]:
-    return [t.get("name") or t.get("store", "?") for t in tiers(kv)] if kv else []
+    return [t.get("name") or t.get("store", "?") for t in tier_dicts(kv)] if kv else []
 
 
 def explicit_chunk_size(kv: dict) -> int | None:
-    return next((int(t["hybrid_chunk_size"]) for t in tiers(kv) if t.get("hybrid_chunk_size")), None)
+    return next((int(e["hybrid_chunk_size"]) for e in connector_extras(kv) if e.get("hybrid_chunk_size")), None)
 
 
 def engine_args(plan: ModelPlan, batched: int | None = None, max_len: int | None = None) -> dict:

@@ -1,4 +1,4 @@
-"""OffloadConnector: the vLLM glue for one offload tier.
+"""OffloadConnector: the vLLM glue for one stack of offload tiers.
 
 Loaded by vLLM through `kv_connector_module_path: "offload.connector"` in the
 API server, the engine core and every worker, so importing it does nothing
@@ -31,7 +31,8 @@ from offload.layout import fingerprint_fields, group_specs
 from offload.metrics import OffloadPromMetrics, OffloadStats, Recorder
 from offload.plan import check_chunk_size, plan_from_engine
 from offload.planner import ChunkSizeError, HybridOffloadPlanner
-from offload.store.base import TierIndex
+from offload.store import tier_spec
+from offload.store.base import OptionError, TierContext, TierIndex, TierSpec
 
 if TYPE_CHECKING:
     import torch
@@ -56,18 +57,6 @@ def _share_vllm_logging() -> None:
             ours.addHandler(h)
         ours.setLevel(theirs.level)
         ours.propagate = False
-
-
-def _check_directory(path: str, mode: int) -> None:
-    p = Path(path)
-    try:
-        p.mkdir(parents=True, exist_ok=True, mode=mode)
-    except OSError as e:
-        raise ConfigError(f"{EXTRA_CONFIG}.path={path!r}: cannot create the cache directory ({e.strerror}); "
-                          "choose a directory this user can create or write") from None
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise ConfigError(f"{EXTRA_CONFIG}.path={path!r}: directory is not writable by this user; "
-                          "fix its permissions or choose another path")
 
 
 def _check_cpu_core_reservation(vllm_config: VllmConfig) -> None:
@@ -115,6 +104,17 @@ def _flags_losing_hits(vllm_config: VllmConfig, planned: dict[str, Any]) -> list
     return lost
 
 
+def _tp_rank(vllm_config: VllmConfig) -> int:
+    """This worker's tensor-parallel rank, where vLLM's own connectors take
+    it: from the initialized TP group when there is one (a worker process),
+    else 0 (the scheduler, or both roles built in one test process)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state._TP is not None:
+        return parallel_state.get_tensor_model_parallel_rank()
+    return 0
+
+
 class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads KV cache chunks of every group (attention KV, windowed KV,
     Mamba/GDN state) to canonical per-group files, and restores a prefix only
@@ -123,8 +123,13 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.DISK
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        source = CacheHitSource.HOST if self.cfg.store == "cpu" else CacheHitSource.DISK
-        return {source: num_external_tokens} if num_external_tokens else {}
+        # The source of a stack's hit is decided per chunk after allocation;
+        # vLLM asks now, so it gets the slowest tier that holds the prefix
+        # (host memory when the stack is host memory only).
+        if not num_external_tokens:
+            return {}
+        sources = {CacheHitSource[t.hit_source] for t in self.tiers}
+        return {CacheHitSource.HOST if sources == {CacheHitSource.HOST} else CacheHitSource.DISK: num_external_tokens}
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -150,70 +155,54 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._num_blocks = kv_cache_config.num_blocks
         self._sched = None
         self._worker = None
-        self.recorder = Recorder(self.cfg.tier_name)
+        self.recorders = [Recorder(t.tier_name) for t in self.cfg.tiers]
+        tp = pc.tensor_parallel_size
+        rank = _tp_rank(vllm_config) if role != KVConnectorRole.SCHEDULER else 0
+        ctx = TierContext(self.planner, rank_fingerprint(self.fingerprint, rank, tp),
+                          rank_fingerprint(self.fingerprint, 0, tp))
+        self.tiers: list[TierSpec] = [tier_spec(t.store, t.options(), ctx) for t in self.cfg.tiers]
         if role == KVConnectorRole.SCHEDULER:
             self._startup_checks(vllm_config)
             from offload.connector.scheduler import SchedulerSide
 
-            self._sched = SchedulerSide(self.cfg, self.planner, self.fingerprint, self._tier_index(pc),
-                                        self.recorder)
+            self._sched = SchedulerSide(self.cfg, self.planner, self.fingerprint, self._indices(), self.recorders)
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
             from offload.connector.worker import WorkerSide
 
-            rank_fp = rank_fingerprint(self.fingerprint, get_tensor_model_parallel_rank(), pc.tensor_parallel_size)
             names = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
-            self._worker = WorkerSide(self.cfg, self.planner, rank_fp, self._tier_data_factory(rank_fp), names,
-                                      self.recorder)
+            self._worker = WorkerSide(self.cfg, self.planner, ctx.fingerprint,
+                                      lambda device: [t.data(device) for t in self.tiers], names, self.recorders)
 
-    def _tier_index(self, pc) -> TierIndex:
-        if self.cfg.store == "cpu":
-            from offload.store.cpu import CpuIndex, CpuLayout
+    def _where(self, i: int) -> str:
+        return "" if "tiers" not in (self._vllm_config.kv_transfer_config.kv_connector_extra_config or {}) \
+            else f"tiers[{i}]."
 
-            layout = self._cpu_layout()
-            logger.info("OffloadConnector: CPU tier capacity: %s", layout.describe(self.planner))
-            return CpuIndex(self.planner, layout)
-        from offload.store.fs import FileStore, FsIndex
-
-        assert self.cfg.path is not None
-        _check_directory(self.cfg.path, self.cfg.dir_mode_bits)
-        # Rank 0's files stand for the request on every rank; a rank missing
-        # its file fails the load, which is a recompute, never a wrong hit.
-        store = FileStore.open(self.cfg.path, rank_fingerprint(self.fingerprint, 0, pc.tensor_parallel_size),
-                               cfg=self.cfg)
-        return FsIndex(store, num_groups=len(self.planner.groups))
-
-    def _tier_data_factory(self, rank_fp):
-        if self.cfg.store == "cpu":
-            from offload.store.cpu import CpuData
-
-            layout = self._cpu_layout()
-            return lambda device: CpuData(layout, device)
-        from offload.store.fs import FileStore, FsData
-
-        assert self.cfg.path is not None
-        store = FileStore.open(self.cfg.path, rank_fp, fsync=self.cfg.fsync, cfg=self.cfg)
-        return lambda device: FsData(store)
-
-    def _cpu_layout(self):
-        from offload.store.cpu import CpuLayout
-
-        assert self.cfg.cpu_bytes is not None
-        layout = CpuLayout.plan(self.planner, self.cfg.cpu_bytes)
-        if layout.slots < 1:
-            need = sum(layout.slot_bytes(g) for g in range(len(self.planner.groups)))
-            raise ConfigError(f"{EXTRA_CONFIG}.cpu_bytes={self.cfg.cpu_bytes}: holds no chunk of this model; "
-                              f"one chunk of every group needs {need} bytes")
-        return layout
+    def _indices(self) -> list[TierIndex]:
+        """Bottom-up, so that each tier can ask the ones below whether an
+        entry has another copy (it never evicts an only copy)."""
+        out: list[TierIndex] = []
+        for i in reversed(range(len(self.tiers))):
+            below = list(out)
+            backed = None if not below else (lambda g, k, below=below: any(ix.contains(g, k) for ix in below))
+            try:
+                out.insert(0, self.tiers[i].index(backed))
+            except OptionError as e:
+                raise ConfigError(f"{EXTRA_CONFIG}.{self._where(i)}{e}") from None
+        return out
 
     def _startup_checks(self, vllm_config: VllmConfig) -> None:
         ktc = vllm_config.kv_transfer_config
+        for i, tier in enumerate(self.tiers):
+            try:
+                tier.check()
+            except OptionError as e:
+                raise ConfigError(f"{EXTRA_CONFIG}.{self._where(i)}{e}") from None
         groups = ", ".join(f"{g.kind.value}/{g.block_size}" for g in self.planner.groups)
         how = "set" if self.cfg.hybrid_chunk_size else "the default for these block sizes"
-        where = self.cfg.path if self.cfg.store == "fs" else f"{self.cfg.cpu_bytes} bytes"
-        logger.info("OffloadConnector: store=%s (%s) hybrid_chunk_size=%d (%s); groups: %s",
-                    self.cfg.store, where, self.planner.chunk_size, how, groups)
+        logger.info("OffloadConnector: hybrid_chunk_size=%d (%s); groups: %s; tiers, fastest first: %s",
+                    self.planner.chunk_size, how, groups,
+                    "; ".join(f"[{i}] {c.tier_name} ({c.store}: {t.describe()})"
+                              for i, (c, t) in enumerate(zip(self.cfg.tiers, self.tiers))))
         plan = plan_from_engine(vllm_config, self._kv_cache_config, self.cfg.hybrid_chunk_size)
         logger.info("OffloadConnector: plan (as `kvoffload plan` prints it):\n%s", plan.describe())
         if ktc.kv_load_failure_policy != "recompute":
@@ -299,6 +288,8 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._sched is not None:
+            self._sched.close()
 
     # ---- metrics (see offload/metrics.py) -------------------------------------------
 
@@ -307,7 +298,12 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         side = self._sched if self._sched is not None else self._worker
         if side is not None:
             side.report()
-        return self.recorder.take()
+        out: OffloadStats | None = None
+        for rec in self.recorders:
+            stats = rec.take()
+            if stats is not None:
+                out = stats if out is None else out.aggregate(stats)
+        return out
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> OffloadStats:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from offload.planner import GroupKind
+from offload.store.base import MissReason
 
 
 @dataclass(frozen=True)
@@ -27,28 +28,41 @@ class FileRef:
 
 
 @dataclass(frozen=True)
-class LoadJob:
-    """Restore one request's hit: read each file, scatter chosen pages.
+class TierSlot:
+    """An entry's place in one tier of the stack: the tier's position, and
+    its pool slot where the tier has slots (host memory)."""
 
-    `pages[i]` pairs with `files[i]`: (page index in the file, destination
+    tier: int
+    slot: int | None = None
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Restore one request's hit: read each entry from its tier, scatter
+    chosen pages, and put the same bytes into the `promote` tiers.
+
+    `pages[i]` pairs with `files[i]`: (page index in the entry, destination
     block id). A job with `fail_reason` set is reported failed without I/O.
     """
 
     req_id: str
     files: tuple[FileRef, ...]
     pages: tuple[tuple[tuple[int, int], ...], ...]
-    slots: tuple[int | None, ...] = ()  # per file: pool slot in a host-memory tier
-    fail_reason: str | None = None
+    sources: tuple[TierSlot, ...] = ()  # per file
+    promote: tuple[tuple[TierSlot, ...], ...] = ()  # per file
+    fail_reason: MissReason | None = None
+    fail_detail: str = ""
 
 
 @dataclass(frozen=True)
 class StoreJob:
-    """Store one (chunk, group) entry from `block_ids`, in page order."""
+    """Store one (chunk, group) entry from `block_ids`, in page order, into
+    `targets` (one gather; every target is written from that host copy)."""
 
     req_id: str
     file: FileRef
     block_ids: tuple[int, ...]
-    slot: int | None = None  # pool slot in a host-memory tier
+    targets: tuple[TierSlot, ...]
 
 
 @dataclass

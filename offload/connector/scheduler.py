@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
-from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob
+from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob, TierSlot
 from offload.keys import ChunkKey, Fingerprint, chunk_keys, request_root
 from offload.metrics import Recorder
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner
-from offload.store.base import TierIndex
+from offload.store.base import MissReason, TierIndex
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -39,30 +39,39 @@ class _Req:
     # (hit chunks, computed tokens) of the last lookup that reported a hit.
     pending_hit: tuple[int, int] | None = None
     loading_tokens: int = 0
-    restored_tokens: int = 0
+    loading_by_tier: dict[int, int] = field(default_factory=dict)
+    restored_by_tier: dict[int, int] = field(default_factory=dict)
     load_failed: bool = False
     counted: bool = False  # its lookup is in the metrics (once per request)
 
 
 class SchedulerSide:
-    def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fp: Fingerprint, index: TierIndex,
-                 recorder: Recorder | None = None) -> None:
+    """The stack's scheduler half. `indices` are the tiers' indices, fastest
+    first; an entry is found in the first tier that holds it, and a hit is the
+    longest prefix restorable from any mix of tiers. Lookups are counted on
+    the top tier's metrics; restored tokens on the tier that supplied them."""
+
+    def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fp: Fingerprint,
+                 indices: list[TierIndex], recorders: list[Recorder]) -> None:
         self.cfg = cfg
-        self.recorder = recorder or Recorder(cfg.tier_name)
+        self.recorders = recorders
+        self.recorder = recorders[0]
+        self._names = [r.tier for r in recorders]
         self._kinds = [g.kind.value for g in planner.groups]
-        self._reported_evictions = [0] * len(planner.groups)
-        self._reported_no_room = 0
-        for kind in set(self._kinds):  # series exist at 0 from the start
-            self.recorder.declare("kvoffload_evictions", group_kind=kind)
-        for name in ("kvoffload_lookups", "kvoffload_lookup_hit_tokens", "kvoffload_lookup_miss_tokens",
-                     "kvoffload_restored_tokens"):
+        self._reported_evictions = [[0] * len(planner.groups) for _ in indices]
+        self._reported_no_room = [0] * len(indices)
+        for r in recorders:
+            for kind in set(self._kinds):  # series exist at 0 from the start
+                r.declare("kvoffload_evictions", group_kind=kind)
+            r.declare("kvoffload_restored_tokens")
+        for name in ("kvoffload_lookups", "kvoffload_lookup_hit_tokens", "kvoffload_lookup_miss_tokens"):
             self.recorder.declare(name)
         self.planner = planner
         self.fp = fp
-        self.index = index
-        # (group, key) entries held by a load in flight, by request. Kept
+        self.indices = indices
+        # (tier, group, key) entries held by a load in flight, by request. Kept
         # outside _Req: an aborted request's load still runs to completion.
-        self._pins: dict[str, list[tuple[int, ChunkKey]]] = {}
+        self._pins: dict[str, list[tuple[int, int, ChunkKey]]] = {}
         self.reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._storable = [
@@ -121,7 +130,7 @@ class SchedulerSide:
             return 0, False
         keys = self._keys(st, max_n)
         found = self.planner.lookup(
-            num_tokens, lambda g, ch: ch < len(keys) and self.index.contains(g, keys[ch]), num_computed_tokens
+            num_tokens, lambda g, ch: ch < len(keys) and self._contains(g, keys[ch]), num_computed_tokens
         )
         # Attention chunks the search saw stored are not stored again. It only
         # probes past vLLM's own hit, so it vouches for a prefix only from 0.
@@ -135,6 +144,9 @@ class SchedulerSide:
             return 0, False
         st.pending_hit = (n, num_computed_tokens)
         return hit, True
+
+    def _contains(self, group: int, key: ChunkKey) -> bool:
+        return any(ix.contains(group, key) for ix in self.indices)
 
     def _count_lookup(self, st: _Req, num_tokens: int, computed: int, hit: int) -> None:
         """Once per request: vLLM asks again while a request waits for room."""
@@ -158,20 +170,23 @@ class SchedulerSide:
         if hit is None or hit[0] * c != hit[1] + num_external_tokens:
             # The scheduler took a different count than we offered: refuse to
             # guess which bytes belong where; the request recomputes.
-            self._loads.append(LoadJob(request.request_id, (), (), fail_reason="allocation mismatch"))
+            self._loads.append(LoadJob(request.request_id, (), (), fail_reason=MissReason.ALLOCATION_MISMATCH,
+                                       fail_detail=f"offered {hit}, vLLM allocated {num_external_tokens} tokens"))
             return
         n, computed = hit
         files: list[FileRef] = []
         pages: list[tuple[tuple[int, int], ...]] = []
-        slots: list[int | None] = []
-        fail = None
+        sources: list[TierSlot] = []
+        promote: list[tuple[TierSlot, ...]] = []
+        chunk_tier: dict[int, int] = {}  # chunk -> slowest tier it is read from
+        fail: tuple[MissReason, str] | None = None
         for g, spec in enumerate(self.planner.groups):
             table = block_ids[g]
             targets = self.planner.blocks_to_load(GroupIndex(g), n, computed)
             fresh = range(-(-computed // spec.block_size), n * c // spec.block_size)
             uncovered = [i for i in fresh if table[i] != NULL_BLOCK and i not in targets]
             if uncovered or any(table[i] == NULL_BLOCK for i in targets):
-                fail = f"group {g}: vLLM block table does not match the planned restore"
+                fail = MissReason.ALLOCATION_MISMATCH, f"group {g}: vLLM block table does not match the planned restore"
                 break
             for gc in self.planner.needed(GroupIndex(g), n, computed):
                 if gc.state_at is not None:
@@ -180,25 +195,49 @@ class SchedulerSide:
                     pairs = tuple((i, table[b]) for i, b in enumerate(gc.blocks) if b in targets)
                 if not pairs:
                     continue
-                placement = self.index.pin(g, st.keys[gc.chunk])
-                if placement is None:
-                    fail = f"group {g} chunk {gc.chunk} left the tier before its load"
+                key = st.keys[gc.chunk]
+                source = self._pin(request.request_id, g, key)
+                if source is None:
+                    fail = MissReason.MISSING, f"group {g} chunk {gc.chunk} left every tier before its load"
                     break
-                self._pins.setdefault(request.request_id, []).append((g, st.keys[gc.chunk]))
+                parent = st.keys[gc.chunk - 1] if gc.chunk else None
+                ups = []
+                for t in range(source.tier):  # promotion: the same bytes into every faster tier
+                    placement = self.indices[t].reserve(g, key, parent)
+                    if placement is not None:
+                        ups.append(TierSlot(t, placement.slot))
                 files.append(self._ref(st, g, gc.chunk))
                 pages.append(pairs)
-                slots.append(placement.slot)
+                sources.append(source)
+                promote.append(tuple(ups))
+                chunk_tier[gc.chunk] = max(chunk_tier.get(gc.chunk, 0), source.tier)
             if fail:
                 break
         if fail:
             self._unpin(request.request_id)
         st.loading_tokens = num_external_tokens
+        st.loading_by_tier = {}
+        for chunk in range(n):  # a hit's tokens, by the tier its chunk comes from
+            tokens = min(c, (chunk + 1) * c - computed) if (chunk + 1) * c > computed else 0
+            if tokens:
+                t = chunk_tier.get(chunk, 0)
+                st.loading_by_tier[t] = st.loading_by_tier.get(t, 0) + tokens
         st.stored_chunks = max(st.stored_chunks, n)
-        self._loads.append(LoadJob(request.request_id, tuple(files), tuple(pages), tuple(slots), fail_reason=fail))
+        self._loads.append(LoadJob(request.request_id, tuple(files), tuple(pages), tuple(sources), tuple(promote),
+                                   fail_reason=fail[0] if fail else None, fail_detail=fail[1] if fail else ""))
+
+    def _pin(self, req_id: str, group: int, key: ChunkKey) -> TierSlot | None:
+        """Pin the entry in the fastest tier that holds it."""
+        for t, ix in enumerate(self.indices):
+            placement = ix.pin(group, key)
+            if placement is not None:
+                self._pins.setdefault(req_id, []).append((t, group, key))
+                return TierSlot(t, placement.slot)
+        return None
 
     def _unpin(self, req_id: str) -> None:
-        for g, key in self._pins.pop(req_id, ()):
-            self.index.unpin(g, key)
+        for t, g, key in self._pins.pop(req_id, ()):
+            self.indices[t].unpin(g, key)
 
     # ---- stores -------------------------------------------------------------------
 
@@ -258,9 +297,14 @@ class SchedulerSide:
 
     def _store(self, meta: OffloadMetadata, st: _Req, group: int, chunk: int, block_ids: tuple[int, ...]) -> None:
         parent = st.keys[chunk - 1] if chunk else None
-        placement = self.index.reserve(group, st.keys[chunk], parent)
-        if placement is not None:  # None: stored already, or no room
-            meta.stores.append(StoreJob(st.request.request_id, self._ref(st, group, chunk), block_ids, placement.slot))
+        targets = []
+        for t, ix in enumerate(self.indices):
+            placement = ix.reserve(group, st.keys[chunk], parent)
+            if placement is not None:  # None: stored already, or no room
+                targets.append(TierSlot(t, placement.slot))
+        if targets:
+            meta.stores.append(StoreJob(st.request.request_id, self._ref(st, group, chunk), block_ids,
+                                        tuple(targets)))
 
     # ---- completion -----------------------------------------------------------------
 
@@ -275,32 +319,42 @@ class SchedulerSide:
                 st.load_failed = True  # its retry must not be offered the same hit
                 st.stored_chunks = 0
             else:
-                st.restored_tokens += st.loading_tokens
-                self.recorder.inc("kvoffload_restored_tokens", st.loading_tokens)
+                for t, tokens in st.loading_by_tier.items():
+                    st.restored_by_tier[t] = st.restored_by_tier.get(t, 0) + tokens
+                    self.recorders[t].inc("kvoffload_restored_tokens", tokens)
             st.loading_tokens = 0
+            st.loading_by_tier = {}
 
     def report(self) -> None:
         """Tier usage into the metrics; called once per step."""
-        u = self.index.usage()
-        if u is None:
-            return
-        for g, kind in enumerate(self._kinds):
-            self.recorder.set("kvoffload_files_in_use", u.entries[g], group_kind=kind)
-            self.recorder.set("kvoffload_bytes_in_use", u.bytes[g], group_kind=kind)
-        if u.capacity_bytes is not None:
-            self.recorder.set("kvoffload_capacity_bytes", u.capacity_bytes)
-        for g, n in enumerate(u.evictions):
-            if n > self._reported_evictions[g]:
-                self.recorder.inc("kvoffload_evictions", n - self._reported_evictions[g], group_kind=self._kinds[g])
-                self._reported_evictions[g] = n
-        if u.no_room > self._reported_no_room:
-            self.recorder.inc("kvoffload_stores_dropped", u.no_room - self._reported_no_room, reason="no_room")
-            self._reported_no_room = u.no_room
+        for t, ix in enumerate(self.indices):
+            u = ix.usage()
+            if u is None:
+                continue
+            rec = self.recorders[t]
+            for g, kind in enumerate(self._kinds):
+                rec.set("kvoffload_files_in_use", u.entries[g], group_kind=kind)
+                rec.set("kvoffload_bytes_in_use", u.bytes[g], group_kind=kind)
+            if u.capacity_bytes is not None:
+                rec.set("kvoffload_capacity_bytes", u.capacity_bytes)
+            seen = self._reported_evictions[t]
+            for g, n in enumerate(u.evictions):
+                if n > seen[g]:
+                    rec.inc("kvoffload_evictions", n - seen[g], group_kind=self._kinds[g])
+                    seen[g] = n
+            if u.no_room > self._reported_no_room[t]:
+                rec.inc("kvoffload_stores_dropped", u.no_room - self._reported_no_room[t], reason="no_room")
+                self._reported_no_room[t] = u.no_room
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return False, None
-        # One key per tier: a MultiConnector merges its children's params.
-        return False, {f"kvoffload:{self.cfg.tier_name}": {"restored_tokens": st.restored_tokens,
-                                                          "load_failed": st.load_failed}}
+        # One key per tier (a MultiConnector merges its children's params too).
+        return False, {f"kvoffload:{name}": {"restored_tokens": st.restored_by_tier.get(t, 0),
+                                             "load_failed": st.load_failed}
+                       for t, name in enumerate(self._names)}
+
+    def close(self) -> None:
+        for ix in self.indices:
+            ix.close()

@@ -1,9 +1,13 @@
-"""Worker half: page gather/scatter against the KV cache, file I/O on a pool.
+"""Worker half of the tier stack: page gather/scatter against the KV cache,
+tier I/O on thread pools.
 
-The forward path pays only the gather of a finished chunk's pages into host
-memory (a memcpy; a D2H copy on GPUs); checksums and file writes run on the
-I/O threads. Loads run entirely on the I/O threads: a request waits for its
-load in WAITING_FOR_REMOTE_KVS, so its destination blocks are ours alone.
+The forward path pays only one gather per finished (chunk, group) entry into
+host memory (a memcpy; a D2H copy on GPUs): into the host tier's slot when the
+stack has one, else into a pooled buffer. Every other tier is written from that
+host copy on the I/O threads (write-through). Loads run entirely on the I/O
+threads: a request waits for its load in WAITING_FOR_REMOTE_KVS, so its
+destination blocks are ours alone; the bytes read from a slower tier are put
+into the faster tiers the scheduler reserved (promotion), from the same read.
 """
 
 from __future__ import annotations
@@ -20,22 +24,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
-from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata
+from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob, TierSlot
 from offload.copier import GroupPages, LayerPages
 from offload.keys import ChunkKey, Fingerprint
-from offload.metrics import DROP_REASONS, LOAD_FAILURE_REASONS, Recorder
+from offload.metrics import DROP_REASONS, Recorder
 from offload.planner import HybridOffloadPlanner
-from offload.store.base import Placement, TierData
+from offload.store.base import ChunkMiss, HostChunk, MissReason, Placement, TierData
+from offload.store.buffers import BufferPool
 from offload.store.format import ChunkHeader
-from offload.store.fs import ChunkMiss
 
 logger = init_logger(__name__)
 
 
 @dataclass
 class WorkerCounters:
-    """Totals of this worker, logged at shutdown (Prometheus gets the same
-    events through `Recorder`, see offload/metrics.py)."""
+    """Totals of one tier in this worker, logged at shutdown (Prometheus gets
+    the same events through `Recorder`, see offload/metrics.py)."""
 
     loads_ok: int = 0
     loads_failed: int = 0
@@ -58,17 +62,6 @@ def _background_priority() -> None:
         pass
 
 
-def failure_label(reason: str) -> str:
-    """A bounded metric label for a load failure reason."""
-    if reason in LOAD_FAILURE_REASONS:
-        return reason
-    if reason.startswith("error"):
-        return "error"
-    if "left the tier" in reason:
-        return "missing"
-    return "allocation mismatch"
-
-
 def _describe(name: str, t: torch.Tensor, num_blocks: int) -> str:
     """A tensor's page layout independent of how many blocks it has: dtype,
     the dims before the block dim (segments), and the dims after it with
@@ -79,25 +72,27 @@ def _describe(name: str, t: torch.Tensor, num_blocks: int) -> str:
 
 class WorkerSide:
     def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fingerprint: Fingerprint,
-                 make_data: Callable[[torch.device], TierData], layer_names: list[list[str]],
-                 recorder: Recorder | None = None) -> None:
+                 make_data: Callable[[torch.device], list[TierData]], layer_names: list[list[str]],
+                 recorders: list[Recorder]) -> None:
         self.cfg = cfg
-        self.recorder = recorder or Recorder(cfg.tier_name)
+        self.recorders = recorders
         self._kinds = [g.kind.value for g in planner.groups]
-        for reason in DROP_REASONS:  # series exist at 0 from the start
-            self.recorder.declare("kvoffload_stores_dropped", reason=reason)
-        for reason in LOAD_FAILURE_REASONS:
-            self.recorder.declare("kvoffload_failed_loads", reason=reason)
-        for kind in set(self._kinds):
-            for name in ("kvoffload_checksum_failures", "kvoffload_restored_bytes", "kvoffload_stored_bytes",
-                         "kvoffload_stored_tokens", "kvoffload_stores_deduplicated"):
-                self.recorder.declare(name, group_kind=kind)
+        for rec in recorders:
+            for reason in DROP_REASONS:  # series exist at 0 from the start
+                rec.declare("kvoffload_stores_dropped", reason=reason)
+            for reason in MissReason:
+                rec.declare("kvoffload_failed_loads", reason=reason.value)
+            for kind in set(self._kinds):
+                for name in ("kvoffload_checksum_failures", "kvoffload_restored_bytes", "kvoffload_stored_bytes",
+                             "kvoffload_stored_tokens", "kvoffload_stores_deduplicated"):
+                    rec.declare(name, group_kind=kind)
         self.planner = planner
         self.fingerprint = fingerprint
         self._make_data = make_data
-        self.data: TierData | None = None
+        self.tiers: list[TierData] = []
         self.layer_names = layer_names
         self.pages: list[GroupPages] = []
+        self.buffers = BufferPool()
         # Reads before writes: a load blocks a request, a store blocks nobody.
         # Loads get their own threads, so they never queue behind a burst of
         # stores; stores get half as many, and overflow is dropped by policy
@@ -105,12 +100,19 @@ class WorkerSide:
         self.load_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvoffload-load")
         self.store_pool = ThreadPoolExecutor(max(1, cfg.io_threads // 2), thread_name_prefix="kvoffload-store",
                                              initializer=_background_priority)
-        self.counters = WorkerCounters()
+        self.counters = [WorkerCounters() for _ in recorders]
         self._lock = threading.Lock()
-        self._loads: dict[str, Future[str | None]] = {}
+        self._loads: dict[str, Future[MissReason | None]] = {}
         self._stores: set[Future[None]] = set()
+        # Host slots a write-through is still copying out of: a later gather
+        # into the same slot (after the scheduler evicted and reused it) waits.
+        self._reading: dict[tuple[int, int, int], Future[None]] = {}
         self._pending_store_bytes = 0
         self._closed = False
+
+    @property
+    def recorder(self) -> Recorder:
+        return self.recorders[0]
 
     # ---- setup ------------------------------------------------------------------
 
@@ -134,8 +136,11 @@ class WorkerSide:
                     f"the KV cache spec says {expected}; this backend's layout is not supported"
                 )
             self.pages.append(pages)
-        self.data = self._make_data(device)
-        self.data.record_layout({**layout, "tensors": tensors})
+        # Pinned where the copy kernel reads or writes host memory from CUDA.
+        self.buffers = BufferPool(pinned=device.type == "cuda")
+        self.tiers = self._make_data(device)
+        for tier in self.tiers:
+            tier.record_layout({**layout, "tensors": tensors})
 
     # ---- loads ------------------------------------------------------------------
 
@@ -146,91 +151,162 @@ class WorkerSide:
             page_bytes=self.pages[ref.group].page_bytes, parent=ref.parent,
         )
 
-    def _load(self, job: LoadJob) -> str | None:
-        """Restore one request; returns a failure reason or None."""
-        if job.fail_reason:
-            return job.fail_reason
-        assert self.data is not None
-        slots = job.slots or (None,) * len(job.files)
-        for ref, pairs, slot in zip(job.files, job.pages, slots):
+    def _count(self, tier: int, field_name: str, n: int = 1, key: str | None = None) -> None:
+        with self._lock:
+            c = self.counters[tier]
+            if key is None:
+                setattr(c, field_name, getattr(c, field_name) + n)
+            else:
+                d = getattr(c, field_name)
+                d[key] = d.get(key, 0) + n
+
+    def _load(self, job: LoadJob) -> tuple[int, MissReason] | None:
+        """Restore one request; returns (tier, failure reason) or None."""
+        if job.fail_reason is not None:
+            logger.info("kvoffload: load of request %s is a miss (%s: %s); it will be recomputed",
+                        job.req_id, job.fail_reason.value, job.fail_detail)
+            return (job.sources[-1].tier if job.sources else 0), job.fail_reason
+        promote = job.promote or ((),) * len(job.files)
+        for ref, pairs, src, ups in zip(job.files, job.pages, job.sources, promote):
+            header = self._header(ref)
+            tier = self.tiers[src.tier]
             try:
-                moved = self.data.load(self._header(ref), self.pages[ref.group], pairs, Placement(slot))
+                chunk = tier.get(header, Placement(src.slot), self.buffers)
             except ChunkMiss as e:
-                with self._lock:
-                    self.counters.chunk_misses[e.reason] = self.counters.chunk_misses.get(e.reason, 0) + 1
-                if e.reason == "corrupt":
-                    self.recorder.inc("kvoffload_checksum_failures", group_kind=ref.kind.value)
+                self._count(src.tier, "chunk_misses", key=e.reason.value)
+                if e.reason is MissReason.CORRUPT:
+                    self.recorders[src.tier].inc("kvoffload_checksum_failures", group_kind=ref.kind.value)
                 logger.warning("kvoffload: load of request %s is a miss (%s); it will be recomputed",
                                job.req_id, e)
-                return e.reason
-            with self._lock:
-                self.counters.bytes_read += moved
-            self.recorder.inc("kvoffload_restored_bytes", moved, group_kind=ref.kind.value)
+                return src.tier, e.reason
+            try:
+                self.pages[ref.group].scatter(chunk.payload, ref.num_pages, pairs)
+                for up in ups:
+                    self._promote(up, header, chunk)
+            finally:
+                chunk.release()
+            moved = len(pairs) * self.pages[ref.group].page_bytes
+            self._count(src.tier, "bytes_read", moved)
+            self.recorders[src.tier].inc("kvoffload_restored_bytes", moved, group_kind=ref.kind.value)
         return None
+
+    def _promote(self, up: TierSlot, header: ChunkHeader, chunk: HostChunk) -> None:
+        """Put a loaded entry into a faster tier; a failure costs only the promotion."""
+        t0 = time.perf_counter()
+        try:
+            self._wait_reading(up, header.group)
+            if self.tiers[up.tier].put(header, chunk, Placement(up.slot)):
+                self._stored(up.tier, header, chunk.payload.numel(), t0)
+        except Exception as e:
+            logger.warning("kvoffload: promotion of %s dropped: %s", header.key.hex()[:16], e)
+            self._drop(up.tier, "error")
 
     def start_load_kv(self, meta: OffloadMetadata) -> None:
         for job in meta.loads:
             self._loads[job.req_id] = self.load_pool.submit(self._load_guarded, job)
 
-    def _load_guarded(self, job: LoadJob) -> str | None:
+    def _load_guarded(self, job: LoadJob) -> MissReason | None:
         t0 = time.perf_counter()
         try:
-            reason = self._load(job)
+            failed = self._load(job)
         except Exception as e:  # a load must never take the engine down
-            logger.exception("kvoffload: load of request %s failed", job.req_id)
-            reason = f"error: {type(e).__name__}"
-        if reason is None:
-            self.recorder.observe("kvoffload_load_seconds", time.perf_counter() - t0)
-        else:
-            self.recorder.inc("kvoffload_failed_loads", reason=failure_label(reason))
+            logger.exception("kvoffload: load of request %s failed (%s)", job.req_id, type(e).__name__)
+            failed = (0, MissReason.ERROR)
+        if failed is None:
+            tiers = {s.tier for s in job.sources} or {0}
+            for t in tiers:
+                self.recorders[t].observe("kvoffload_load_seconds", time.perf_counter() - t0)
+            return None
+        tier, reason = failed
+        self.recorders[tier].inc("kvoffload_failed_loads", reason=reason.value)
         return reason
 
     # ---- stores -----------------------------------------------------------------
 
-    def _drop(self, reason: str, n: int = 1) -> None:
-        with self._lock:
-            self.counters.stores_dropped[reason] = self.counters.stores_dropped.get(reason, 0) + n
-        self.recorder.inc("kvoffload_stores_dropped", n, reason=reason)
+    def _drop(self, tier: int, reason: str, n: int = 1) -> None:
+        self._count(tier, "stores_dropped", n, key=reason)
+        self.recorders[tier].inc("kvoffload_stores_dropped", n, reason=reason)
 
-    def _stored(self, header: ChunkHeader, nbytes: int, t0: float) -> None:
+    def _stored(self, tier: int, header: ChunkHeader, nbytes: int, t0: float) -> None:
         with self._lock:
-            self.counters.files_written += 1
-            self.counters.bytes_written += nbytes
+            self.counters[tier].files_written += 1
+            self.counters[tier].bytes_written += nbytes
         kind = header.kind.value
-        self.recorder.inc("kvoffload_stored_bytes", nbytes, group_kind=kind)
-        self.recorder.inc("kvoffload_stored_tokens", header.token_end - header.token_start, group_kind=kind)
-        self.recorder.observe("kvoffload_store_seconds", time.perf_counter() - t0, group_kind=kind)
+        rec = self.recorders[tier]
+        rec.inc("kvoffload_stored_bytes", nbytes, group_kind=kind)
+        rec.inc("kvoffload_stored_tokens", header.token_end - header.token_start, group_kind=kind)
+        rec.observe("kvoffload_store_seconds", time.perf_counter() - t0, group_kind=kind)
 
     def wait_for_save(self, meta: OffloadMetadata) -> None:
         for job in meta.stores:
             if self._closed:
-                self._drop("shutdown")
+                for t in job.targets:
+                    self._drop(t.tier, "shutdown")
                 continue
-            pages = self.pages[job.file.group]
-            nbytes = len(job.block_ids) * pages.page_bytes if self.data.queues_stores else 0
-            with self._lock:
-                over = self._pending_store_bytes + nbytes > self.cfg.max_pending_store_bytes
-                if not over:
-                    self._pending_store_bytes += nbytes
-            if over:
-                self._drop("backpressure")
-                continue
-            header = self._header(job.file)
-            t0 = time.perf_counter()
-            try:  # the only step on the forward path: copy the pages out
-                staged = self.data.stage(header, pages, job.block_ids, Placement(job.slot))
+            try:
+                self._save(job)
             except Exception:
                 logger.exception("kvoffload: gather for request %s failed", job.req_id)
-                self._release(nbytes)
-                self._drop("error")
-                continue
-            if staged is None:  # a host-memory tier: stored already
-                self._stored(header, len(job.block_ids) * pages.page_bytes, t0)
-                continue
-            fut = self.store_pool.submit(self._write, header, staged, nbytes, t0)
+                for t in job.targets:
+                    self._drop(t.tier, "error")
+
+    def _save(self, job: StoreJob) -> None:
+        """One gather on the forward path; the other targets are written from
+        that host copy on the store threads."""
+        pages = self.pages[job.file.group]
+        header = self._header(job.file)
+        t0 = time.perf_counter()
+        n = len(job.block_ids) * pages.page_bytes
+        direct, rest = None, []
+        for t in job.targets:
+            target = self.tiers[t.tier].gather_target(header, Placement(t.slot)) if direct is None else None
+            if target is not None:
+                direct = (t, target)
+            else:
+                rest.append(t)
+        if direct is not None:
+            t, target = direct
+            self._wait_reading(t, header.group)
+            pages.gather(job.block_ids, out=target)
+            self.tiers[t.tier].gathered(header, Placement(t.slot))
+            self._stored(t.tier, header, n, t0)
+        # Skip the gather where every other tier holds the entry already (one
+        # stat, e.g. an earlier run stored a prefix vLLM's own cache held).
+        rest = [t for t in rest if not self.tiers[t.tier].holds(header, Placement(t.slot))] if direct is None \
+            else rest
+        if not rest:
+            return
+        with self._lock:
+            over = self._pending_store_bytes + n > self.cfg.max_pending_store_bytes
+            if not over:
+                self._pending_store_bytes += n
+        if over:
+            for t in rest:
+                self._drop(t.tier, "backpressure")
+            return
+        if direct is None:
+            chunk = HostChunk.pooled(self.buffers, n)
+            try:
+                pages.gather(job.block_ids, out=chunk.payload)
+            except BaseException:
+                chunk.release()
+                self._release(n)
+                raise
+            fut = self.store_pool.submit(self._write, header, chunk, rest, n, t0)
+        else:
+            t, target = direct
+            fut = self.store_pool.submit(self._write_through, header, target, rest, n, t0)
             with self._lock:
-                self._stores.add(fut)
-            fut.add_done_callback(self._forget)
+                self._reading[(t.tier, header.group, t.slot)] = fut
+        with self._lock:
+            self._stores.add(fut)
+        fut.add_done_callback(self._forget)
+
+    def _wait_reading(self, t: TierSlot, group: int) -> None:
+        with self._lock:
+            fut = self._reading.pop((t.tier, group, t.slot), None)
+        if fut is not None:
+            fut.result()  # rare: the slot was evicted and reused while its write-through ran
 
     def _forget(self, fut: Future[None]) -> None:
         with self._lock:
@@ -240,22 +316,32 @@ class WorkerSide:
         with self._lock:
             self._pending_store_bytes -= nbytes
 
-    def _write(self, header: ChunkHeader, staged: object, nbytes: int, t0: float) -> None:
-        assert self.data is not None
+    def _write_through(self, header: ChunkHeader, slot: torch.Tensor, targets: list[TierSlot], nbytes: int,
+                       t0: float) -> None:
+        """Frame the host tier's copy (a memcpy off the forward path) and
+        write it to the tiers below."""
+        chunk = HostChunk.pooled(self.buffers, nbytes)
+        chunk.payload.copy_(slot)
+        self._write(header, chunk, targets, nbytes, t0)
+
+    def _write(self, header: ChunkHeader, chunk: HostChunk, targets: list[TierSlot], nbytes: int,
+               t0: float) -> None:
         try:
-            if self.data.commit(header, staged):
-                self._stored(header, nbytes, t0)
-            else:
-                with self._lock:
-                    self.counters.files_existing += 1
-                self.recorder.inc("kvoffload_stores_deduplicated", group_kind=header.kind.value)
-        except OSError as e:
-            logger.warning("kvoffload: store of %s dropped: %s", header.key.hex()[:16], e)
-            self._drop("no_space" if e.errno == 28 else "error")
-        except Exception:
-            logger.exception("kvoffload: store of %s failed", header.key.hex()[:16])
-            self._drop("error")
+            for t in targets:
+                try:
+                    if self.tiers[t.tier].put(header, chunk, Placement(t.slot)):
+                        self._stored(t.tier, header, nbytes, t0)
+                    else:
+                        self._count(t.tier, "files_existing")
+                        self.recorders[t.tier].inc("kvoffload_stores_deduplicated", group_kind=header.kind.value)
+                except OSError as e:
+                    logger.warning("kvoffload: store of %s dropped: %s", header.key.hex()[:16], e)
+                    self._drop(t.tier, "no_space" if e.errno == 28 else "error")
+                except Exception:
+                    logger.exception("kvoffload: store of %s failed", header.key.hex()[:16])
+                    self._drop(t.tier, "error")
         finally:
+            chunk.release()
             self._release(nbytes)
 
     # ---- completion ---------------------------------------------------------------
@@ -270,8 +356,8 @@ class WorkerSide:
                 if fut.result() is not None:
                     failed.add(req_id)
         with self._lock:
-            self.counters.loads_ok += len(done) - len(failed)
-            self.counters.loads_failed += len(failed)
+            self.counters[0].loads_ok += len(done) - len(failed)
+            self.counters[0].loads_failed += len(failed)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def report(self) -> None:
@@ -291,9 +377,12 @@ class WorkerSide:
             pending = set(self._stores)
         _, not_done = wait(pending, timeout=self.cfg.shutdown_timeout_s)
         if not_done:
-            self._drop("shutdown", len(not_done))
+            self._drop(len(self.tiers) - 1 if self.tiers else 0, "shutdown", len(not_done))
             logger.warning("kvoffload: shutdown dropped %d stores still pending after %.0fs",
                            len(not_done), self.cfg.shutdown_timeout_s)
         self.load_pool.shutdown(wait=False, cancel_futures=True)
         self.store_pool.shutdown(wait=False, cancel_futures=True)
-        logger.info("kvoffload worker counters [%s]: %s", self.cfg.tier_name, self.counters)
+        for tier in self.tiers:
+            tier.close()
+        for rec, c in zip(self.recorders, self.counters):
+            logger.info("kvoffload worker counters [%s]: %s", rec.tier, c)

@@ -4,24 +4,66 @@ and the bytes the worker moves.
 The scheduler half runs in the engine-core process and the worker half in each
 worker process; they share nothing but the per-step metadata. So a tier is two
 small objects: `TierIndex` (scheduler: what is stored, where a new entry goes,
-pinning during a load) and `TierData` (worker: stage a store on the forward
-path, commit it off it, load into blocks).
+pinning during a load) and `TierData` (worker: host-memory payloads in and out).
+Both are built by a `TierSpec` (offload/store/__init__.py), one class per
+`store` name, from its own options dataclass; stores know nothing of vLLM or
+of the connector's config.
+
+Bytes meet the KV cache only in the worker, once per entry: a store is one
+gather into host memory (the host tier's slot, or a pooled buffer), and every
+tier below is written from that host copy. A load reads one tier's bytes into
+host memory once, scatters them, and may put the same bytes into a higher
+tier (promotion).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from enum import Enum
+from typing import ClassVar, Generic, TypeVar
 
-from offload.keys import ChunkKey
+import torch
+
+from offload.keys import ChunkKey, Fingerprint
+from offload.planner import HybridOffloadPlanner
+from offload.store.buffers import BufferPool
+from offload.store.format import HEADER_LEN, ChunkHeader
+
+
+class OptionError(ValueError):
+    """A tier option that cannot work; the message starts with the option's
+    name and value and says what would be valid (the connector prefixes the
+    config key path and raises its ConfigError)."""
+
+
+class MissReason(str, Enum):
+    """Why an entry could not be restored; the value is the metric label
+    (`kvoffload_failed_loads{reason}`)."""
+
+    MISSING = "missing"  # gone from the tier (evicted, deleted) after the lookup
+    CORRUPT = "corrupt"  # failed verification; files are quarantined
+    IO_ERROR = "io_error"  # a transient read error: the entry may be fine
+    UNSAFE = "unsafe"  # a path resolving outside the cache directory
+    ERROR = "error"  # an unexpected exception in the load
+    ALLOCATION_MISMATCH = "allocation mismatch"  # vLLM's blocks differ from the planned restore
+
+
+class ChunkMiss(Exception):
+    """An entry that cannot be restored. Raised by `TierData.get`, never
+    returned as garbage: the worker turns it into a failed load, which vLLM
+    recomputes."""
+
+    def __init__(self, reason: MissReason, detail: str) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
 
 
 @dataclass(frozen=True)
 class Placement:
     """Where one (chunk, group) entry lives in a tier: a pool slot for host
-    memory; None for files, which are addressed by key."""
+    memory; None for tiers addressed by key (files)."""
 
     slot: int | None = None
 
@@ -35,6 +77,31 @@ class TierUsage:
     evictions: tuple[int, ...] = ()  # cumulative since start
     no_room: int = 0  # cumulative stores skipped for lack of room
     capacity_bytes: int | None = None
+
+
+@dataclass
+class HostChunk:
+    """One entry's payload in host memory.
+
+    `buf`, when set, is a pooled buffer laid out as a file: `HEADER_LEN` bytes
+    of room, then the payload, so a file tier writes it in one aligned write.
+    A payload that is a view of a host-memory slot has no `buf`. `release()`
+    gives a pooled buffer back; the chunk must not be used after it.
+    """
+
+    payload: torch.Tensor
+    buf: torch.Tensor | None = None
+    pool: BufferPool | None = None
+
+    @classmethod
+    def pooled(cls, pool: BufferPool, payload_len: int) -> HostChunk:
+        buf = pool.get(HEADER_LEN + payload_len)
+        return cls(buf[HEADER_LEN:HEADER_LEN + payload_len], buf, pool)
+
+    def release(self) -> None:
+        if self.pool is not None and self.buf is not None:
+            self.pool.put(self.buf)
+        self.pool = None
 
 
 class TierIndex(ABC):
@@ -60,29 +127,88 @@ class TierIndex(ABC):
         """Current usage, cheap to call every step; None while unknown."""
         return None
 
+    def close(self) -> None:
+        """Stop whatever the index runs in the background (directory scans)."""
+        return None
+
 
 class TierData(ABC):
-    """Worker-side bytes of a tier. `pages` is an `offload.copier.GroupPages`."""
+    """Worker-side bytes of a tier, always through host memory."""
 
-    # Whether staged stores wait in memory for `commit` (and so count against
-    # the pending-bytes budget); a tier that stages in place does not queue.
-    queues_stores: bool = True
-
-    def record_layout(self, description: dict[str, Any]) -> None:
+    def record_layout(self, description: dict) -> None:
         """Persist what the fingerprint stands for, where the tier outlives the process."""
         return None
 
-    @abstractmethod
-    def stage(self, header: Any, pages: Any, block_ids: Sequence[int], placement: Placement) -> Any:
-        """Copy the pages out of the KV cache, on the forward path. Returns
-        what `commit` needs, or None when the store is complete already."""
+    def gather_target(self, header: ChunkHeader, placement: Placement) -> torch.Tensor | None:
+        """Host memory the KV cache pages of a new entry can be gathered
+        straight into (a host-memory slot), or None: the worker gathers into a
+        pooled buffer and calls `put`. After a gather into the target the
+        worker calls `gathered`."""
+        return None
+
+    def gathered(self, header: ChunkHeader, placement: Placement) -> None:
+        """The gather into `gather_target` completed."""
+        return None
 
     @abstractmethod
-    def commit(self, header: Any, staged: Any) -> bool:
-        """Make a staged store durable, off the forward path. False if the
-        entry existed already."""
+    def holds(self, header: ChunkHeader, placement: Placement) -> bool:
+        """Whether the entry is stored already (cheap: a stat, a slot check)."""
 
     @abstractmethod
-    def load(self, header: Any, pages: Any, pairs: Sequence[tuple[int, int]], placement: Placement) -> int:
-        """Restore pages into blocks; returns bytes moved. Raises
-        `offload.store.fs.ChunkMiss` when the entry cannot be restored."""
+    def put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
+        """Store the payload; False if the entry existed already. Runs off the
+        forward path. Raises OSError when the tier cannot take it."""
+
+    @abstractmethod
+    def get(self, header: ChunkHeader, placement: Placement, pool: BufferPool) -> HostChunk:
+        """The verified payload in host memory (a pooled buffer from `pool`,
+        or a view of the tier's own memory); the caller releases it. Raises
+        ChunkMiss when the entry cannot be restored."""
+
+    def close(self) -> None:
+        return None
+
+
+# (group, key) -> does a tier below hold this entry? (eviction in a stack)
+Backed = Callable[[int, ChunkKey], bool]
+O = TypeVar("O")
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What every tier is built from besides its options."""
+
+    planner: HybridOffloadPlanner
+    fingerprint: Fingerprint  # this worker rank's (its files, its layout)
+    index_fingerprint: Fingerprint  # rank 0's: what the scheduler looks up for every rank
+
+
+class TierSpec(ABC, Generic[O]):
+    """One kind of tier (in the manner of vLLM's `kv_offload/mediums.py`):
+    its `store` name, its options, and the two halves it builds."""
+
+    store: ClassVar[str]
+    # vLLM's CacheHitSource name for hits served from this tier ("HOST", "DISK").
+    hit_source: ClassVar[str]
+
+    def __init__(self, options: O, ctx: TierContext) -> None:
+        self.options = options
+        self.ctx = ctx
+
+    def check(self) -> None:
+        """Start-up checks in the scheduler process; raises OptionError."""
+        return None
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return repr(self.options)
+
+    @abstractmethod
+    def index(self, backed: Backed | None) -> TierIndex:
+        """The scheduler's index. `backed`, in a stack with tiers below this
+        one, says whether they hold an entry (an entry only this tier holds is
+        never evicted)."""
+
+    @abstractmethod
+    def data(self, device: torch.device) -> TierData:
+        """The worker's bytes, for a KV cache on `device`."""

@@ -10,21 +10,31 @@ Eviction is LRU per pool, with one rule that keeps every prefix restorable:
 an attention or windowed entry is only evicted together with its
 descendants (the entries whose keys chain from it), so presence stays
 prefix-closed and the lookup's binary search stays exact. Entries pinned by a
-load in flight are never evicted.
+load in flight are never evicted, and in a stack with a tier below, neither is
+an entry whose only copy is here (`backed` says whether the tier below holds it).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from offload.keys import ChunkKey
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner
-from offload.store.base import Placement, TierData, TierIndex, TierUsage
-from offload.store.fs import ChunkMiss
+from offload.store.base import (Backed, ChunkMiss, HostChunk, MissReason, OptionError, Placement, TierData,
+                                TierIndex, TierSpec, TierUsage)
+from offload.store.buffers import BufferPool
+from offload.store.format import ChunkHeader
+
+
+@dataclass(frozen=True)
+class CpuOptions:
+    """Options of the host-memory tier (`"store": "cpu"`)."""
+
+    cpu_bytes: int
 
 
 @dataclass(frozen=True)
@@ -72,7 +82,8 @@ class _Entry:
 class _Pool:
     """Index of one group's pool."""
 
-    def __init__(self, slots: int, prefix_closed: bool) -> None:
+    def __init__(self, slots: int, prefix_closed: bool, backed: Callable[[ChunkKey], bool] | None = None) -> None:
+        self.backed = backed
         self.free = list(range(slots - 1, -1, -1))
         self.entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()  # LRU first
         self.prefix_closed = prefix_closed
@@ -80,12 +91,13 @@ class _Pool:
         self.no_room = 0
 
     def _subtree(self, key: ChunkKey) -> list[ChunkKey] | None:
-        """The entry and its descendants, or None if any is pinned."""
+        """The entry and its descendants, or None if any is pinned or is the
+        only copy in a stack."""
         out, stack = [], [key]
         while stack:
             k = stack.pop()
             e = self.entries[k]
-            if e.pins:
+            if e.pins or (self.backed is not None and not self.backed(k)):
                 return None
             out.append(k)
             if self.prefix_closed:
@@ -128,8 +140,12 @@ class _Pool:
 
 
 class CpuIndex(TierIndex):
-    def __init__(self, planner: HybridOffloadPlanner, layout: CpuLayout) -> None:
-        self.pools = [_Pool(layout.slots, s.kind is not GroupKind.MAMBA) for s in planner.groups]
+    def __init__(self, planner: HybridOffloadPlanner, layout: CpuLayout, backed: Backed | None = None) -> None:
+        self.pools = [
+            _Pool(layout.slots, s.kind is not GroupKind.MAMBA,
+                  None if backed is None else (lambda k, g=g: backed(g, k)))
+            for g, s in enumerate(planner.groups)
+        ]
         self.layout = layout
 
     def contains(self, group: int, key: ChunkKey) -> bool:
@@ -174,8 +190,6 @@ class CpuData(TierData):
     it, the load is a miss (a recompute), never a scatter of another chunk.
     """
 
-    queues_stores = False
-
     def __init__(self, layout: CpuLayout, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.layout = layout
@@ -183,25 +197,59 @@ class CpuData(TierData):
             torch.empty((layout.slots, layout.slot_bytes(g)), dtype=torch.uint8, pin_memory=pin)
             for g in range(len(layout.pages_per_slot))
         ]
-        self.holds: list[list[tuple[bytes, int] | None]] = [[None] * layout.slots for _ in self.pools]
+        self.holding: list[list[tuple[bytes, int] | None]] = [[None] * layout.slots for _ in self.pools]
 
     def _view(self, group: int, slot: int, n_pages: int) -> torch.Tensor:
         return self.pools[group][slot, : n_pages * self.layout.page_bytes[group]]
 
-    def stage(self, header, pages, block_ids: Sequence[int], placement: Placement) -> None:
+    def gather_target(self, header: ChunkHeader, placement: Placement) -> torch.Tensor:
         assert placement.slot is not None
-        self.holds[header.group][placement.slot] = None
-        pages.gather(block_ids, out=self._view(header.group, placement.slot, len(block_ids)))
-        self.holds[header.group][placement.slot] = (header.key, header.num_pages)
-        return None  # in the pool already: nothing to commit
+        self.holding[header.group][placement.slot] = None  # being overwritten
+        return self._view(header.group, placement.slot, header.num_pages)
 
-    def commit(self, header, staged) -> bool:
+    def gathered(self, header: ChunkHeader, placement: Placement) -> None:
+        assert placement.slot is not None
+        self.holding[header.group][placement.slot] = (header.key, header.num_pages)
+
+    def holds(self, header: ChunkHeader, placement: Placement) -> bool:
+        return placement.slot is not None and \
+            self.holding[header.group][placement.slot] == (header.key, header.num_pages)
+
+    def put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
+        """A promotion: copy a payload read from a tier below into the slot."""
+        view = self.gather_target(header, placement)
+        view.copy_(chunk.payload)
+        self.gathered(header, placement)
         return True
 
-    def load(self, header, pages, pairs: Sequence[tuple[int, int]], placement: Placement) -> int:
+    def get(self, header: ChunkHeader, placement: Placement, pool: BufferPool) -> HostChunk:
+        if not self.holds(header, placement):
+            raise ChunkMiss(MissReason.CORRUPT, f"group {header.group} slot {placement.slot} does not hold this chunk")
         assert placement.slot is not None
-        if self.holds[header.group][placement.slot] != (header.key, header.num_pages):
-            raise ChunkMiss("corrupt", f"group {header.group} slot {placement.slot} does not hold this chunk")
-        buf = self._view(header.group, placement.slot, header.num_pages)
-        pages.scatter(buf, header.num_pages, pairs)
-        return len(pairs) * self.layout.page_bytes[header.group]
+        return HostChunk(self._view(header.group, placement.slot, header.num_pages))
+
+
+class CpuTier(TierSpec[CpuOptions]):
+    """Host memory: `cpu_bytes` split into per-group slot pools."""
+
+    store = "cpu"
+    hit_source = "HOST"
+
+    def __init__(self, options: CpuOptions, ctx) -> None:
+        super().__init__(options, ctx)
+        self.layout = CpuLayout.plan(ctx.planner, options.cpu_bytes)
+
+    def check(self) -> None:
+        if self.layout.slots < 1:
+            need = sum(self.layout.slot_bytes(g) for g in range(len(self.ctx.planner.groups)))
+            raise OptionError(f"cpu_bytes={self.options.cpu_bytes}: holds no chunk of this model; "
+                              f"one chunk of every group needs {need} bytes")
+
+    def describe(self) -> str:
+        return f"{self.options.cpu_bytes} bytes: {self.layout.describe(self.ctx.planner)}"
+
+    def index(self, backed: Backed | None) -> CpuIndex:
+        return CpuIndex(self.ctx.planner, self.layout, backed)
+
+    def data(self, device: torch.device) -> CpuData:
+        return CpuData(self.layout, device)

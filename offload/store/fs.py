@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from offload import copier
-from offload.config import EXTRA_CONFIG, ConfigError, OffloadConfig
 from offload.keys import ChunkKey, Fingerprint
-from offload.store.base import Placement, TierData, TierIndex, TierUsage
-from offload.store.buffers import DEFAULT_MAX_FREE_BYTES, BufferPool, probe_o_direct
 from offload.store import hygiene
+from offload.store.base import (Backed, ChunkMiss, HostChunk, MissReason, OptionError, Placement, TierData,
+                                TierIndex, TierSpec, TierUsage)
+from offload.store.buffers import BufferPool, probe_o_direct
 from offload.store.budget import DirBudget, budget_for
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
 from offload.store.usage import DirectoryUsage
@@ -49,12 +49,16 @@ _HOUSEKEEPING: set[str] = set()
 _HOUSEKEEPING_LOCK = threading.Lock()
 
 
-class ChunkMiss(Exception):
-    """A chunk that cannot be restored; `reason` is a metric label."""
+@dataclass(frozen=True)
+class FsOptions:
+    """Options of the file tier (`"store": "fs"`); see docs/operations.md."""
 
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
+    path: str
+    fsync: bool = False
+    max_bytes: int | None = None
+    file_mode: int = FILE_MODE
+    dir_mode: int = DIR_MODE
+    orphan_tmp_age_s: float = DEFAULT_ORPHAN_AGE_S
 
 
 @dataclass(frozen=True)
@@ -70,27 +74,28 @@ class FileStore:
     _safe_dirs: set = field(default_factory=set, compare=False, repr=False)
 
     @classmethod
-    def open(cls, path: str, fp: Fingerprint, fsync: bool = False, cfg: OffloadConfig | None = None) -> FileStore:
+    def open(cls, path: str, fp: Fingerprint, fsync: bool = False, options: FsOptions | None = None) -> FileStore:
         """Open (and, in the background, tidy) the fingerprint directory under `path`.
 
-        `cfg` gives modes, the byte budget and the orphan age (defaults without it).
-        A world-writable cache directory is refused (ConfigError naming `path`).
+        `options` give modes, the byte budget and the orphan age (defaults without them).
+        A world-writable cache directory is refused (OptionError naming `path`).
         """
+        cfg = options
         base = Path(path)
         for d in (base, base / LAYOUT_VERSION_DIR, base / LAYOUT_VERSION_DIR / fp.hex()):
             mode = hygiene.world_writable(d)
             if mode is not None:
-                raise ConfigError(
-                    f"{EXTRA_CONFIG}.path={path!r}: {d} is writable by every user (mode {mode:04o}), so anyone "
+                raise OptionError(
+                    f"path={path!r}: {d} is writable by every user (mode {mode:04o}), so anyone "
                     f"could plant, replace or link cache files; run 'chmod o-w {d}' or choose another path "
                     f"(dir_mode sets the mode of directories the connector creates)")
         root = base / LAYOUT_VERSION_DIR / fp.hex()
         budget = None
         if cfg is not None and cfg.max_bytes is not None:
             budget = budget_for(Path(os.path.realpath(base / LAYOUT_VERSION_DIR)), cfg.max_bytes)
-        store = cls(root, fp, fsync,
-                    cfg.file_mode_bits if cfg is not None else FILE_MODE,
-                    cfg.dir_mode_bits if cfg is not None else DIR_MODE,
+        store = cls(root, fp, fsync or (cfg is not None and cfg.fsync),
+                    cfg.file_mode if cfg is not None else FILE_MODE,
+                    cfg.dir_mode if cfg is not None else DIR_MODE,
                     budget, os.path.realpath(root))
         store._start_housekeeping(cfg.orphan_tmp_age_s if cfg is not None else DEFAULT_ORPHAN_AGE_S)
         return store
@@ -207,22 +212,33 @@ class FileStore:
         os.replace(tmp, target)
 
     def write(self, header: ChunkHeader, payload: torch.Tensor) -> bool:
-        """Write one chunk file atomically. False if it already existed.
-
-        The payload CRC is computed here, on the I/O thread, not on the
-        forward path.
-        """
+        """Write one chunk file from a bare payload (tools, tests). False if it existed."""
         if payload.numel() != header.payload_len:
             # The file would contradict its own header and be quarantined by every reader.
             raise ValueError(f"payload has {payload.numel()} bytes, header says {header.payload_len}")
+        chunk = HostChunk.pooled(BufferPool(), payload.numel())
+        chunk.payload.copy_(payload.reshape(-1))
+        return self.write_framed(header, chunk, direct=False)[0]
+
+    def write_framed(self, header: ChunkHeader, chunk: HostChunk, direct: bool) -> tuple[bool, bool]:
+        """The one chunk writer: write `chunk` (a pooled buffer with the
+        header's room in front) atomically; the payload CRC is computed here,
+        on the I/O thread. Returns (written, O_DIRECT used); written is False
+        if the file existed (same key, same bytes)."""
+        assert chunk.buf is not None
+        n = chunk.payload.numel()
+        if n != header.payload_len:
+            raise ValueError(f"payload has {n} bytes, header says {header.payload_len}")
         final = self.file_path(header.group, header.key)
         if final.exists():
-            return False  # same key, same bytes: another request or instance stored it
-        self.prepare_dir(final)
-        full = ChunkHeader(**{**header.__dict__, "payload_crc": copier.crc32c(payload)})
-        copier.write_file(str(self.tmp_path(final)), str(final), full.pack(), payload, self.fsync, self.file_mode)
-        self.written(final, HEADER_LEN + payload.numel())
-        return True
+            return False, False  # another request or instance stored it
+        self.prepare_dir(final)  # modes, and no planted symlink leads out of the cache
+        full = ChunkHeader(**{**header.__dict__, "payload_crc": copier.crc32c(chunk.payload)})
+        chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(full.pack()), dtype=torch.uint8))
+        used = copier.write_file_direct(str(self.tmp_path(final)), str(final), chunk.buf, HEADER_LEN + n,
+                                        self.fsync, self.file_mode, direct=direct)
+        self.written(final, HEADER_LEN + n)
+        return True, used
 
     def read_into(self, expected: ChunkHeader, out: torch.Tensor) -> None:
         """Fill `out` with the verified payload, or raise ChunkMiss.
@@ -238,22 +254,22 @@ class FileStore:
                              f"got {out.numel()} x {out.dtype} on {out.device}")
         path = self.file_path(expected.group, expected.key)
         if not self._dir_ok(path.parent):
-            raise ChunkMiss("unsafe", f"{path.parent} resolves outside the cache directory")
+            raise ChunkMiss(MissReason.UNSAFE, f"{path.parent} resolves outside the cache directory")
         try:
             if stat.S_ISLNK(os.lstat(path).st_mode):
                 self.quarantine(path)  # moves the link itself, never its target
-                raise ChunkMiss("unsafe", f"{path} is a symbolic link")
+                raise ChunkMiss(MissReason.UNSAFE, f"{path} is a symbolic link")
             raw, crc = copier.read_file(str(path), HEADER_LEN, out)
         except FileNotFoundError:
-            raise ChunkMiss("missing", str(path)) from None
+            raise ChunkMiss(MissReason.MISSING, str(path)) from None
         except OSError as e:
             if e.errno in TRANSIENT_ERRNOS:  # the file may be fine: a miss, but keep it
-                raise ChunkMiss("io_error", f"{path}: {e}") from None
+                raise ChunkMiss(MissReason.IO_ERROR, f"{path}: {e}") from None
             self.quarantine(path)  # unreadable for good (e.g. a directory in its place)
-            raise ChunkMiss("corrupt", f"{path}: {e}") from None
+            raise ChunkMiss(MissReason.CORRUPT, f"{path}: {e}") from None
         except ValueError as e:  # wrong size (truncated or extended)
             self.quarantine(path)
-            raise ChunkMiss("corrupt", f"{path}: {e}") from None
+            raise ChunkMiss(MissReason.CORRUPT, f"{path}: {e}") from None
         try:
             header = ChunkHeader.unpack(raw)
             header.check_matches(expected)
@@ -261,7 +277,7 @@ class FileStore:
                 raise FormatError("payload checksum mismatch")
         except FormatError as e:
             self.quarantine(path)
-            raise ChunkMiss("corrupt", f"{path}: {e}") from None
+            raise ChunkMiss(MissReason.CORRUPT, f"{path}: {e}") from None
         if self.budget is not None:
             try:
                 os.utime(path)  # recency for LRU eviction, visible to every instance
@@ -306,107 +322,89 @@ class FsIndex(TierIndex):
         return Placement()
 
 
-@dataclass(frozen=True)
-class _Staged:
-    """A gathered store: `buf` holds room for the header, then the payload."""
-
-    buf: torch.Tensor
-    payload_len: int
-    pool: BufferPool
-
-
-_EXISTS = object()  # stage() found the file on disk already: nothing to gather
-
-
 class FsData(TierData):
-    """Worker-side file I/O: stage = gather into a pooled buffer; commit =
-    checksum, write (O_DIRECT where the filesystem allows it), rename, on the
-    I/O pool; load = read into a pooled buffer, verify, scatter.
+    """Worker-side file I/O from host memory: `put` checksums and writes a
+    file (O_DIRECT where the filesystem allows it) and renames it into place;
+    `get` reads into a pooled buffer and verifies it. Both run on the
+    worker's I/O threads."""
 
-    Buffers come from a `BufferPool` (pinned when the KV cache is on CUDA) and
-    go back after the write or the scatter. A staged buffer is laid out as the
-    file: 128 header bytes, then the payload, rounded up to `DIRECT_ALIGN`,
-    so the file is written from it in one aligned O_DIRECT write.
-    """
-
-    def __init__(self, store: FileStore, max_free_bytes: int = DEFAULT_MAX_FREE_BYTES,
-                 direct: bool | None = None) -> None:
+    def __init__(self, store: FileStore, direct: bool | None = None) -> None:
         self.store = store
-        self._max_free_bytes = max_free_bytes
-        self._pools: dict[bool, BufferPool] = {}
-        self._pools_lock = threading.Lock()
         # None: probe on the first write. False: buffered writes only.
         self.direct = direct
         self.direct_writes = 0
         self.buffered_writes = 0
 
-    def pool(self, pinned: bool) -> BufferPool:
-        with self._pools_lock:
-            if pinned not in self._pools:
-                self._pools[pinned] = BufferPool(pinned, self._max_free_bytes)
-            return self._pools[pinned]
-
     def record_layout(self, description: dict) -> None:
         self.store.write_layout(description)
 
-    def stage(self, header: ChunkHeader, pages, block_ids, placement: Placement) -> object:
-        n = len(block_ids) * pages.page_bytes
-        if n != header.payload_len:
-            raise ValueError(f"{len(block_ids)} pages of {pages.page_bytes} bytes, header says {header.payload_len}")
-        # One stat instead of a gather when the chunk is on disk already, e.g.
-        # vLLM's own prefix cache held a prefix that an earlier run stored.
-        if self.store.file_path(header.group, header.key).exists():
-            return _EXISTS
-        pool = self.pool(pages.device.type == "cuda")
-        buf = pool.get(HEADER_LEN + n)
-        try:
-            pages.gather(block_ids, out=buf[HEADER_LEN:HEADER_LEN + n])
-        except BaseException:
-            pool.put(buf)
-            raise
-        return _Staged(buf, n, pool)
+    def holds(self, header: ChunkHeader, placement: Placement) -> bool:
+        return self.store.file_path(header.group, header.key).exists()
 
-    def commit(self, header: ChunkHeader, staged: object) -> bool:
-        if staged is _EXISTS:
-            return False
-        assert isinstance(staged, _Staged)
-        try:
-            return self._write(header, staged)
-        finally:
-            staged.pool.put(staged.buf)
-
-    def _write(self, header: ChunkHeader, staged: _Staged) -> bool:
-        """`FileStore.write`, from a buffer that holds the header's room too
-        (same directory preparation, temporary name, modes and budget)."""
-        final = self.store.file_path(header.group, header.key)
-        if final.exists():
-            return False  # same key, same bytes: another request or instance stored it
-        self.store.prepare_dir(final)  # modes, and no planted symlink leads out of the cache
+    def put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
+        if chunk.buf is None:  # a host-memory slot: frame it first (a memcpy, off the forward path)
+            framed = HostChunk.pooled(BufferPool(), chunk.payload.numel())
+            framed.payload.copy_(chunk.payload)
+            chunk = framed
         if self.direct is None:
+            final = self.store.file_path(header.group, header.key)
+            self.store.prepare_dir(final)
             self.direct = probe_o_direct(final.parent)
             logger.info("kvoffload: O_DIRECT writes %s in %s", "on" if self.direct else "off (refused)",
                         self.store.root)
-        buf, n = staged.buf, staged.payload_len
-        payload = buf[HEADER_LEN:HEADER_LEN + n]
-        full = ChunkHeader(**{**header.__dict__, "payload_crc": copier.crc32c(payload)})
-        buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(full.pack()), dtype=torch.uint8))
-        used = copier.write_file_direct(str(self.store.tmp_path(final)), str(final), buf, HEADER_LEN + n,
-                                        self.store.fsync, self.store.file_mode, direct=self.direct)
-        self.store.written(final, HEADER_LEN + n)  # exact mode, budget accounting
-        if used:
-            self.direct_writes += 1
-        else:
-            self.buffered_writes += 1
-        return True
+        written, used = self.store.write_framed(header, chunk, self.direct)
+        if written:
+            if used:
+                self.direct_writes += 1
+            else:
+                self.buffered_writes += 1
+        return written
 
-    def load(self, header: ChunkHeader, pages, pairs, placement: Placement) -> int:
-        n = header.payload_len
-        pool = self.pool(pages.device.type == "cuda")
-        buf = pool.get(n)
+    def get(self, header: ChunkHeader, placement: Placement, pool: BufferPool) -> HostChunk:
+        chunk = HostChunk.pooled(pool, header.payload_len)
         try:
-            out = buf[:n]
-            self.store.read_into(header, out)
-            pages.scatter(out, header.num_pages, pairs)
-        finally:
-            pool.put(buf)
-        return n
+            self.store.read_into(header, chunk.payload)
+        except BaseException:
+            chunk.release()
+            raise
+        return chunk
+
+
+def check_directory(path: str, mode: int) -> None:
+    """The cache directory exists (created with `mode` if missing), is a
+    directory, and this user can write it; OptionError naming `path` otherwise."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise OptionError(f"path={path!r}: exists and is not a directory; choose a directory "
+                          "(it is created if missing)")
+    try:
+        p.mkdir(parents=True, exist_ok=True, mode=mode)
+    except OSError as e:
+        raise OptionError(f"path={path!r}: cannot create the cache directory ({e.strerror}); "
+                          "choose a directory this user can create or write") from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise OptionError(f"path={path!r}: directory is not writable by this user; "
+                          "fix its permissions or choose another path")
+
+
+class FsTier(TierSpec[FsOptions]):
+    """Files under `path`, one per (chunk, group), shared across instances."""
+
+    store = "fs"
+    hit_source = "DISK"
+
+    def check(self) -> None:
+        check_directory(self.options.path, self.options.dir_mode)
+
+    def describe(self) -> str:
+        budget = f", max_bytes={self.options.max_bytes}" if self.options.max_bytes else ""
+        return f"{self.options.path}{budget}"
+
+    def index(self, backed: Backed | None) -> FsIndex:
+        # Rank 0's files stand for the request on every rank; a rank missing
+        # its file fails the load, which is a recompute, never a wrong hit.
+        store = FileStore.open(self.options.path, self.ctx.index_fingerprint, options=self.options)
+        return FsIndex(store, num_groups=len(self.ctx.planner.groups))
+
+    def data(self, device: torch.device) -> FsData:
+        return FsData(FileStore.open(self.options.path, self.ctx.fingerprint, options=self.options))

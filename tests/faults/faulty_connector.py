@@ -6,13 +6,13 @@ the faults below, read from $KVOFFLOAD_FAULTS (JSON), apply in the scheduler
 and in the workers. Nothing of vLLM is replaced; the connector is ours,
 unchanged; only file-system calls of our store misbehave:
 
-- "slow_commit_s": every store's commit (checksum, write, rename, on the I/O
-  pool) first sleeps this long: slow storage.
+- "slow_commit_s": every file write (`FsData.put`: checksum, write, rename,
+  on the I/O pool) first sleeps this long: slow storage.
 - "vanish_after_lookup": [{"group": g, "keys": [hex, ...], "how": "delete" |
   "corrupt"}, ...]: once per file, right after the scheduler's lookup saw one of these files, it
   is deleted or overwritten with garbage of the same size, i.e. between
   lookup and load.
-- "enospc_while": a path; while it exists every commit fails with ENOSPC
+- "enospc_while": a path; while it exists every file write fails with ENOSPC
   before writing (a full disk, where no small filesystem can be mounted).
 - "eio_read_keys": [hex, ...]: reads of these files fail with EIO.
 """
@@ -38,18 +38,16 @@ def _install() -> None:
     slow = float(FAULTS.get("slow_commit_s", 0))
     enospc = FAULTS.get("enospc_while")
     if slow or enospc:
-        commit = fs.FsData.commit
+        put = fs.FsData.put
 
-        def faulty_commit(self, header, staged):
+        def faulty_put(self, header, chunk, placement):
             if slow:
                 time.sleep(slow)
             if enospc and os.path.exists(enospc):
-                if staged is not fs._EXISTS and hasattr(staged, "pool"):
-                    staged.pool.put(staged.buf)
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
-            return commit(self, header, staged)
+            return put(self, header, chunk, placement)
 
-        fs.FsData.commit = faulty_commit
+        fs.FsData.put = faulty_put
 
     vanish = {(v["group"], k): v.get("how", "delete") for v in FAULTS.get("vanish_after_lookup", [])
               for k in v["keys"]}

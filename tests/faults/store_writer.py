@@ -26,7 +26,8 @@ import torch
 from offload.copier import GroupPages, LayerPages
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind
-from offload.store.base import Placement
+from offload.store.base import HostChunk, Placement
+from offload.store.buffers import BufferPool
 from offload.store.format import ChunkHeader
 from offload.store.fs import FileStore, FsData
 
@@ -93,9 +94,12 @@ def main(path: str, first: int) -> None:
     slots = threading.Semaphore(16)  # the worker's pending-store bound, in stores
     ready = threading.Event()
 
-    def commit(header: ChunkHeader, staged: object) -> None:
+    buffers = BufferPool()
+
+    def commit(header: ChunkHeader, staged: HostChunk) -> None:
         try:
-            data.commit(header, staged)
+            data.put(header, staged, Placement())
+            staged.release()
             if not ready.is_set():
                 ready.set()
                 print("READY", flush=True)
@@ -108,7 +112,8 @@ def main(path: str, first: int) -> None:
             header = kv.header(i, group)
             ids = kv.fill(i, group)
             slots.acquire()
-            staged = data.stage(header, kv.pages[group], ids, Placement())
+            staged = HostChunk.pooled(buffers, header.payload_len)
+            kv.pages[group].gather(ids, out=staged.payload)
             pool.submit(commit, header, staged)
         i += 1
 
