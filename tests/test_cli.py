@@ -89,8 +89,9 @@ def test_check_config_single_connector_and_vllm_level_keys(capsys, tmp_path):
 
 
 def test_check_config_names_vllms_multiconnector_mistake_and_unreadable_files(capsys, tmp_path):
-    cfg = json.loads((REPO / "configs" / "hybrid-tiered.json").read_text())
-    cfg["kv_connector"] = "MultiConnector"
+    child = json.loads((REPO / "configs" / "fs.json").read_text())
+    cfg = {**child, "kv_connector": "MultiConnector", "kv_connector_module_path": "offload.multi_connector",
+           "kv_connector_extra_config": {"children": [child]}}
     rc, out = run_cli(capsys, "check-config", write(tmp_path, "multi.json", cfg))
     assert rc == 1 and "OffloadMultiConnector" in out, out
     rc, out = run_cli(capsys, "check-config", write(tmp_path, "broken.json", '{"kv_connector": '))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from offload.planner import GroupKind
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
+from offload.store import hygiene
 from offload.store.fs import LAYOUT_VERSION_DIR
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -296,10 +297,14 @@ def chunks(fp: FpDir) -> dict[str, Chunk]:
 
 
 def is_stale_tmp(p: Path, max_age_s: float, now: float | None = None) -> bool:
+    """The connector's orphan rule (offload/store/hygiene.py::is_orphan): a
+    temporary file of this host whose writer is gone, or one older than
+    `max_age_s` from any host."""
     try:
-        return (now or time.time()) - p.stat().st_mtime > max_age_s
+        mtime = p.stat().st_mtime
     except OSError:
         return False
+    return hygiene.is_orphan(p.name, mtime, now or time.time(), not hygiene.is_network_fs(p.parent), max_age_s)
 
 
 def human(n: float) -> str:

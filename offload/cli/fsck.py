@@ -36,6 +36,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from offload.store.fs import DEFAULT_ORPHAN_AGE_S
 from offload.cli.cache import Cache, FpDir, NotACache, chunks, is_stale_tmp, remove_empty_dirs, scan, unlink
 
 EXIT_CLEAN, EXIT_PROBLEMS, EXIT_USAGE, EXIT_REPAIRED = 0, 1, 2, 3
@@ -47,8 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("path", help="the connector's 'path' (or its kvoffload-v1/ or a fingerprint directory)")
     p.add_argument("--repair", action="store_true", help="quarantine bad files, delete orphaned tmp files and "
                    "chunks below chain holes")
-    p.add_argument("--tmp-age", type=float, default=600.0, metavar="SECONDS",
-                   help="a temporary file older than this is orphaned (default 600)")
+    p.add_argument("--tmp-age", type=float, default=DEFAULT_ORPHAN_AGE_S, metavar="SECONDS",
+                   help="a temporary file older than this is orphaned (default 3600, the connector's orphan_tmp_age_s); one of this host whose writer is gone is orphaned at once")
     p.add_argument("-q", "--quiet", action="store_true", help="print the summary only")
     p.set_defaults(func=run)
 

@@ -46,6 +46,7 @@ import argparse
 import re
 import sys
 
+from offload.store.fs import DEFAULT_ORPHAN_AGE_S
 from offload.cli.cache import Chunk, FpDir, NotACache, chunks, human, is_stale_tmp, remove_empty_dirs, scan, unlink
 from offload.planner import GroupKind
 
@@ -66,8 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-bytes", type=parse_size, required=True, metavar="N", help="e.g. 1073741824, 512M, 2G")
     p.add_argument("--lru", choices=("atime", "mtime"), default="atime",
                    help="recency: max(atime, mtime) (default), or mtime (when stored) only")
-    p.add_argument("--tmp-age", type=float, default=600.0, metavar="SECONDS",
-                   help="a temporary file older than this is orphaned (default 600)")
+    p.add_argument("--tmp-age", type=float, default=DEFAULT_ORPHAN_AGE_S, metavar="SECONDS",
+                   help="a temporary file older than this is orphaned (default 3600, the connector's orphan_tmp_age_s); one of this host whose writer is gone is orphaned at once")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     p.set_defaults(func=run)
 

@@ -28,12 +28,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.hygiene import walk
 
 logger = logging.getLogger(__name__)
 
-MAMBA_KIND = 4  # header kind code (offload.store.format.KIND_CODES)
-HEADER_LEN = 128
 
 
 @dataclass
@@ -51,11 +50,7 @@ def _read_parent(path: str) -> tuple[bytes | None, bool]:
             raw = f.read(HEADER_LEN)
     except OSError:
         return None, True
-    if len(raw) < HEADER_LEN:
-        return None, True
-    kind = int.from_bytes(raw[14:16], "little")
-    parent = raw[116:124]
-    return (None if kind == MAMBA_KIND or parent == bytes(8) else parent), kind == MAMBA_KIND
+    return ChunkHeader.peek_parent(raw)
 
 
 class DirBudget:

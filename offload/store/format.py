@@ -76,6 +76,19 @@ class ChunkHeader:
             raise FormatError("inconsistent header fields")
         return cls(Fingerprint(fp), ChunkKey(key), group, kinds[kind], t0, t1, npages, pbytes, pcrc, parent)
 
+    @staticmethod
+    def peek_parent(raw: bytes) -> tuple[bytes | None, bool]:
+        """(parent key prefix, is Mamba) from a header's raw bytes, without
+        verifying it (for eviction ordering, which must not cost a checksum
+        per file): None when the entry stands alone (Mamba, chunk 0, or a
+        header too short to say)."""
+        if len(raw) < HEADER_LEN:
+            return None, True
+        fields = _STRUCT.unpack(raw[:HEADER_LEN])
+        kind, parent = fields[4], fields[13]
+        mamba = kind == KIND_CODES[GroupKind.MAMBA]
+        return (None if mamba or parent == bytes(8) else parent), mamba
+
     def check_matches(self, expected: ChunkHeader) -> None:
         """Every identity field must equal what the reader asked for."""
         for f in ("fingerprint", "key", "group", "kind", "token_start", "token_end", "num_pages", "page_bytes"):
