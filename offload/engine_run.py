@@ -1,8 +1,9 @@
 """Serve a prompt set through a fresh vLLM engine process and report per prompt.
 
 A restart is a new process, so every run happens in a subprocess
-(`python -m offload.engine_run SPEC OUT`): the demo, the end-to-end tests and
-the warm-up CLI all measure what an operator's restarted server would see.
+(`python -m offload.engine_run SPEC OUT [PROGRESS]`): the demo, the end-to-end
+tests and the warm-up CLI (its progress bar from `progress`) all use this one
+runner and measure what an operator's restarted server would see.
 Prompts are served one at a time so that batch composition cannot change a
 near-tie greedy token between runs (random-weight bf16 models have many).
 """
@@ -18,7 +19,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TextIO
 
 
 @dataclass(frozen=True)
@@ -83,18 +85,36 @@ class RunResult:
         return [r.output_ids for r in self.results]
 
 
-def run_engine(spec: RunSpec, env: dict[str, str] | None = None, timeout_s: float = 900) -> RunResult:
-    """Run `spec` in a new Python process; raise with the engine log on failure."""
+def run_engine(spec: RunSpec, env: dict[str, str] | None = None, timeout_s: float = 900,
+               progress: Callable[[int, int], None] | None = None) -> RunResult:
+    """Run `spec` in a new Python process; raise with the engine log on
+    failure (or after `timeout_s`). `progress(done, total)` is called as the
+    child finishes prompts (the CLI draws its bar from it)."""
+    total = sum(map(len, spec.order)) if spec.order else len(spec.prompts) * spec.passes
     with tempfile.TemporaryDirectory(prefix="kvoffload-run-") as tmp:
-        spec_path, out_path = Path(tmp, "spec.json"), Path(tmp, "out.json")
+        spec_path, out_path, prog, log_path = (Path(tmp, n) for n in ("spec.json", "out.json", "progress", "log"))
         spec_path.write_text(json.dumps(asdict(spec)))
+        prog.touch()
         full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                     **(env or {})}
-        proc = subprocess.run(
-            [sys.executable, "-m", "offload.engine_run", str(spec_path), str(out_path)],
-            env=full_env, capture_output=True, text=True, timeout=timeout_s,
-        )
-        log = proc.stdout + proc.stderr
+        with open(log_path, "w") as lf:
+            proc = subprocess.Popen([sys.executable, "-m", "offload.engine_run", str(spec_path), str(out_path),
+                                     str(prog)], env=full_env, stdout=lf, stderr=subprocess.STDOUT)
+        deadline, seen = time.monotonic() + timeout_s, 0
+        while True:
+            finished = proc.poll() is not None
+            done = len(prog.read_text()) // 2
+            if progress is not None and done > seen:
+                progress(done, total)
+                seen = done
+            if finished:
+                break
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(proc.args, timeout_s, output=log_path.read_text(errors="replace"))
+            time.sleep(0.2)
+        log = log_path.read_text(errors="replace")
         if proc.returncode != 0 or not out_path.exists():
             raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{log[-6000:]}")
         results = [PromptResult(**r) for r in json.loads(out_path.read_text())]
@@ -114,7 +134,8 @@ def _metrics() -> list[tuple[str, dict[str, str], float]]:
             for s in m.samples]
 
 
-def _serve(spec: RunSpec) -> tuple[list[PromptResult], list[tuple[str, dict[str, str], float]]]:
+def _serve(spec: RunSpec, progress: TextIO | None = None) -> tuple[list[PromptResult],
+                                                                    list[tuple[str, dict[str, str], float]]]:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -128,13 +149,13 @@ def _serve(spec: RunSpec) -> tuple[list[PromptResult], list[tuple[str, dict[str,
     for p, indices in enumerate(order):
         if p:
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
-        out.extend(_serve_pass(llm, [spec.prompts[i] for i in indices], params))
+        out.extend(_serve_pass(llm, [spec.prompts[i] for i in indices], params, progress))
     metrics = _metrics()
     del llm  # clean shutdown: the connector finishes its stores in flight
     return out, metrics
 
 
-def _serve_pass(llm: Any, prompts: list[list[int]], params: Any) -> list[PromptResult]:
+def _serve_pass(llm: Any, prompts: list[list[int]], params: Any, progress: TextIO | None = None) -> list[PromptResult]:
     out: list[PromptResult] = []
     for ids in prompts:
         t0 = time.monotonic()
@@ -151,12 +172,16 @@ def _serve_pass(llm: Any, prompts: list[list[int]], params: Any) -> list[PromptR
             restored_by_tier={t: int(v["restored_tokens"]) for t, v in tiers.items()},
             ttft_s=ttft if ttft > 0 else wall, output_ids=list(o.outputs[0].token_ids),
         ))
+        if progress is not None:
+            progress.write(".\n")  # a line per prompt: the parent counts them
+            progress.flush()
     return out
 
 
 def main(argv: list[str]) -> int:
     spec = RunSpec(**json.loads(Path(argv[0]).read_text()))
-    results, metrics = _serve(spec)
+    with open(argv[2] if len(argv) > 2 else os.devnull, "a") as progress:
+        results, metrics = _serve(spec, progress)
     Path(argv[1]).write_text(json.dumps([asdict(r) for r in results]))
     Path(argv[1] + ".metrics").write_text(json.dumps(metrics))
     return 0

@@ -66,7 +66,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, shipped_config
+from conftest import shipped_config
 from offload.store.format import HEADER_LEN, ChunkHeader
 from loadgen import LoadReport, Request, Result, by_label, run_load, scrape, total
 from serving import api_server

@@ -9,7 +9,6 @@ these models a wrong restore of either group changes the output completely.
 from __future__ import annotations
 
 import random
-import re
 import shutil
 from pathlib import Path
 
@@ -127,9 +126,7 @@ def test_corrupt_or_truncated_file_of_either_group_is_a_counted_logged_miss(qwen
         assert path.read_bytes() == original.read_bytes(), f"{how}: re-stored file differs"
         lines = [ln for ln in warm.log.splitlines() if path.name in ln and "is a miss" in ln]
         assert len(lines) == 1, f"{how}: logged exactly once, got {lines}"
-    counters = re.search(r"counters \[fs\]: .*chunk_misses=\{'corrupt': (\d+)\}", warm.log)
-    assert counters and int(counters.group(1)) == len(targets)
-    # The same events in the engine's Prometheus metrics, per group kind.
+    # The events in the engine's Prometheus metrics (the worker's counters), per group kind.
     assert warm.metric("kvoffload_checksum_failures_total", tier="fs", group_kind="mamba") == 2
     assert warm.metric("kvoffload_checksum_failures_total", tier="fs", group_kind="full_attention") == 2
     assert warm.metric("kvoffload_failed_loads_total", tier="fs", reason="corrupt") == len(targets)

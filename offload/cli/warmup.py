@@ -34,21 +34,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from offload.cli.prompts import Prompt, PromptFileError, load, token_ids
 from offload.config import connector_extras, tier_dicts
-from offload.engine_run import PromptResult, RunResult, RunSpec, read_metrics
+from offload.engine_run import RunResult, RunSpec, run_engine
 from offload.plan import ModelPlan, PlanError, plan_for_model
 
 
@@ -103,35 +99,13 @@ def engine_args(plan: ModelPlan, batched: int | None = None, max_len: int | None
 
 
 def run_engine_with_progress(spec: RunSpec, label: str, seed: str, timeout_s: float = 3600) -> RunResult:
-    """`offload.engine_run.run_engine`, drawing a bar from the child's per-prompt lines."""
+    """`offload.engine_run.run_engine`, with a progress bar."""
     from tqdm import tqdm
 
     total = sum(map(len, spec.order)) if spec.order else len(spec.prompts) * spec.passes
-    with tempfile.TemporaryDirectory(prefix="kvoffload-warmup-") as tmp:
-        spec_path, out, progress, log = (Path(tmp, n) for n in ("spec.json", "out.json", "progress", "engine.log"))
-        spec_path.write_text(json.dumps(asdict(spec)))
-        progress.touch()
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               "PYTHONHASHSEED": seed}
-        with open(log, "w") as lf:
-            proc = subprocess.Popen([sys.executable, "-m", "offload.cli._serve", str(spec_path), str(out),
-                                     str(progress)], env=env, stdout=lf, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        with tqdm(total=total, desc=label, unit="prompt", file=sys.stderr, mininterval=1.0) as bar:
-            while True:
-                done = proc.poll() is not None
-                n = len(progress.read_text()) // 2
-                if n > bar.n:  # update(0) would redraw the bar every poll
-                    bar.update(n - bar.n)
-                if done:
-                    break
-                if time.monotonic() > deadline:
-                    proc.kill()
-                time.sleep(0.5)
-        text = log.read_text(errors="replace")
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{text[-6000:]}")
-        return RunResult([PromptResult(**r) for r in json.loads(out.read_text())], text, read_metrics(out))
+    with tqdm(total=total, desc=label, unit="prompt", file=sys.stderr, mininterval=1.0) as bar:
+        return run_engine(spec, env={"PYTHONHASHSEED": seed}, timeout_s=timeout_s,
+                          progress=lambda done, _: bar.update(done - bar.n))
 
 
 # ---- report --------------------------------------------------------------------------

@@ -271,7 +271,7 @@ class SchedulerSide:
         end = self._prompt_chunks(st, after)
         if end <= st.stored_chunks or table is None:
             return
-        keys = self._keys(st, end)
+        self._keys(st, end)  # the keys the stores below name
         for chunk in range(st.stored_chunks, end):
             for g in self._storable:
                 gc = self.planner.stored(GroupIndex(g), ChunkIndex(chunk))

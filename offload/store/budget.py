@@ -53,6 +53,14 @@ def _read_parent(path: str) -> tuple[bytes | None, bool]:
     return ChunkHeader.peek_parent(raw)
 
 
+def _group_of(top: Path, d: str) -> tuple[str, int] | None:
+    """(fingerprint directory, group) of a directory `top/<fp>/g<group>/<kk>`."""
+    parts = os.path.relpath(d, top).split(os.sep)
+    if len(parts) == 3 and parts[1][:1] == "g" and parts[1][1:].isdigit():
+        return parts[0], int(parts[1][1:])
+    return None
+
+
 class DirBudget:
     def __init__(self, top: Path, max_bytes: int, low_water: float = 0.8, rescan_s: float = 1.0) -> None:
         self.top = top  # <path>/kvoffload-v1
@@ -66,6 +74,8 @@ class DirBudget:
         self.evicted_files = 0
         self.evicted_bytes = 0
         self.scan_s = 0.0
+        # (files, bytes) per (fingerprint directory name, group), from the last scan.
+        self.by_group: dict[tuple[str, int], tuple[int, int]] = {}
 
     def interval_s(self) -> float:
         """Pause between background passes. Below 70% of the budget: 0.1 s, or
@@ -107,6 +117,7 @@ class DirBudget:
         t0 = time.monotonic()
         seen: dict[str, _Entry] = {}
         usage = 0
+        by_group: dict[tuple[str, int], tuple[int, int]] = {}
         for d, e in walk(self.top):
             try:
                 st = e.stat(follow_symlinks=False)
@@ -115,6 +126,10 @@ class DirBudget:
             if not stat.S_ISREG(st.st_mode):
                 continue
             usage += st.st_size
+            where = _group_of(self.top, d)
+            if where is not None:
+                n, b = by_group.get(where, (0, 0))
+                by_group[where] = (n + e.name.endswith(".kv"), b + st.st_size)
             old = self._entries.get(e.path)
             if old is not None and old.size == st.st_size:
                 old.mtime = st.st_mtime
@@ -127,6 +142,7 @@ class DirBudget:
             # temporary files and layout.json count, but are not evicted here
         self._entries = seen
         self._usage = usage
+        self.by_group = by_group
         now = time.monotonic()
         self.scan_s = now - t0
         self._scanned_at = now

@@ -17,7 +17,6 @@ import logging
 import os
 import stat
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from offload.store.base import (Backed, ChunkMiss, HostChunk, MissReason, Option
 from offload.store.buffers import BufferPool, probe_o_direct
 from offload.store.budget import DirBudget, budget_for
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
-from offload.store.usage import DirectoryUsage
+from offload.store.housekeeper import Housekeeper
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +44,9 @@ DEFAULT_ORPHAN_AGE_S = 3600.0
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE,
                               errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EACCES, errno.EPERM})
 _UMASK = hygiene.umask()
-_HOUSEKEEPING: set[str] = set()
-_HOUSEKEEPING_LOCK = threading.Lock()
+# Directories tidied by this process (a record, not a thread).
+_TIDIED: set[str] = set()
+_TIDIED_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -97,39 +97,27 @@ class FileStore:
                     cfg.file_mode if cfg is not None else FILE_MODE,
                     cfg.dir_mode if cfg is not None else DIR_MODE,
                     budget, os.path.realpath(root))
-        store._start_housekeeping(cfg.orphan_tmp_age_s if cfg is not None else DEFAULT_ORPHAN_AGE_S)
+        store._tidy_once(cfg.orphan_tmp_age_s if cfg is not None else DEFAULT_ORPHAN_AGE_S)
         return store
 
     # ---- housekeeping: orphans, symlinks, budget ---------------------------------
 
-    def _start_housekeeping(self, orphan_age_s: float) -> None:
-        """Once per directory and process, off the start-up path: move symlinks
-        aside, remove orphaned temporary files, and keep the byte budget."""
-        with _HOUSEKEEPING_LOCK:
-            if self.real_root in _HOUSEKEEPING:
+    def _tidy_once(self, orphan_age_s: float) -> None:
+        """Once per directory and process, at open: move symlinks aside and
+        remove orphaned temporary files (restarts rely on it). The byte budget
+        and usage figures are the scheduler index's `Housekeeper`."""
+        with _TIDIED_LOCK:
+            if self.real_root in _TIDIED:
                 return
-            _HOUSEKEEPING.add(self.real_root)
+            _TIDIED.add(self.real_root)
         if self.root.is_dir():
-            self.tidy(orphan_age_s)  # synchronous: cheap (a directory walk), and restarts rely on it
-        if self.budget is not None:
-            t = threading.Thread(target=self._budget_loop, args=(self.budget,), daemon=True,
-                                 name="kvoffload-budget")
-            t.start()
+            self.tidy(orphan_age_s)
 
     def tidy(self, orphan_age_s: float = DEFAULT_ORPHAN_AGE_S) -> tuple[int, int]:
         """Move symlinks out of the way and remove orphaned temporary files;
         returns (orphans removed, temporary files kept as possibly live)."""
         hygiene.move_symlinks_aside(self.root, self.root / "quarantine")
         return hygiene.clean_orphans(self.root, orphan_age_s)
-
-    @staticmethod
-    def _budget_loop(budget: DirBudget) -> None:
-        while True:
-            try:
-                budget.enforce()
-            except Exception:  # housekeeping must never take the engine down
-                logger.exception("kvoffload: budget enforcement failed")
-            time.sleep(budget.interval_s())
 
     def _dir_ok(self, d: Path) -> bool:
         """`d` (inside root) resolves inside root: no symlink leads out."""
@@ -307,13 +295,17 @@ class FsIndex(TierIndex):
 
     def __init__(self, store: FileStore, num_groups: int = 0) -> None:
         self.store = store
-        self._usage = DirectoryUsage(store.root, num_groups) if num_groups else None
+        self.housekeeper = Housekeeper(store.root, num_groups, store.budget).start() if num_groups else None
 
     def contains(self, group: int, key: ChunkKey) -> bool:
         return self.store.contains(group, key)
 
     def usage(self) -> TierUsage | None:
-        return self._usage.latest() if self._usage is not None else None
+        return self.housekeeper.latest() if self.housekeeper is not None else None
+
+    def close(self) -> None:
+        if self.housekeeper is not None:
+            self.housekeeper.stop()
 
     def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
         return Placement()
