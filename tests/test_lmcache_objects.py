@@ -179,7 +179,7 @@ def timed(fn, *args):
 
 
 def test_remote_shared_killed_and_restarted(redis_server):
-    first = [(f"A/{i}", 10 + i, size) for i, size in enumerate((1, 4096, 100_003, 1 << 20))]
+    first = [(f"A/{i}", 10 + i, size) for i, size in enumerate((1, 4096, 100_003, (2 << 20) + 1))]
     second = [(f"A2/{i}", 20 + i, size) for i, size in enumerate((33, 5000, 70_000))]
 
     # Process A writes, waits for the remote writes and exits: the bytes now live only in Redis.
@@ -194,6 +194,13 @@ def test_remote_shared_killed_and_restarted(redis_server):
             out = torch.empty(size, dtype=torch.uint8)
             assert b.get_into(name, out) and torch.equal(out, payload(seed, size)), name
         assert b.stats.remote_hits == len(first)
+        # A reader whose local pool is smaller than the object: a miss, at once.
+        with LMCacheObjects.open(1 << 20, redis_server.url, timeout_s=TIMEOUT_S) as small:
+            big = first[-1]
+            loaded, dt = timed(small.get_into, big[0], torch.empty(big[2], dtype=torch.uint8))
+            assert not loaded and dt < TIMEOUT_S
+            out = torch.empty(first[1][2], dtype=torch.uint8)
+            assert small.get_into(first[1][0], out) and torch.equal(out, payload(first[1][1], first[1][2]))
 
         # Kill the server mid-run: remote lookups and loads become misses, quickly, without raising.
         redis_server.kill()

@@ -256,7 +256,10 @@ class LMCacheObjects:
             key = lmcache_key(name)
             obj = self._local.get_blocking(key)
             source = "local_hits"
-            if obj is None:
+            if obj is None and out.numel() <= self.local_cpu_bytes:
+                # (A remote object larger than the whole local pool must not be asked
+                # for: LMCache 0.5.6's connectors allocate its buffer with busy_loop=True,
+                # which spins on the event loop forever when nothing can be evicted.)
                 for remote in self._remotes:
                     obj = remote.get_blocking(key)
                     if obj is not None:
