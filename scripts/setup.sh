@@ -26,7 +26,23 @@ else
   fi
 fi
 
-"${PIP[@]}" pybind11 pytest aiofiles prometheus-client pyyaml aiohttp
+"${PIP[@]}" pybind11 pytest aiofiles prometheus-client pyyaml aiohttp tqdm
+
+# LMCache's storage engine (the "lmcache" tier, docs/lmcache.md), storage engine only.
+# `pip install lmcache==0.5.6` with its dependencies would install cupy-cuda13x,
+# cuda-python and nvtx, and downgrade numpy (<=2.2.6), protobuf (<7), grpcio and
+# prometheus_client below what vLLM runs with. So: the wheel without its
+# dependencies, plus the four pure runtime imports its storage manager, CPU and
+# remote backends need (sortedcontainers; aiofile+caio are imported at package
+# import time by gds_backend; redis for the redis:// remote). None of these is
+# in the vLLM environment, so nothing installed there changes version.
+if ! "$PY" -c "import lmcache, importlib.metadata as m; assert m.version('lmcache') == '0.5.6'" 2>/dev/null; then
+  "${PIP[@]}" --no-deps lmcache==0.5.6 sortedcontainers==2.4.0 redis==8.1.0 aiofile==3.12.3 caio==0.12.10
+fi
+"$PY" -c "from lmcache.v1.storage_backend.storage_manager import StorageManager" >/dev/null 2>&1 \
+  || { echo "setup: ERROR: lmcache's storage engine does not import" >&2; exit 1; }
+"$PY" -c "import torch, vllm; assert torch.__version__.startswith('2.13.0') or '${KVOFFLOAD_CUDA:-0}' == '1', torch.__version__" 2>/dev/null \
+  || { echo "setup: ERROR: torch/vllm no longer import after the lmcache install" >&2; exit 1; }
 
 # A real Prometheus for tests/test_prometheus.py (Debian package, on 127.0.0.1 only).
 if ! command -v prometheus >/dev/null 2>&1; then
@@ -40,8 +56,23 @@ if ! command -v prometheus >/dev/null 2>&1; then
          "tests/test_prometheus.py needs it" >&2
   fi
 fi
+# A real Redis for the lmcache tier's remote backend (tests/test_lmcache_objects.py
+# starts its own on 127.0.0.1; the packaged service is not started here).
+if ! command -v redis-server >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing Debian package redis-server"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq --no-install-recommends redis-server >/dev/null 2>&1 \
+      || { apt-get update -qq && apt-get install -y -qq --no-install-recommends redis-server >/dev/null; }
+  else
+    echo "setup: WARNING: install the Debian package 'redis-server' (as root: apt-get install redis-server);" \
+         "tests/test_lmcache_objects.py needs it for its remote tests" >&2
+  fi
+fi
 # The extension builds against the installed torch-free pybind11: no isolation.
-"${PIP[@]}" --no-build-isolation -e .
+# --no-deps: every dependency is installed above; letting pip resolve
+# lmcache==0.5.6's declared dependencies here would pull the CUDA wheels.
+"${PIP[@]}" --no-build-isolation --no-deps -e .
 "$PY" -c "import offload._copier; print('setup: C++ copier built')"
 "$PY" tools/tiny_models.py .models
 echo "setup: done"
