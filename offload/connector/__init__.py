@@ -122,13 +122,11 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.DISK
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
-        # The source of a stack's hit is decided per chunk after allocation;
-        # vLLM asks now, so it gets the slowest tier that holds the prefix
-        # (host memory when the stack is host memory only).
-        if not num_external_tokens:
+        # A stack's hit is attributed to the slowest tier it reads from.
+        if not num_external_tokens or self._sched is None:
             return {}
-        sources = {CacheHitSource[t.hit_source] for t in self.tiers}
-        return {CacheHitSource.HOST if sources == {CacheHitSource.HOST} else CacheHitSource.DISK: num_external_tokens}
+        tier = self.tiers[self._sched.hit_tier(request.request_id)]
+        return {CacheHitSource[tier.hit_source]: num_external_tokens}
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:

@@ -38,6 +38,7 @@ class _Req:
     stored_chunks: int = 0
     # (hit chunks, computed tokens) of the last lookup that reported a hit.
     pending_hit: tuple[int, int] | None = None
+    hit_tier: int = 0  # the slowest tier the pending hit reads from
     loading_tokens: int = 0
     loading_by_tier: dict[int, int] = field(default_factory=dict)
     restored_by_tier: dict[int, int] = field(default_factory=dict)
@@ -64,8 +65,10 @@ class SchedulerSide:
             for kind in set(self._kinds):  # series exist at 0 from the start
                 r.declare("kvoffload_evictions", group_kind=kind)
             r.declare("kvoffload_restored_tokens")
-        for name in ("kvoffload_lookups", "kvoffload_lookup_hit_tokens", "kvoffload_lookup_miss_tokens"):
-            self.recorder.declare(name)
+            # A stack looks a request up once: counted on the top tier, the
+            # others' series exist at 0 (dashboards show 0, not "no data").
+            for name in ("kvoffload_lookups", "kvoffload_lookup_hit_tokens", "kvoffload_lookup_miss_tokens"):
+                r.declare(name)
         self.planner = planner
         self.fp = fp
         self.indices = indices
@@ -143,7 +146,21 @@ class SchedulerSide:
             st.pending_hit = None
             return 0, False
         st.pending_hit = (n, num_computed_tokens)
+        st.hit_tier = self._slowest_tier(st, n) if len(self.indices) > 1 else 0
         return hit, True
+
+    def _slowest_tier(self, st: _Req, n: int) -> int:
+        """The slowest tier a hit of `n` chunks reads from (its source, for vLLM's metrics)."""
+        slowest = 0
+        for g in range(len(self.planner.groups)):
+            for ch in ([n - 1] if g in self._mamba else range(n)):
+                t = next((t for t, ix in enumerate(self.indices) if ix.contains(g, st.keys[ch])), 0)
+                slowest = max(slowest, t)
+        return slowest
+
+    def hit_tier(self, req_id: str) -> int:
+        st = self.reqs.get(req_id)
+        return st.hit_tier if st is not None else 0
 
     def _contains(self, group: int, key: ChunkKey) -> bool:
         return any(ix.contains(group, key) for ix in self.indices)

@@ -364,8 +364,13 @@ class WorkerSide:
         """Queue gauges into the metrics; called once per step."""
         with self._lock:
             queued = self._pending_store_bytes
-        self.recorder.set("kvoffload_store_queue_bytes", queued)
-        self.recorder.set("kvoffload_loads_in_flight", len(self._loads))
+        # The queue holds writes to the tiers below the top; loads belong to
+        # the stack. Each figure once (on the bottom / top tier), 0 elsewhere,
+        # so a sum over tiers stays right.
+        last = len(self.recorders) - 1
+        for t, rec in enumerate(self.recorders):
+            rec.set("kvoffload_store_queue_bytes", queued if t == last else 0)
+            rec.set("kvoffload_loads_in_flight", len(self._loads) if t == 0 else 0)
 
     def shutdown(self) -> None:
         """Finish the stores in flight (bounded), so a warm-up run that exits
