@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from offload.config import EXTRA_CONFIG, ConfigError, OffloadConfig, parse_config
+from offload.config import EXTRA_CONFIG, ConfigError, OffloadConfig, not_a_directory, parse_config
 from offload.connector.metadata import OffloadMetadata
 from offload.keys import FORMAT_VERSION, fingerprint, rank_fingerprint
 from offload.layout import fingerprint_fields, group_specs
@@ -60,6 +60,11 @@ def _share_vllm_logging() -> None:
 
 def _check_directory(path: str, mode: int) -> None:
     p = Path(path)
+    # Checked again here: the config may have been validated on another host,
+    # or the file created since.
+    problem = not_a_directory(path)
+    if problem:
+        raise ConfigError(f"{EXTRA_CONFIG}.path={path!r}: {problem}")
     try:
         p.mkdir(parents=True, exist_ok=True, mode=mode)
     except OSError as e:
