@@ -26,7 +26,9 @@ else
   fi
 fi
 
-"${PIP[@]}" pybind11 pytest aiofiles prometheus-client pyyaml aiohttp
+# pybind11 builds the extension below (no build isolation); the rest comes
+# from pyproject.toml's dependencies and its `test` extra.
+"${PIP[@]}" pybind11
 
 # A real Prometheus for tests/test_prometheus.py (Debian package, on 127.0.0.1 only).
 if ! command -v prometheus >/dev/null 2>&1; then
@@ -41,7 +43,7 @@ if ! command -v prometheus >/dev/null 2>&1; then
   fi
 fi
 # The extension builds against the installed torch-free pybind11: no isolation.
-"${PIP[@]}" --no-build-isolation -e .
+"${PIP[@]}" --no-build-isolation -e ".[test]"
 "$PY" -c "import offload._copier; print('setup: C++ copier built')"
 "$PY" tools/tiny_models.py .models
 echo "setup: done"
