@@ -163,11 +163,13 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._sched = SchedulerSide(self.cfg, self.planner, self.fingerprint, self._tier_index(pc),
                                         self.recorder)
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
             from offload.connector.worker import WorkerSide
 
-            rank_fp = rank_fingerprint(self.fingerprint, get_tensor_model_parallel_rank(), pc.tensor_parallel_size)
+            # The TP rank as vLLM's own OffloadingConnector takes it (the
+            # worker sets parallel_config.rank before any connector exists;
+            # PP is refused above): no distributed group is needed, so both
+            # roles can be built in one process (tests/test_connector_units.py).
+            rank_fp = rank_fingerprint(self.fingerprint, pc.rank % pc.tensor_parallel_size, pc.tensor_parallel_size)
             names = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
             self._worker = WorkerSide(self.cfg, self.planner, rank_fp, self._tier_data_factory(rank_fp), names,
                                       self.recorder)
