@@ -1,0 +1,320 @@
+"""OffloadConnector under vLLM's real Scheduler, both roles in one process (issue 11 item 6).
+
+vLLM's Scheduler builds the scheduler-role connector itself and calls it as
+in an engine (lookup, `update_state_after_alloc`, `build_connector_meta`,
+`update_connector_output`, `request_finished_all_groups`); a worker-role
+OffloadConnector registered against real CPU KV cache tensors (vLLM-CPU's
+attention layout) is driven as vLLM's model runner drives it
+(tests/vllm_unit_utils.py). No model weights, no engine process: a step is a
+few milliseconds, so the cases can pin down exact bytes, token counts and
+counters.
+
+The KV cache is attention-only (tools/tiny_models.py's llama-tiny, 16-token
+blocks, so 256-token chunks): a hybrid KVCacheConfig under the real Scheduler
+also needs vLLM's Mamba "align" bookkeeping, which these helpers do not build;
+hybrid models run end to end in tests/test_e2e_*.py.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+from vllm_unit_utils import (
+    Engine,
+    WorkerStep,
+    assert_scheduler_empty,
+    attention_kv_cache_config,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+    set_connector,
+)
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]  # llama-tiny
+BS = 16
+CHUNK = 256  # attention-only default: the smallest multiple of the block size >= 256
+PROMPT = 600  # two whole chunks (512 tokens) can hit; a hit stops before the last prompt token
+HIT = 2 * CHUNK
+CHUNK_BYTES = 2 * (CHUNK // BS) * 2 * BS * 2 * 32 * 2  # layers x blocks x (K+V, 16 tokens, 2 heads, 32 dims, bf16)
+WAITING_FOR_KV = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+@pytest.fixture(scope="module")
+def vllm_config(models_dir):
+    return create_vllm_config(str(models_dir / "llama-tiny"), block_size=BS, max_num_batched_tokens=256)
+
+
+@pytest.fixture
+def make(vllm_config, tmp_path):
+    workers: list[WorkerStep] = []
+
+    def _make(store: str = "cpu", num_blocks: int = 128) -> Engine:
+        extra = ({"store": "cpu", "cpu_bytes": 1 << 20} if store == "cpu"
+                 else {"store": "fs", "path": str(tmp_path / "cache")})
+        set_connector(vllm_config, extra)
+        kcc = attention_kv_cache_config(LAYERS, block_size=BS, num_kv_heads=2, head_size=32, num_blocks=num_blocks)
+        scheduler = create_scheduler(vllm_config, kcc)
+        workers.append(WorkerStep(vllm_config, kcc, scheduler))
+        return Engine(scheduler, workers[-1])
+
+    yield _make
+    for w in workers:
+        w.connector.shutdown()
+
+
+def prompt(seed: int, n: int = PROMPT) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 1000) for _ in range(n)]
+
+
+def pinned(eng: Engine) -> int:
+    """Entries of the host-memory tier pinned by loads. Pins have no public
+    counter, so this is the one look inside the tier (offload/store/cpu.py)."""
+    index = eng.scheduler.connector._sched.index
+    return sum(e.pins for pool in index.pools for e in pool.entries.values())
+
+
+def wait_for_files(path: Path, n: int, timeout: float = 30.0) -> None:
+    """The file tier writes on its I/O threads: wait until `n` chunk files are visible."""
+    deadline = time.monotonic() + timeout
+    while len(list(path.glob("kvoffload-v1/*/g*/*/*.kv"))) < n:
+        assert time.monotonic() < deadline, f"fewer than {n} chunk files under {path} after {timeout}s"
+        time.sleep(0.01)
+
+
+def table(eng: Engine, req_id: str) -> list[int]:
+    return eng.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+
+
+def store_prompt(eng: Engine, req_id: str, tokens: list[int], tmp_path: Path) -> list[bytes]:
+    """Run a request to completion; return the bytes of its first HIT tokens'
+    blocks. vLLM's own prefix cache is then reset (so a repeat can only hit
+    our tier) and the KV cache scrambled (so only a load can restore it)."""
+    req = create_request(req_id, tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(req)
+    snapshot = None
+    while req_id in eng.scheduler.requests:
+        eng.step()
+        if snapshot is None and req.num_computed_tokens >= HIT:
+            snapshot = eng.worker.blocks_bytes(table(eng, req_id)[:HIT // BS])
+    assert snapshot is not None
+    if eng.scheduler.connector.cfg.store == "fs":
+        wait_for_files(tmp_path / "cache", HIT // CHUNK)
+    assert eng.scheduler.reset_prefix_cache()
+    eng.worker.scramble()
+    return snapshot
+
+
+def tier_params(eng: Engine, req_id: str) -> dict:
+    """The connector's per-request result in the request's final output (kv_transfer_params)."""
+    params = eng.finished[req_id]
+    assert params is not None, f"{req_id}: no kv_transfer_params in its final output"
+    [(key, value)] = params.items()
+    assert key == f"kvoffload:{eng.scheduler.connector.cfg.tier_name}"
+    return value
+
+
+# ---- a store, then a lookup hit and a load that restores the exact bytes ----------------------
+
+
+@pytest.mark.parametrize("store", ["cpu", "fs"])
+def test_store_then_hit_restores_the_exact_bytes(make, tmp_path, store):
+    eng = make(store)
+    tokens = prompt(1)
+    stored = store_prompt(eng, "a", tokens, tmp_path)
+
+    b = create_request("b", tokens, max_tokens=3, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()  # lookup, allocation, load planned and started
+    assert eng.status("b") == WAITING_FOR_KV
+    dest = table(eng, "b")[:HIT // BS]
+    eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV and b.num_computed_tokens > HIT)
+    assert eng.worker.blocks_bytes(dest) == stored, "the load did not restore the stored bytes into b's blocks"
+    eng.run_to_completion()
+
+    assert eng.scheduled["b"] == PROMPT - HIT + 2  # the tail and two decode steps; the hit was not recomputed
+    assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
+    t = eng.totals()
+    assert t.get("stored_tokens") == HIT  # the two whole chunks, not the 88-token tail
+    assert t.get("lookups") == 2 and t.get("lookup_hit_tokens") == HIT
+    assert t.get("restored_tokens") == HIT and t.get("restored_bytes") == HIT // CHUNK * CHUNK_BYTES
+    assert "failed_loads" not in t
+    if store == "cpu":
+        assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+
+
+# ---- allocation mismatch -------------------------------------------------------------------------
+
+
+def test_allocation_mismatch_fails_the_load_and_the_request_recomputes(make, tmp_path, monkeypatch):
+    """The Scheduler allocates one block less than the connector offered (as
+    vLLM does when it trims a hit, e.g. to a block boundary or a replay
+    window): the connector must not guess which bytes go where. The load is
+    reported failed, vLLM's recompute policy resets the request, its retry is
+    not offered the same hit, and nothing stays pinned."""
+    eng = make("cpu")
+    tokens = prompt(2)
+    store_prompt(eng, "a", tokens, tmp_path)
+    conn = eng.scheduler.connector
+    real = conn.get_num_new_matched_tokens
+    offered: list[int] = []
+
+    def trimmed(request, num_computed_tokens):
+        n, is_async = real(request, num_computed_tokens)
+        if request.request_id == "b":
+            offered.append(n)
+            return (n - BS if n else n), is_async
+        return n, is_async
+
+    monkeypatch.setattr(conn, "get_num_new_matched_tokens", trimmed)
+    b = create_request("b", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()
+    assert eng.status("b") == WAITING_FOR_KV
+    assert pinned(eng) == 0  # refused before pinning anything
+    eng.run_to_completion()
+
+    assert offered == [HIT, 0], offered  # the retry after the failure is a miss
+    assert eng.scheduled["b"] == PROMPT + 1  # recomputed from token 0
+    assert tier_params(eng, "b") == {"restored_tokens": 0, "load_failed": True}
+    t = eng.totals()
+    assert t.get("failed_loads") == 1 and "restored_tokens" not in t and "restored_bytes" not in t
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+
+
+# ---- preemption ------------------------------------------------------------------------------------
+
+
+def test_preemption_with_a_store_pending(make, tmp_path):
+    """A request is preempted in the step after its first chunk was staged
+    for the file tier (the write still on the I/O threads), its blocks are
+    reused (scrambled), and it resumes: the pending store still writes the
+    bytes the request had computed, the resumed request restores them from
+    the tier, and its second chunk is stored once."""
+    eng = make("fs")
+    tokens = prompt(3)
+    a = create_request("a", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(a)
+    eng.step()
+    assert a.num_computed_tokens == CHUNK and a.status == RequestStatus.RUNNING
+    chunk0 = eng.worker.blocks_bytes(table(eng, "a")[:CHUNK // BS])
+    # vLLM's own way to preempt every running request (and drop its prefix cache).
+    assert eng.scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert a.status == RequestStatus.PREEMPTED and a.num_computed_tokens == 0
+    eng.worker.scramble()
+    wait_for_files(tmp_path / "cache", 1)
+
+    eng.step()  # the resumed request looks up again: chunk 0 is in the tier
+    assert eng.status("a") == WAITING_FOR_KV
+    dest = table(eng, "a")[:CHUNK // BS]
+    eng.run_until(lambda: eng.status("a") != WAITING_FOR_KV)
+    assert eng.worker.blocks_bytes(dest) == chunk0
+    eng.run_to_completion()
+    wait_for_files(tmp_path / "cache", 2)
+
+    assert tier_params(eng, "a") == {"restored_tokens": CHUNK, "load_failed": False}
+    t = eng.totals()
+    assert t.get("stored_tokens") == HIT and "stores_deduplicated" not in t  # each chunk stored once
+    assert t.get("restored_tokens") == CHUNK and "failed_loads" not in t
+    assert_scheduler_empty(eng.scheduler)
+
+
+def test_preemption_after_a_load_loads_again(make, tmp_path):
+    """A request whose hit was loaded is preempted while running, and looks
+    up and loads again on resume: both loads restore the exact bytes, both
+    count (docs/metrics.md), and their pins are all released."""
+    eng = make("cpu")
+    tokens = prompt(4)
+    stored = store_prompt(eng, "a", tokens, tmp_path)
+    b = create_request("b", tokens, max_tokens=3, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.run_until(lambda: eng.status("b") == RequestStatus.RUNNING)
+    assert eng.worker.blocks_bytes(table(eng, "b")[:HIT // BS]) == stored
+    assert eng.scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert b.status == RequestStatus.PREEMPTED
+    eng.worker.scramble()
+    assert pinned(eng) == 0
+
+    eng.step()
+    assert eng.status("b") == WAITING_FOR_KV
+    dest = table(eng, "b")[:HIT // BS]
+    eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV)
+    assert eng.worker.blocks_bytes(dest) == stored
+    eng.run_to_completion()
+
+    assert tier_params(eng, "b") == {"restored_tokens": 2 * HIT, "load_failed": False}
+    t = eng.totals()
+    assert t.get("restored_tokens") == 2 * HIT and t.get("restored_bytes") == 2 * HIT // CHUNK * CHUNK_BYTES
+    assert t.get("lookups") == 2  # one per request, not per admission
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+
+
+# ---- abort while a load is in flight ----------------------------------------------------------------
+
+
+@pytest.fixture
+def held_loads(monkeypatch):
+    """Hold every load at its scatter into the KV cache until released."""
+    from offload.copier import GroupPages
+
+    release, entered = threading.Event(), threading.Event()
+    real = GroupPages.scatter
+
+    def scatter(self, *args, **kwargs):
+        entered.set()
+        assert release.wait(30), "load held for 30 s"
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GroupPages, "scatter", scatter)
+    yield release, entered
+    release.set()
+
+
+def test_abort_while_a_load_is_in_flight(make, tmp_path, held_loads):
+    """vLLM keeps an aborted request's blocks until its load reports
+    finished; the connector releases its pins then, counts the moved bytes
+    but no restored tokens, and the tier entries stay usable."""
+    release, entered = held_loads
+    eng = make("cpu")
+    tokens = prompt(5)
+    stored = store_prompt(eng, "a", tokens, tmp_path)
+    b = create_request("b", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()
+    assert entered.wait(10) and eng.status("b") == WAITING_FOR_KV
+    assert pinned(eng) == HIT // CHUNK
+
+    eng.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    assert "b" in eng.scheduler.requests  # blocks held: the load still writes into them
+    eng.step()
+    assert "b" in eng.scheduler.requests and pinned(eng) == HIT // CHUNK
+    release.set()
+    eng.run_until(lambda: "b" not in eng.scheduler.requests)
+
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+    t = eng.totals()
+    assert "restored_tokens" not in t and "failed_loads" not in t
+    assert t.get("restored_bytes") == HIT // CHUNK * CHUNK_BYTES  # every completed load, aborted or not
+
+    # The entries are neither leaked nor lost: the next request restores them.
+    eng.worker.scramble()
+    c = create_request("c", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(c)
+    eng.step()
+    dest = table(eng, "c")[:HIT // BS]
+    eng.run_until(lambda: eng.status("c") != WAITING_FOR_KV)
+    assert eng.worker.blocks_bytes(dest) == stored
+    eng.run_to_completion()
+    assert tier_params(eng, "c") == {"restored_tokens": HIT, "load_failed": False}
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
