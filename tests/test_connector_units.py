@@ -88,6 +88,16 @@ def wait_for_files(path: Path, n: int, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def wait_for_stored_tokens(eng: Engine, n: int, timeout: float = 30.0) -> None:
+    """The file tier counts a store when its I/O thread has written it; the
+    count reaches the scheduler with a later step's worker stats."""
+    deadline = time.monotonic() + timeout
+    while eng.totals().get("stored_tokens", 0) < n:
+        assert time.monotonic() < deadline, f"stored tokens {eng.totals()} < {n} after {timeout}s"
+        time.sleep(0.01)
+        eng.step()
+
+
 def table(eng: Engine, req_id: str) -> list[int]:
     return eng.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
 
@@ -137,6 +147,7 @@ def test_store_then_hit_restores_the_exact_bytes(make, tmp_path, store):
     eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV and b.num_computed_tokens > HIT)
     assert eng.worker.blocks_bytes(dest) == stored, "the load did not restore the stored bytes into b's blocks"
     eng.run_to_completion()
+    wait_for_stored_tokens(eng, HIT)
 
     assert eng.scheduled["b"] == PROMPT - HIT + 2  # the tail and two decode steps; the hit was not recomputed
     assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
@@ -218,7 +229,7 @@ def test_preemption_with_a_store_pending(make, tmp_path):
     eng.run_until(lambda: eng.status("a") != WAITING_FOR_KV)
     assert eng.worker.blocks_bytes(dest) == chunk0
     eng.run_to_completion()
-    wait_for_files(tmp_path / "cache", 2)
+    wait_for_stored_tokens(eng, HIT)
 
     assert tier_params(eng, "a") == {"restored_tokens": CHUNK, "load_failed": False}
     t = eng.totals()
