@@ -9,10 +9,11 @@ attention layout) is driven as vLLM's model runner drives it
 few milliseconds, so the cases can pin down exact bytes, token counts and
 counters.
 
-The KV cache is attention-only (tools/tiny_models.py's llama-tiny, 16-token
-blocks, so 256-token chunks): a hybrid KVCacheConfig under the real Scheduler
-also needs vLLM's Mamba "align" bookkeeping, which these helpers do not build;
-hybrid models run end to end in tests/test_e2e_*.py.
+Most cases use an attention-only KV cache (tools/tiny_models.py's llama-tiny,
+16-token blocks, so 256-token chunks); the first also runs on a hybrid one
+(the tiny Qwen3-Next: a Mamba group in vLLM's "align" mode beside an
+attention group, 128-token blocks and chunks), where a hit must restore the
+attention pages and the Mamba state at the hit boundary.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from vllm.v1.request import RequestStatus
 
 from vllm_unit_utils import (
@@ -33,6 +35,7 @@ from vllm_unit_utils import (
     create_request,
     create_scheduler,
     create_vllm_config,
+    hybrid_kv_cache_config,
     set_connector,
 )
 
@@ -98,8 +101,23 @@ def wait_for_stored_tokens(eng: Engine, n: int, timeout: float = 30.0) -> None:
         eng.step()
 
 
+def assert_same_bytes(actual: list[bytes], expected: list[bytes], what: str) -> None:
+    """Per layer; on a difference, say where instead of printing megabytes."""
+    assert len(actual) == len(expected)
+    for layer, (a, e) in enumerate(zip(actual, expected)):
+        if a != e:
+            diff = sum(x != y for x, y in zip(a, e))
+            first = next(i for i, (x, y) in enumerate(zip(a, e)) if x != y)
+            raise AssertionError(f"{what}: layer {layer} differs in {diff} of {len(e)} bytes (first at byte "
+                                 f"{first}: {a[first]:#04x}, stored {e[first]:#04x}; 0x5a is the scrambled value)")
+
+
 def table(eng: Engine, req_id: str) -> list[int]:
     return eng.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+
+
+def table_all(eng: Engine, req_id: str) -> tuple[list[int], ...]:
+    return eng.scheduler.kv_cache_manager.get_block_ids(req_id)
 
 
 def store_prompt(eng: Engine, req_id: str, tokens: list[int], tmp_path: Path) -> list[bytes]:
@@ -145,7 +163,7 @@ def test_store_then_hit_restores_the_exact_bytes(make, tmp_path, store):
     assert eng.status("b") == WAITING_FOR_KV
     dest = table(eng, "b")[:HIT // BS]
     eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV and b.num_computed_tokens > HIT)
-    assert eng.worker.blocks_bytes(dest) == stored, "the load did not restore the stored bytes into b's blocks"
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored blocks")
     eng.run_to_completion()
     wait_for_stored_tokens(eng, HIT)
 
@@ -159,6 +177,61 @@ def test_store_then_hit_restores_the_exact_bytes(make, tmp_path, store):
     if store == "cpu":
         assert pinned(eng) == 0
     assert_scheduler_empty(eng.scheduler)
+
+
+# ---- the same on a hybrid KV cache: attention pages and the Mamba state at the boundary ------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_config(models_dir):
+    return create_vllm_config(str(models_dir / "qwen3-next-tiny"), block_size=128, max_num_batched_tokens=128,
+                              prefix_cache_retention_interval=128)  # what `kvoffload plan` prints for it
+
+
+def test_hybrid_store_then_hit_restores_attention_pages_and_mamba_state(hybrid_config, tmp_path):
+    h_bs = 128  # block size and chunk of both groups
+    set_connector(hybrid_config, {"store": "cpu", "cpu_bytes": 1 << 24})
+    kcc = hybrid_kv_cache_config(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
+                                 ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
+                                 block_size=h_bs, mamba_shapes=((3, 192), (1, 64, 64)),
+                                 mamba_dtypes=(torch.bfloat16, torch.float32), num_kv_heads=4, head_size=64,
+                                 num_blocks=64, mamba_cache_mode=hybrid_config.cache_config.mamba_cache_mode)
+    scheduler = create_scheduler(hybrid_config, kcc)
+    eng = Engine(scheduler, WorkerStep(hybrid_config, kcc, scheduler))
+    try:
+        tokens = prompt(6)
+        n_hit = (PROMPT - 1) // h_bs * h_bs  # 512: four chunks
+        a = create_request("a", tokens, max_tokens=2, block_size=h_bs)
+        scheduler.add_request(a)
+        attn = state = None
+        while "a" in scheduler.requests:
+            eng.step()
+            if a.num_computed_tokens == n_hit:  # steps end on chunk boundaries: the state at 512 is fresh
+                mamba_table, attn_table = table_all(eng, "a")
+                state = eng.worker.blocks_bytes([mamba_table[n_hit // h_bs - 1]], group=0)
+                attn = eng.worker.blocks_bytes(attn_table[:n_hit // h_bs], group=1)
+        assert attn is not None and state is not None
+        assert eng.totals().get("stored_tokens") == 2 * n_hit  # each chunk: its attention pages and its state
+        assert scheduler.reset_prefix_cache()
+        eng.worker.scramble()
+
+        b = create_request("b", tokens, max_tokens=2, block_size=h_bs)
+        scheduler.add_request(b)
+        eng.step()
+        assert eng.status("b") == WAITING_FOR_KV
+        mamba_table, attn_table = table_all(eng, "b")
+        eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV)
+        boundary = n_hit // h_bs
+        assert_same_bytes(eng.worker.blocks_bytes(attn_table[:boundary], group=1), attn, "restored attention pages")
+        assert_same_bytes(eng.worker.blocks_bytes([mamba_table[boundary - 1]], group=0), state, "restored Mamba state")
+        assert all(blk == 0 for blk in mamba_table[:n_hit // h_bs - 1])  # no state but the boundary's is loaded
+        eng.run_to_completion()
+        assert eng.scheduled["b"] == PROMPT - n_hit + 1
+        assert tier_params(eng, "b") == {"restored_tokens": n_hit, "load_failed": False}
+        assert pinned(eng) == 0
+        assert_scheduler_empty(scheduler)
+    finally:
+        eng.worker.connector.shutdown()
 
 
 # ---- allocation mismatch -------------------------------------------------------------------------
@@ -227,7 +300,7 @@ def test_preemption_with_a_store_pending(make, tmp_path):
     assert eng.status("a") == WAITING_FOR_KV
     dest = table(eng, "a")[:CHUNK // BS]
     eng.run_until(lambda: eng.status("a") != WAITING_FOR_KV)
-    assert eng.worker.blocks_bytes(dest) == chunk0
+    assert_same_bytes(eng.worker.blocks_bytes(dest), chunk0, "restored blocks")
     eng.run_to_completion()
     wait_for_stored_tokens(eng, HIT)
 
@@ -248,7 +321,7 @@ def test_preemption_after_a_load_loads_again(make, tmp_path):
     b = create_request("b", tokens, max_tokens=3, block_size=BS)
     eng.scheduler.add_request(b)
     eng.run_until(lambda: eng.status("b") == RequestStatus.RUNNING)
-    assert eng.worker.blocks_bytes(table(eng, "b")[:HIT // BS]) == stored
+    assert_same_bytes(eng.worker.blocks_bytes(table(eng, "b")[:HIT // BS]), stored, "restored blocks")
     assert eng.scheduler.reset_prefix_cache(reset_running_requests=True)
     assert b.status == RequestStatus.PREEMPTED
     eng.worker.scramble()
@@ -258,7 +331,7 @@ def test_preemption_after_a_load_loads_again(make, tmp_path):
     assert eng.status("b") == WAITING_FOR_KV
     dest = table(eng, "b")[:HIT // BS]
     eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV)
-    assert eng.worker.blocks_bytes(dest) == stored
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored blocks")
     eng.run_to_completion()
 
     assert tier_params(eng, "b") == {"restored_tokens": 2 * HIT, "load_failed": False}
@@ -324,7 +397,7 @@ def test_abort_while_a_load_is_in_flight(make, tmp_path, held_loads):
     eng.step()
     dest = table(eng, "c")[:HIT // BS]
     eng.run_until(lambda: eng.status("c") != WAITING_FOR_KV)
-    assert eng.worker.blocks_bytes(dest) == stored
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored blocks")
     eng.run_to_completion()
     assert tier_params(eng, "c") == {"restored_tokens": HIT, "load_failed": False}
     assert pinned(eng) == 0

@@ -17,6 +17,7 @@ compared byte for byte with the block that was stored.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -29,7 +30,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -42,14 +43,15 @@ EOS_TOKEN_ID = 0  # tools/tiny_models.py's tokenizer; the fake forward never sam
 def create_vllm_config(model: str, *, block_size: int = 16, max_num_batched_tokens: int = 256,
                        max_num_seqs: int = 16, max_model_len: int = 4096,
                        kv_connector_extra_config: dict[str, Any] | None = None,
-                       kv_load_failure_policy: str = "recompute") -> VllmConfig:
-    """A VllmConfig for a local model directory (config only, no weights), with our connector."""
+                       kv_load_failure_policy: str = "recompute", **cache_kwargs: Any) -> VllmConfig:
+    """A VllmConfig for a local model directory (config only, no weights), with our connector.
+    `cache_kwargs` go to CacheConfig (e.g. a hybrid's prefix_cache_retention_interval)."""
     model_config = ModelConfig(model=model, dtype="bfloat16", seed=42, max_model_len=max_model_len)
     scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                        max_model_len=max_model_len, enable_chunked_prefill=True,
                                        is_encoder_decoder=model_config.is_encoder_decoder)
     cache_config = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
-                               enable_prefix_caching=True)
+                               enable_prefix_caching=True, **cache_kwargs)
     vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                              cache_config=cache_config, device_config=DeviceConfig("cpu"))
     set_connector(vllm_config, kv_connector_extra_config or {}, kv_load_failure_policy)
@@ -67,6 +69,20 @@ def attention_kv_cache_config(layer_names: list[str], *, block_size: int, num_kv
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                          kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)])
+
+
+def hybrid_kv_cache_config(mamba_layers: list[str], attention_layers: list[str], *, block_size: int,
+                           mamba_shapes: tuple, mamba_dtypes: tuple, num_kv_heads: int, head_size: int,
+                           num_blocks: int, mamba_cache_mode: str,
+                           dtype: torch.dtype = torch.bfloat16) -> KVCacheConfig:
+    """A Mamba group and an attention group with one page size (the Mamba page
+    padded to the attention page), as vLLM's hybrid allocator builds them."""
+    attn = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
+    mamba = MambaSpec(block_size=block_size, shapes=mamba_shapes, dtypes=mamba_dtypes,
+                      mamba_cache_mode=mamba_cache_mode, page_size_padded=attn.page_size_bytes)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(mamba_layers, mamba),
+                                          KVCacheGroupSpec(attention_layers, attn)])
 
 
 def create_scheduler(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scheduler:
@@ -109,56 +125,85 @@ def assert_scheduler_empty(scheduler: Scheduler) -> None:
     assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
 
 
-def cpu_attention_caches(kv_cache_config: KVCacheConfig) -> dict[str, torch.Tensor]:
-    """Per-layer tensors in vLLM-CPU's attention layout: [num_blocks, heads, block_size, 2 * head_size]."""
-    out = {}
+def cpu_kv_caches(kv_cache_config: KVCacheConfig) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Per-layer KV cache as vLLM-CPU registers it, and each layer's raw per-block bytes.
+
+    Attention: [num_blocks, heads, block_size, 2 * head_size]. Mamba: a list
+    of state views (e.g. conv, ssm) packed into one padded page per block,
+    as vLLM lays them out for the hybrid allocator (page_size_padded)."""
+    caches: dict[str, Any] = {}
+    raw: dict[str, torch.Tensor] = {}
+    n = kv_cache_config.num_blocks
     for g in kv_cache_config.kv_cache_groups:
         s = g.kv_cache_spec
         for name in g.layer_names:
-            out[name] = torch.zeros(kv_cache_config.num_blocks, s.num_kv_heads, s.block_size, 2 * s.head_size,
-                                    dtype=s.dtype)
-    return out
+            if isinstance(s, MambaSpec):
+                base = torch.zeros(n, s.page_size_bytes, dtype=torch.uint8)
+                views, off = [], 0
+                for shape, dtype in zip(s.shapes, s.dtypes):
+                    nbytes = math.prod(shape) * dtype.itemsize
+                    views.append(base[:, off:off + nbytes].view(dtype).view(n, *shape))
+                    off += nbytes
+                caches[name], raw[name] = views, base[:, :off]
+            else:
+                t = torch.zeros(n, s.num_kv_heads, s.block_size, 2 * s.head_size, dtype=s.dtype)
+                caches[name], raw[name] = t, t.view(n, -1).view(torch.uint8)
+    return caches, raw
 
 
 class WorkerStep:
-    """The model runner's side of a step, in this process, for an attention-only KV cache."""
+    """The model runner's side of a step, in this process."""
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, scheduler: Scheduler) -> None:
         from offload.connector import OffloadConnector
 
         self.scheduler = scheduler
-        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.groups = kv_cache_config.kv_cache_groups
         self.connector = OffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
-        self.kv_caches = cpu_attention_caches(kv_cache_config)
+        self.kv_caches, self.raw = cpu_kv_caches(kv_cache_config)
         self.connector.register_kv_caches(self.kv_caches)
 
-    # -- the fake forward: every computed token's slot gets bytes that depend on the prefix up to it --
+    # -- the fake forward: bytes that depend only on the token prefix they stand for --
 
     @staticmethod
     def token_value(prefix_crc: int, layer: int) -> int:
         return ((prefix_crc ^ (layer * 0x9E3779B1)) & 0x7FFF) | 1  # never 0: a zeroed slot is "unwritten"
 
     def forward(self, so: SchedulerOutput) -> None:
+        """Attention: each computed token's slot. Mamba: the state after the
+        step's last token, in the block holding that token (vLLM's "align"
+        mode keeps a state per block boundary)."""
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[req_id]
             after = req.num_computed_tokens  # advanced by schedule() already
-            table = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+            tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             tokens = req.all_token_ids
-            crc = zlib.crc32(bytes(str(tokens[:after - n]), "ascii"))  # cheap, prefix-determined
+            crcs, crc = [], zlib.crc32(bytes(str(tokens[:after - n]), "ascii"))
             for pos in range(after - n, after):
                 crc = zlib.crc32(tokens[pos].to_bytes(4, "little"), crc)
-                block, off = table[pos // self.block_size], pos % self.block_size
-                for layer, t in enumerate(self.kv_caches.values()):
-                    t[block, :, off, :].view(torch.int16).fill_(self.token_value(crc, layer))
+                crcs.append(crc)
+            layer = 0
+            for g, group in enumerate(self.groups):
+                bs = group.kv_cache_spec.block_size
+                for name in group.layer_names:
+                    layer += 1
+                    if isinstance(group.kv_cache_spec, MambaSpec):
+                        self.raw[name][tables[g][(after - 1) // bs]].view(torch.int16).fill_(
+                            self.token_value(crcs[-1], layer))
+                        continue
+                    t = self.kv_caches[name]
+                    for i, pos in enumerate(range(after - n, after)):
+                        t[tables[g][pos // bs], :, pos % bs, :].view(torch.int16).fill_(
+                            self.token_value(crcs[i], layer))
 
-    def blocks_bytes(self, block_ids: Iterable[int]) -> list[bytes]:
-        """The bytes of these blocks in every layer, for byte-for-byte comparison."""
+    def blocks_bytes(self, block_ids: Iterable[int], group: int = 0) -> list[bytes]:
+        """The bytes of these blocks in every layer of a group, for byte-for-byte comparison."""
         ids = list(block_ids)
-        return [t[ids].contiguous().view(torch.uint8).numpy().tobytes() for t in self.kv_caches.values()]
+        return [self.raw[name][ids].contiguous().numpy().tobytes() for name in self.groups[group].layer_names]
 
     def scramble(self) -> None:
-        for t in self.kv_caches.values():
-            t.view(torch.int16).fill_(0x5A5A)
+        for t in self.raw.values():
+            t.fill_(0x5A)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         c = self.connector
