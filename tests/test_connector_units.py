@@ -58,7 +58,7 @@ def make(vllm_config, tmp_path):
     workers: list[WorkerStep] = []
 
     def _make(store: str = "cpu", num_blocks: int = 128) -> Engine:
-        extra = ({"store": "cpu", "cpu_bytes": 1 << 20} if store == "cpu"
+        extra = ({"store": "cpu", "cpu_bytes": 4 << 20} if store == "cpu"  # 32 chunks: no eviction here
                  else {"store": "fs", "path": str(tmp_path / "cache")})
         set_connector(vllm_config, extra)
         kcc = attention_kv_cache_config(LAYERS, block_size=BS, num_kv_heads=2, head_size=32, num_blocks=num_blocks)
@@ -400,5 +400,49 @@ def test_abort_while_a_load_is_in_flight(make, tmp_path, held_loads):
     assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored blocks")
     eng.run_to_completion()
     assert tier_params(eng, "c") == {"restored_tokens": HIT, "load_failed": False}
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+
+
+# ---- vLLM's own prefix cache covers part of the hit ---------------------------------------------------
+
+
+def test_local_prefix_hit_then_tier_hit_loads_only_the_rest(make, tmp_path):
+    """vLLM evicts a finished request's blocks tail first, so a repeat finds
+    the first chunk in its own prefix cache and asks the connector from
+    there: the connector offers, pins and loads only the second chunk."""
+    eng = make("cpu", num_blocks=128)
+    tokens = prompt(7)
+    stored = store_prompt(eng, "a", tokens, tmp_path)  # resets vLLM's prefix cache: run "a" again to refill it
+    a2 = create_request("a2", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(a2)
+    eng.run_to_completion()
+    # A request that needs every never-used block plus all of "a2"'s but its first chunk's 16.
+    c = create_request("c", prompt(8, (127 - 16) * BS - 1), max_tokens=1, block_size=BS)
+    eng.scheduler.add_request(c)
+    eng.run_to_completion()
+    eng.worker.scramble()  # so that chunk 1's blocks hold the stored bytes only if the connector loads them
+    lookups: list[tuple[int, int]] = []
+    conn = eng.scheduler.connector
+    real = conn.get_num_new_matched_tokens
+
+    def spy(request, num_computed_tokens):
+        n, is_async = real(request, num_computed_tokens)
+        if request.request_id == "b":
+            lookups.append((num_computed_tokens, n))
+        return n, is_async
+
+    conn.get_num_new_matched_tokens = spy
+    b = create_request("b", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()
+    assert lookups == [(CHUNK, HIT - CHUNK)], lookups  # vLLM's hit: chunk 0; ours: chunk 1 only
+    assert eng.status("b") == WAITING_FOR_KV
+    dest = table(eng, "b")[CHUNK // BS:HIT // BS]
+    eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), [s[len(s) // 2:] for s in stored], "restored chunk 1")
+    eng.run_to_completion()
+    assert eng.scheduled["b"] == PROMPT - HIT + 1
+    assert tier_params(eng, "b") == {"restored_tokens": HIT - CHUNK, "load_failed": False}
     assert pinned(eng) == 0
     assert_scheduler_empty(eng.scheduler)

@@ -18,6 +18,7 @@ compared byte for byte with the block that was stored.
 from __future__ import annotations
 
 import math
+import time
 import zlib
 from collections.abc import Iterable
 from typing import Any
@@ -255,15 +256,22 @@ class Engine:
                 self.sched_stats.aggregate(OffloadStats(data=data if isinstance(data, dict) else data.data))
         return so
 
-    def run_until(self, done, max_steps: int = 200) -> int:
-        for i in range(max_steps):
-            if done():
-                return i
-            self.step()
-        raise AssertionError(f"not done after {max_steps} steps")
+    def run_until(self, done, timeout: float = 60.0) -> int:
+        """Step until `done()`. Loads finish on the connector's I/O threads, so
+        this waits in time, not in steps: a step that computes nothing (every
+        request waiting for its load) yields the CPU to those threads."""
+        deadline = time.monotonic() + timeout
+        steps = 0
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not done after {timeout}s ({steps} steps)")
+            if not self.step().total_num_scheduled_tokens:
+                time.sleep(0.002)
+            steps += 1
+        return steps
 
-    def run_to_completion(self, max_steps: int = 200) -> int:
-        return self.run_until(lambda: not self.scheduler.has_requests(), max_steps)
+    def run_to_completion(self, timeout: float = 60.0) -> int:
+        return self.run_until(lambda: not self.scheduler.has_requests(), timeout)
 
     def status(self, req_id: str) -> RequestStatus | None:
         r = self.scheduler.requests.get(req_id)
