@@ -18,7 +18,12 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = {"offload", "bench", "tests", "tools", "conftest", "faults", "loadgen", "serving", "tiny_models"}
+# Our own top-level names: the packages, and the modules and packages tests/ and tools/ import by name.
+OURS = {"offload", "bench", "tests", "tools"} | {
+    p.stem if p.suffix == ".py" else p.name
+    for d in ("tests", "tools") for p in (REPO / d).iterdir()
+    if p.suffix == ".py" or (p / "__init__.py").exists()
+}
 BUILD_ONLY = {"setuptools", "pybind11"}  # setup.py: [build-system].requires
 
 
