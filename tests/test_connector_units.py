@@ -238,11 +238,14 @@ def test_hybrid_store_then_hit_restores_attention_pages_and_mamba_state(hybrid_c
 
 
 def test_allocation_mismatch_fails_the_load_and_the_request_recomputes(make, tmp_path, monkeypatch):
-    """The Scheduler allocates one block less than the connector offered (as
-    vLLM does when it trims a hit, e.g. to a block boundary or a replay
-    window): the connector must not guess which bytes go where. The load is
-    reported failed, vLLM's recompute policy resets the request, its retry is
-    not offered the same hit, and nothing stays pinned."""
+    """The Scheduler allocates one block less than the connector offered: the
+    connector must not guess which bytes go where. The load is reported
+    failed, vLLM's recompute policy resets the request, its retry is not
+    offered the same hit, and nothing stays pinned. (vLLM 0.32's Scheduler
+    itself only trims a hit to a block boundary, which chunk-aligned hits
+    already are, or drops it to 0; a wrapper between it and the connector,
+    such as a MultiConnector, can pass another count. The wrapper here is
+    that wrapper.)"""
     eng = make("cpu")
     tokens = prompt(2)
     store_prompt(eng, "a", tokens, tmp_path)
@@ -444,5 +447,33 @@ def test_local_prefix_hit_then_tier_hit_loads_only_the_rest(make, tmp_path):
     eng.run_to_completion()
     assert eng.scheduled["b"] == PROMPT - HIT + 1
     assert tier_params(eng, "b") == {"restored_tokens": HIT - CHUNK, "load_failed": False}
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+
+
+def test_reset_prefix_cache_while_a_load_is_in_flight(make, tmp_path, held_loads):
+    """What vLLM does when its prefix cache is reset during one of our loads
+    (RLHF weight updates call it): a plain reset is refused (False) and the
+    load completes normally; with reset_running_requests=True vLLM 0.32
+    raises RuntimeError ("... waiting for remote KV transfer, which is not
+    supported yet"), in the engine core. This pins vLLM's behaviour: it is
+    a hazard for any connector that loads asynchronously, ours included."""
+    release, entered = held_loads
+    eng = make("cpu")
+    tokens = prompt(9)
+    stored = store_prompt(eng, "a", tokens, tmp_path)
+    b = create_request("b", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()
+    assert entered.wait(10) and eng.status("b") == WAITING_FOR_KV
+    assert eng.scheduler.reset_prefix_cache() is False
+    with pytest.raises(RuntimeError, match="waiting for remote KV transfer"):
+        eng.scheduler.reset_prefix_cache(reset_running_requests=True)
+    release.set()
+    dest = table(eng, "b")[:HIT // BS]
+    eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored blocks")
+    eng.run_to_completion()
+    assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
     assert pinned(eng) == 0
     assert_scheduler_empty(eng.scheduler)
