@@ -7,10 +7,12 @@ valid, so an operator can fix a kv-transfer-config without reading our code.
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from offload.store.hygiene import not_a_directory
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 if TYPE_CHECKING:
@@ -125,7 +127,11 @@ class TierConfig(BaseModel):
             raise ValueError("must not contain '..'")
         if "\x00" in v:
             raise ValueError("must not contain NUL bytes")
-        return os.path.normpath(v)
+        v = os.path.normpath(v)
+        problem = not_a_directory(v)
+        if problem:
+            raise ValueError(problem)
+        return v
 
 
 TIER_KEYS = tuple(TierConfig.model_fields)

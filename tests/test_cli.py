@@ -88,6 +88,20 @@ def test_check_config_single_connector_and_vllm_level_keys(capsys, tmp_path):
     assert "hybrid_chunk_size='256'" in out and "integer" in out
 
 
+@pytest.mark.parametrize("path,what", [("/proc/version", "is a regular file"),
+                                       ("/dev/null", "is a character device"),
+                                       ("<tmp>/afile/kv", "afile is a regular file")])
+def test_check_config_refuses_a_path_that_exists_and_is_not_a_directory(capsys, tmp_path, path, what):
+    (tmp_path / "afile").write_text("x")
+    path = path.replace("<tmp>", str(tmp_path))
+    cfg = {"kv_connector": "OffloadConnector", "kv_connector_module_path": "offload.connector",
+           "kv_role": "kv_both", "kv_connector_extra_config": {"store": "fs", "path": path}}
+    rc, out = run_cli(capsys, "check-config", write(tmp_path, "file.json", cfg))
+    assert rc == 1, out
+    [line] = [ln for ln in out.splitlines() if "kv_connector_extra_config.path" in ln]
+    assert f"path={path!r}" in line and what in line and "choose a directory" in line, out
+
+
 def test_check_config_names_vllms_multiconnector_mistake_and_unreadable_files(capsys, tmp_path):
     child = json.loads((REPO / "configs" / "fs.json").read_text())
     cfg = {**child, "kv_connector": "MultiConnector", "kv_connector_module_path": "offload.multi_connector",

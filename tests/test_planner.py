@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 
 import pytest
 
@@ -145,7 +146,7 @@ def test_mamba_state_block_is_last_block_of_hit():
 @pytest.mark.parametrize("name", list(ALL_SHAPES))
 def test_lookup_equals_brute_force_on_random_stores(name):
     p = HybridOffloadPlanner(ALL_SHAPES[name])
-    rng = random.Random(hash(name) & 0xFFFF)
+    rng = random.Random(zlib.crc32(name.encode()))  # hash(str) varies with PYTHONHASHSEED
     for _ in range(300):
         chunks = rng.randint(0, 40)
         num_tokens = chunks * p.chunk_size + rng.randint(0, p.chunk_size)

@@ -43,6 +43,8 @@ CASES = [
     ("path-nul", fs(path="/tmp/a\x00b"), "path", "NUL"),
     ("path-under-a-file", fs(path="<tmp>/afile/cache"), "path", "choose a directory"),
     ("path-unwritable-fs", fs(path="/proc/kvoffload"), "path", "choose a directory"),
+    ("path-is-a-file", fs(path="/proc/version"), "path", "choose a directory"),
+    ("path-is-a-tmp-file", fs(path="<tmp>/afile"), "path", "not a directory"),
     ("path-world-writable", fs(path="<tmp>/open"), "path", "chmod o-w"),
     ("unknown-key", fs(bucket="x"), "bucket", "valid keys are"),
     ("typo-key", fs(hybird_chunk_size=256), "hybird_chunk_size", "valid keys are"),
@@ -181,6 +183,25 @@ def test_at_least_30_bad_configs_fail_at_start_up_naming_key_and_fix(vllm_setup,
     record("7 malformed or dangerous configurations, through the connector's start-up (scheduler role, "
            "real VllmConfig)", "table of bad kv_connector_extra_config values", len(CASES), "-", 0, "-",
            refused_with_key_and_fix=f"{len(CASES)}/{len(CASES)}")
+
+
+@pytest.mark.parametrize("target", ["/proc/version", "<tmp>/afile", "<tmp>/afile/cache"])
+def test_start_up_refuses_a_path_that_is_not_a_directory(vllm_setup, tmp_path, monkeypatch, target):
+    """The start-up check on its own (the config validated elsewhere, or the file created since): a path that
+    exists and is not a directory is refused with the key, the value and the fix (issue 11 item 6)."""
+    import offload.config
+
+    (tmp_path / "afile").write_text("not a directory")
+    path = _subst(target, tmp_path)
+    monkeypatch.setattr(offload.config, "not_a_directory", lambda p: None)  # what parse_config saw
+    cfg = offload.config.parse_config({"store": "fs", "path": path})
+    monkeypatch.undo()
+    monkeypatch.setattr("offload.connector.parse_config", lambda extra: cfg)
+    with pytest.raises(ConfigError) as ei:
+        _start(vllm_setup, {**OURS, "kv_connector_extra_config": {"store": "fs", "path": path}})
+    msg = str(ei.value)
+    assert f"kv_connector_extra_config.path={path!r}" in msg and "is a regular file" in msg, msg
+    assert "choose a directory" in msg, msg
 
 
 def test_models_dtypes_tp_layouts_and_chunk_sizes_never_share_files(vllm_setup, tmp_path):

@@ -104,14 +104,12 @@ def _flags_losing_hits(vllm_config: VllmConfig, planned: dict[str, Any]) -> list
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
-    """This worker's tensor-parallel rank, where vLLM's own connectors take
-    it: from the initialized TP group when there is one (a worker process),
-    else 0 (the scheduler, or both roles built in one test process)."""
-    from vllm.distributed import parallel_state
-
-    if parallel_state._TP is not None:
-        return parallel_state.get_tensor_model_parallel_rank()
-    return 0
+    """This worker's tensor-parallel rank, as vLLM's own OffloadingConnector
+    takes it: the worker sets parallel_config.rank before any connector exists
+    (PP is refused), so no distributed group is needed and both roles can be
+    built in one process (tests/test_connector_units.py)."""
+    pc = vllm_config.parallel_config
+    return pc.rank % pc.tensor_parallel_size
 
 
 class OffloadConnector(KVConnectorBase_V1, SupportsHMA):

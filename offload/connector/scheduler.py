@@ -158,6 +158,11 @@ class SchedulerSide:
                 slowest = max(slowest, t)
         return slowest
 
+    @property
+    def pinned_entries(self) -> int:
+        """Entries held by loads in flight, over all tiers."""
+        return sum(len(v) for v in self._pins.values())
+
     def hit_tier(self, req_id: str) -> int:
         st = self.reqs.get(req_id)
         return st.hit_tier if st is not None else 0

@@ -366,9 +366,9 @@ def check_directory(path: str, mode: int) -> None:
     """The cache directory exists (created with `mode` if missing), is a
     directory, and this user can write it; OptionError naming `path` otherwise."""
     p = Path(path)
-    if p.exists() and not p.is_dir():
-        raise OptionError(f"path={path!r}: exists and is not a directory; choose a directory "
-                          "(it is created if missing)")
+    problem = hygiene.not_a_directory(path)  # checked again here: the config may have been validated elsewhere
+    if problem:
+        raise OptionError(f"path={path!r}: {problem}")
     try:
         p.mkdir(parents=True, exist_ok=True, mode=mode)
     except OSError as e:

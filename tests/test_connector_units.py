@@ -1,0 +1,483 @@
+"""OffloadConnector under vLLM's real Scheduler, both roles in one process (issue 11 item 6).
+
+vLLM's Scheduler builds the scheduler-role connector itself and calls it as
+in an engine (lookup, `update_state_after_alloc`, `build_connector_meta`,
+`update_connector_output`, `request_finished_all_groups`); a worker-role
+OffloadConnector registered against real CPU KV cache tensors (vLLM-CPU's
+attention layout) is driven as vLLM's model runner drives it
+(tests/vllm_unit_utils.py). No model weights, no engine process: a step is a
+few milliseconds, so the cases can pin down exact bytes, token counts and
+counters.
+
+Most cases use an attention-only KV cache (tools/tiny_models.py's llama-tiny,
+16-token blocks, so 256-token chunks); the first also runs on a hybrid one
+(the tiny Qwen3-Next: a Mamba group in vLLM's "align" mode beside an
+attention group, 128-token blocks and chunks), where a hit must restore the
+attention pages and the Mamba state at the hit boundary.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from vllm.v1.request import RequestStatus
+
+from vllm_unit_utils import (
+    Engine,
+    WorkerStep,
+    assert_scheduler_empty,
+    attention_kv_cache_config,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+    hybrid_kv_cache_config,
+    set_connector,
+)
+
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]  # llama-tiny
+BS = 16
+CHUNK = 256  # attention-only default: the smallest multiple of the block size >= 256
+PROMPT = 600  # two whole chunks (512 tokens) can hit; a hit stops before the last prompt token
+HIT = 2 * CHUNK
+CHUNK_BYTES = 2 * (CHUNK // BS) * 2 * BS * 2 * 32 * 2  # layers x blocks x (K+V, 16 tokens, 2 heads, 32 dims, bf16)
+WAITING_FOR_KV = RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+@pytest.fixture(scope="module")
+def vllm_config(models_dir):
+    return create_vllm_config(str(models_dir / "llama-tiny"), block_size=BS, max_num_batched_tokens=256)
+
+
+@pytest.fixture
+def make(vllm_config, tmp_path):
+    workers: list[WorkerStep] = []
+
+    def _make(store: str = "cpu", num_blocks: int = 128) -> Engine:
+        extra = ({"store": "cpu", "cpu_bytes": 4 << 20} if store == "cpu"  # 32 chunks: no eviction here
+                 else {"store": "fs", "path": str(tmp_path / "cache")})
+        set_connector(vllm_config, extra)
+        kcc = attention_kv_cache_config(LAYERS, block_size=BS, num_kv_heads=2, head_size=32, num_blocks=num_blocks)
+        scheduler = create_scheduler(vllm_config, kcc)
+        workers.append(WorkerStep(vllm_config, kcc, scheduler))
+        return Engine(scheduler, workers[-1])
+
+    yield _make
+    for w in workers:
+        w.connector.shutdown()
+
+
+def prompt(seed: int, n: int = PROMPT) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, 1000) for _ in range(n)]
+
+
+def pinned(eng: Engine) -> int:
+    """Entries pinned by loads, counted twice: by the scheduler half and
+    inside the host-memory tier itself (offload/store/cpu.py), which must agree."""
+    sched = eng.scheduler.connector._sched
+    in_pools = sum(e.pins for ix in sched.indices if hasattr(ix, "pools")
+                   for pool in ix.pools for e in pool.entries.values())
+    if any(hasattr(ix, "pools") for ix in sched.indices):
+        assert in_pools == sched.pinned_entries, (in_pools, sched.pinned_entries)
+    return sched.pinned_entries
+
+
+def wait_for_files(path: Path, n: int, timeout: float = 30.0) -> None:
+    """The file tier writes on its I/O threads: wait until `n` chunk files are visible."""
+    deadline = time.monotonic() + timeout
+    while len(list(path.glob("kvoffload-v1/*/g*/*/*.kv"))) < n:
+        assert time.monotonic() < deadline, f"fewer than {n} chunk files under {path} after {timeout}s"
+        time.sleep(0.01)
+
+
+def wait_for_stored_tokens(eng: Engine, n: int, timeout: float = 30.0) -> None:
+    """The file tier counts a store when its I/O thread has written it; the
+    count reaches the scheduler with a later step's worker stats."""
+    deadline = time.monotonic() + timeout
+    while eng.totals().get("stored_tokens", 0) < n:
+        assert time.monotonic() < deadline, f"stored tokens {eng.totals()} < {n} after {timeout}s"
+        time.sleep(0.01)
+        eng.step()
+
+
+def assert_same_bytes(actual: list[bytes], expected: list[bytes], what: str) -> None:
+    """Per layer; on a difference, say where instead of printing megabytes."""
+    assert len(actual) == len(expected)
+    for layer, (a, e) in enumerate(zip(actual, expected)):
+        if a != e:
+            diff = sum(x != y for x, y in zip(a, e))
+            first = next(i for i, (x, y) in enumerate(zip(a, e)) if x != y)
+            raise AssertionError(f"{what}: layer {layer} differs in {diff} of {len(e)} bytes (first at byte "
+                                 f"{first}: {a[first]:#04x}, stored {e[first]:#04x}; 0x5a is the scrambled value)")
+
+
+def table(eng: Engine, req_id: str) -> list[int]:
+    return eng.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+
+
+def table_all(eng: Engine, req_id: str) -> tuple[list[int], ...]:
+    return eng.scheduler.kv_cache_manager.get_block_ids(req_id)
+
+
+def store_prompt(eng: Engine, req_id: str, tokens: list[int], tmp_path: Path) -> list[bytes]:
+    """Run a request to completion; return the bytes of its first HIT tokens'
+    blocks. vLLM's own prefix cache is then reset (so a repeat can only hit
+    our tier) and the KV cache scrambled (so only a load can restore it)."""
+    req = create_request(req_id, tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(req)
+    snapshot = None
+    while req_id in eng.scheduler.requests:
+        eng.step()
+        if snapshot is None and req.num_computed_tokens >= HIT:
+            snapshot = eng.worker.blocks_bytes(table(eng, req_id)[:HIT // BS])
+    assert snapshot is not None
+    if eng.scheduler.connector.cfg.tiers[0].store == "fs":
+        wait_for_files(tmp_path / "cache", HIT // CHUNK)
+    assert eng.scheduler.reset_prefix_cache()
+    eng.worker.scramble()
+    return snapshot
+
+
+def tier_params(eng: Engine, req_id: str) -> dict:
+    """The connector's per-request result in the request's final output (kv_transfer_params)."""
+    params = eng.finished[req_id]
+    assert params is not None, f"{req_id}: no kv_transfer_params in its final output"
+    [(key, value)] = params.items()
+    assert key == f"kvoffload:{eng.scheduler.connector.cfg.tier_name}"
+    return value
+
+
+# ---- a store, then a lookup hit and a load that restores the exact bytes ----------------------
+
+
+@pytest.mark.parametrize("store", ["cpu", "fs"])
+def test_store_then_hit_restores_the_exact_bytes(make, tmp_path, store):
+    eng = make(store)
+    tokens = prompt(1)
+    stored = store_prompt(eng, "a", tokens, tmp_path)
+
+    b = create_request("b", tokens, max_tokens=3, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()  # lookup, allocation, load planned and started
+    assert eng.status("b") == WAITING_FOR_KV
+    dest = table(eng, "b")[:HIT // BS]
+    eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV and b.num_computed_tokens > HIT)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored blocks")
+    eng.run_to_completion()
+    wait_for_stored_tokens(eng, HIT)
+
+    assert eng.scheduled["b"] == PROMPT - HIT + 2  # the tail and two decode steps; the hit was not recomputed
+    assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
+    t = eng.totals()
+    assert t.get("stored_tokens") == HIT  # the two whole chunks, not the 88-token tail
+    assert t.get("lookups") == 2 and t.get("lookup_hit_tokens") == HIT
+    assert t.get("restored_tokens") == HIT and t.get("restored_bytes") == HIT // CHUNK * CHUNK_BYTES
+    assert "failed_loads" not in t
+    if store == "cpu":
+        assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+
+
+# ---- the same on a hybrid KV cache: attention pages and the Mamba state at the boundary ------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_config(models_dir):
+    return create_vllm_config(str(models_dir / "qwen3-next-tiny"), block_size=128, max_num_batched_tokens=128,
+                              prefix_cache_retention_interval=128)  # what `kvoffload plan` prints for it
+
+
+def test_hybrid_store_then_hit_restores_attention_pages_and_mamba_state(hybrid_config, tmp_path):
+    h_bs = 128  # block size and chunk of both groups
+    set_connector(hybrid_config, {"store": "cpu", "cpu_bytes": 1 << 24})
+    kcc = hybrid_kv_cache_config(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
+                                 ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
+                                 block_size=h_bs, mamba_shapes=((3, 192), (1, 64, 64)),
+                                 mamba_dtypes=(torch.bfloat16, torch.float32), num_kv_heads=4, head_size=64,
+                                 num_blocks=64, mamba_cache_mode=hybrid_config.cache_config.mamba_cache_mode)
+    scheduler = create_scheduler(hybrid_config, kcc)
+    eng = Engine(scheduler, WorkerStep(hybrid_config, kcc, scheduler))
+    try:
+        tokens = prompt(6)
+        n_hit = (PROMPT - 1) // h_bs * h_bs  # 512: four chunks
+        a = create_request("a", tokens, max_tokens=2, block_size=h_bs)
+        scheduler.add_request(a)
+        attn = state = None
+        while "a" in scheduler.requests:
+            eng.step()
+            if a.num_computed_tokens == n_hit:  # steps end on chunk boundaries: the state at 512 is fresh
+                mamba_table, attn_table = table_all(eng, "a")
+                state = eng.worker.blocks_bytes([mamba_table[n_hit // h_bs - 1]], group=0)
+                attn = eng.worker.blocks_bytes(attn_table[:n_hit // h_bs], group=1)
+        assert attn is not None and state is not None
+        assert eng.totals().get("stored_tokens") == 2 * n_hit  # each chunk: its attention pages and its state
+        assert scheduler.reset_prefix_cache()
+        eng.worker.scramble()
+
+        b = create_request("b", tokens, max_tokens=2, block_size=h_bs)
+        scheduler.add_request(b)
+        eng.step()
+        assert eng.status("b") == WAITING_FOR_KV
+        mamba_table, attn_table = table_all(eng, "b")
+        eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV)
+        boundary = n_hit // h_bs
+        assert_same_bytes(eng.worker.blocks_bytes(attn_table[:boundary], group=1), attn, "restored attention pages")
+        assert_same_bytes(eng.worker.blocks_bytes([mamba_table[boundary - 1]], group=0), state, "restored Mamba state")
+        assert all(blk == 0 for blk in mamba_table[:n_hit // h_bs - 1])  # no state but the boundary's is loaded
+        eng.run_to_completion()
+        assert eng.scheduled["b"] == PROMPT - n_hit + 1
+        assert tier_params(eng, "b") == {"restored_tokens": n_hit, "load_failed": False}
+        assert pinned(eng) == 0
+        assert_scheduler_empty(scheduler)
+    finally:
+        eng.worker.connector.shutdown()
+
+
+# ---- allocation mismatch -------------------------------------------------------------------------
+
+
+def test_allocation_mismatch_fails_the_load_and_the_request_recomputes(make, tmp_path, monkeypatch):
+    """The Scheduler allocates one block less than the connector offered: the
+    connector must not guess which bytes go where. The load is reported
+    failed, vLLM's recompute policy resets the request, its retry is not
+    offered the same hit, and nothing stays pinned. (vLLM 0.32's Scheduler
+    itself only trims a hit to a block boundary, which chunk-aligned hits
+    already are, or drops it to 0; a wrapper between it and the connector,
+    such as a MultiConnector, can pass another count. The wrapper here is
+    that wrapper.)"""
+    eng = make("cpu")
+    tokens = prompt(2)
+    store_prompt(eng, "a", tokens, tmp_path)
+    conn = eng.scheduler.connector
+    real = conn.get_num_new_matched_tokens
+    offered: list[int] = []
+
+    def trimmed(request, num_computed_tokens):
+        n, is_async = real(request, num_computed_tokens)
+        if request.request_id == "b":
+            offered.append(n)
+            return (n - BS if n else n), is_async
+        return n, is_async
+
+    monkeypatch.setattr(conn, "get_num_new_matched_tokens", trimmed)
+    b = create_request("b", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()
+    assert eng.status("b") == WAITING_FOR_KV
+    assert pinned(eng) == 0  # refused before pinning anything
+    eng.run_to_completion()
+
+    assert offered == [HIT, 0], offered  # the retry after the failure is a miss
+    assert eng.scheduled["b"] == PROMPT + 1  # recomputed from token 0
+    assert tier_params(eng, "b") == {"restored_tokens": 0, "load_failed": True}
+    t = eng.totals()
+    assert t.get("failed_loads") == 1 and "restored_tokens" not in t and "restored_bytes" not in t
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+
+
+# ---- preemption ------------------------------------------------------------------------------------
+
+
+def test_preemption_with_a_store_pending(make, tmp_path):
+    """A request is preempted in the step after its first chunk was staged
+    for the file tier (the write still on the I/O threads), its blocks are
+    reused (scrambled), and it resumes: the pending store still writes the
+    bytes the request had computed, the resumed request restores them from
+    the tier, and its second chunk is stored once."""
+    eng = make("fs")
+    tokens = prompt(3)
+    a = create_request("a", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(a)
+    eng.step()
+    assert a.num_computed_tokens == CHUNK and a.status == RequestStatus.RUNNING
+    chunk0 = eng.worker.blocks_bytes(table(eng, "a")[:CHUNK // BS])
+    # vLLM's own way to preempt every running request (and drop its prefix cache).
+    assert eng.scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert a.status == RequestStatus.PREEMPTED and a.num_computed_tokens == 0
+    eng.worker.scramble()
+    wait_for_files(tmp_path / "cache", 1)
+
+    eng.step()  # the resumed request looks up again: chunk 0 is in the tier
+    assert eng.status("a") == WAITING_FOR_KV
+    dest = table(eng, "a")[:CHUNK // BS]
+    eng.run_until(lambda: eng.status("a") != WAITING_FOR_KV)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), chunk0, "restored blocks")
+    eng.run_to_completion()
+    wait_for_stored_tokens(eng, HIT)
+
+    assert tier_params(eng, "a") == {"restored_tokens": CHUNK, "load_failed": False}
+    t = eng.totals()
+    assert t.get("stored_tokens") == HIT and "stores_deduplicated" not in t  # each chunk stored once
+    assert t.get("restored_tokens") == CHUNK and "failed_loads" not in t
+    assert_scheduler_empty(eng.scheduler)
+
+
+def test_preemption_after_a_load_loads_again(make, tmp_path):
+    """A request whose hit was loaded is preempted while running, and looks
+    up and loads again on resume: both loads restore the exact bytes, both
+    count (docs/metrics.md), and their pins are all released."""
+    eng = make("cpu")
+    tokens = prompt(4)
+    stored = store_prompt(eng, "a", tokens, tmp_path)
+    b = create_request("b", tokens, max_tokens=3, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.run_until(lambda: eng.status("b") == RequestStatus.RUNNING)
+    assert_same_bytes(eng.worker.blocks_bytes(table(eng, "b")[:HIT // BS]), stored, "restored blocks")
+    assert eng.scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert b.status == RequestStatus.PREEMPTED
+    eng.worker.scramble()
+    assert pinned(eng) == 0
+
+    eng.step()
+    assert eng.status("b") == WAITING_FOR_KV
+    dest = table(eng, "b")[:HIT // BS]
+    eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored blocks")
+    eng.run_to_completion()
+
+    assert tier_params(eng, "b") == {"restored_tokens": 2 * HIT, "load_failed": False}
+    t = eng.totals()
+    assert t.get("restored_tokens") == 2 * HIT and t.get("restored_bytes") == 2 * HIT // CHUNK * CHUNK_BYTES
+    assert t.get("lookups") == 2  # one per request, not per admission
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+
+
+# ---- abort while a load is in flight ----------------------------------------------------------------
+
+
+@pytest.fixture
+def held_loads(monkeypatch):
+    """Hold every load at its scatter into the KV cache until released."""
+    from offload.copier import GroupPages
+
+    release, entered = threading.Event(), threading.Event()
+    real = GroupPages.scatter
+
+    def scatter(self, *args, **kwargs):
+        entered.set()
+        assert release.wait(30), "load held for 30 s"
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(GroupPages, "scatter", scatter)
+    yield release, entered
+    release.set()
+
+
+def test_abort_while_a_load_is_in_flight(make, tmp_path, held_loads):
+    """vLLM keeps an aborted request's blocks until its load reports
+    finished; the connector releases its pins then, counts the moved bytes
+    but no restored tokens, and the tier entries stay usable."""
+    release, entered = held_loads
+    eng = make("cpu")
+    tokens = prompt(5)
+    stored = store_prompt(eng, "a", tokens, tmp_path)
+    b = create_request("b", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()
+    assert entered.wait(10) and eng.status("b") == WAITING_FOR_KV
+    assert pinned(eng) == HIT // CHUNK
+
+    eng.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    assert "b" in eng.scheduler.requests  # blocks held: the load still writes into them
+    eng.step()
+    assert "b" in eng.scheduler.requests and pinned(eng) == HIT // CHUNK
+    release.set()
+    eng.run_until(lambda: "b" not in eng.scheduler.requests)
+
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+    t = eng.totals()
+    assert "restored_tokens" not in t and "failed_loads" not in t
+    assert t.get("restored_bytes") == HIT // CHUNK * CHUNK_BYTES  # every completed load, aborted or not
+
+    # The entries are neither leaked nor lost: the next request restores them.
+    eng.worker.scramble()
+    c = create_request("c", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(c)
+    eng.step()
+    dest = table(eng, "c")[:HIT // BS]
+    eng.run_until(lambda: eng.status("c") != WAITING_FOR_KV)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored blocks")
+    eng.run_to_completion()
+    assert tier_params(eng, "c") == {"restored_tokens": HIT, "load_failed": False}
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+
+
+# ---- vLLM's own prefix cache covers part of the hit ---------------------------------------------------
+
+
+def test_local_prefix_hit_then_tier_hit_loads_only_the_rest(make, tmp_path):
+    """vLLM evicts a finished request's blocks tail first, so a repeat finds
+    the first chunk in its own prefix cache and asks the connector from
+    there: the connector offers, pins and loads only the second chunk."""
+    eng = make("cpu", num_blocks=128)
+    tokens = prompt(7)
+    stored = store_prompt(eng, "a", tokens, tmp_path)  # resets vLLM's prefix cache: run "a" again to refill it
+    a2 = create_request("a2", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(a2)
+    eng.run_to_completion()
+    # A request that needs every never-used block plus all of "a2"'s but its first chunk's 16.
+    c = create_request("c", prompt(8, (127 - 16) * BS - 1), max_tokens=1, block_size=BS)
+    eng.scheduler.add_request(c)
+    eng.run_to_completion()
+    eng.worker.scramble()  # so that chunk 1's blocks hold the stored bytes only if the connector loads them
+    lookups: list[tuple[int, int]] = []
+    conn = eng.scheduler.connector
+    real = conn.get_num_new_matched_tokens
+
+    def spy(request, num_computed_tokens):
+        n, is_async = real(request, num_computed_tokens)
+        if request.request_id == "b":
+            lookups.append((num_computed_tokens, n))
+        return n, is_async
+
+    conn.get_num_new_matched_tokens = spy
+    b = create_request("b", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()
+    assert lookups == [(CHUNK, HIT - CHUNK)], lookups  # vLLM's hit: chunk 0; ours: chunk 1 only
+    assert eng.status("b") == WAITING_FOR_KV
+    dest = table(eng, "b")[CHUNK // BS:HIT // BS]
+    eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), [s[len(s) // 2:] for s in stored], "restored chunk 1")
+    eng.run_to_completion()
+    assert eng.scheduled["b"] == PROMPT - HIT + 1
+    assert tier_params(eng, "b") == {"restored_tokens": HIT - CHUNK, "load_failed": False}
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+
+
+def test_reset_prefix_cache_while_a_load_is_in_flight(make, tmp_path, held_loads):
+    """What vLLM does when its prefix cache is reset during one of our loads
+    (RLHF weight updates call it): a plain reset is refused (False) and the
+    load completes normally; with reset_running_requests=True vLLM 0.32
+    raises RuntimeError ("... waiting for remote KV transfer, which is not
+    supported yet"), in the engine core. This pins vLLM's behaviour: it is
+    a hazard for any connector that loads asynchronously, ours included."""
+    release, entered = held_loads
+    eng = make("cpu")
+    tokens = prompt(9)
+    stored = store_prompt(eng, "a", tokens, tmp_path)
+    b = create_request("b", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()
+    assert entered.wait(10) and eng.status("b") == WAITING_FOR_KV
+    assert eng.scheduler.reset_prefix_cache() is False
+    with pytest.raises(RuntimeError, match="waiting for remote KV transfer"):
+        eng.scheduler.reset_prefix_cache(reset_running_requests=True)
+    release.set()
+    dest = table(eng, "b")[:HIT // BS]
+    eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored blocks")
+    eng.run_to_completion()
+    assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)

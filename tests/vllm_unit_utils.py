@@ -1,0 +1,284 @@
+"""A real vLLM Scheduler and both connector roles in one process, for unit tests.
+
+The pattern is vLLM's own connector unit tests (vllm-project/vllm,
+tests/v1/kv_connector/unit/utils.py: `create_vllm_config`, `create_scheduler`,
+`create_request`, `create_model_runner_output`, `assert_scheduler_empty`),
+which the vllm wheel does not install; these helpers are written for vLLM
+0.32's APIs (Apache-2.0 upstream; the ideas, not the code, are theirs).
+
+`WorkerStep` stands in for the model runner: it drives a worker-role
+connector exactly as vLLM's `KVConnectorModelRunnerMixin` does (bind the
+metadata, `start_load_kv`, the forward, `wait_for_save`,
+`get_transfer_results`, `get_kv_connector_stats`, clear the metadata), and
+its "forward" writes deterministic bytes into the KV cache slots of the
+tokens each request computes in the step, so a restored block can be
+compared byte for byte with the block that was stored.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+from offload.metrics import OffloadStats
+
+EOS_TOKEN_ID = 0  # tools/tiny_models.py's tokenizer; the fake forward never samples it
+
+
+def create_vllm_config(model: str, *, block_size: int = 16, max_num_batched_tokens: int = 256,
+                       max_num_seqs: int = 16, max_model_len: int = 4096,
+                       kv_connector_extra_config: dict[str, Any] | None = None,
+                       kv_load_failure_policy: str = "recompute", **cache_kwargs: Any) -> VllmConfig:
+    """A VllmConfig for a local model directory (config only, no weights), with our connector.
+    `cache_kwargs` go to CacheConfig (e.g. a hybrid's prefix_cache_retention_interval)."""
+    model_config = ModelConfig(model=model, dtype="bfloat16", seed=42, max_model_len=max_model_len)
+    scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                       max_model_len=max_model_len, enable_chunked_prefill=True,
+                                       is_encoder_decoder=model_config.is_encoder_decoder)
+    cache_config = CacheConfig(block_size=block_size, gpu_memory_utilization=0.9, cache_dtype="auto",
+                               enable_prefix_caching=True, **cache_kwargs)
+    vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
+                             cache_config=cache_config, device_config=DeviceConfig("cpu"))
+    set_connector(vllm_config, kv_connector_extra_config or {}, kv_load_failure_policy)
+    return vllm_config
+
+
+def set_connector(vllm_config: VllmConfig, extra: dict[str, Any], kv_load_failure_policy: str = "recompute") -> None:
+    vllm_config.kv_transfer_config = KVTransferConfig(
+        kv_connector="OffloadConnector", kv_connector_module_path="offload.connector", kv_role="kv_both",
+        kv_connector_extra_config=extra, kv_load_failure_policy=kv_load_failure_policy)
+
+
+def attention_kv_cache_config(layer_names: list[str], *, block_size: int, num_kv_heads: int, head_size: int,
+                              num_blocks: int, dtype: torch.dtype = torch.bfloat16) -> KVCacheConfig:
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(layer_names, spec)])
+
+
+def hybrid_kv_cache_config(mamba_layers: list[str], attention_layers: list[str], *, block_size: int,
+                           mamba_shapes: tuple, mamba_dtypes: tuple, num_kv_heads: int, head_size: int,
+                           num_blocks: int, mamba_cache_mode: str,
+                           dtype: torch.dtype = torch.bfloat16) -> KVCacheConfig:
+    """A Mamba group and an attention group with one page size (the Mamba page
+    padded to the attention page), as vLLM's hybrid allocator builds them."""
+    attn = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
+    mamba = MambaSpec(block_size=block_size, shapes=mamba_shapes, dtypes=mamba_dtypes,
+                      mamba_cache_mode=mamba_cache_mode, page_size_padded=attn.page_size_bytes)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(mamba_layers, mamba),
+                                          KVCacheGroupSpec(attention_layers, attn)])
+
+
+def create_scheduler(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scheduler:
+    """vLLM's Scheduler, which builds the scheduler-role connector itself (KVConnectorFactory)."""
+    vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                     structured_output_manager=StructuredOutputManager(vllm_config),
+                     block_size=vllm_config.cache_config.block_size, log_stats=True)
+
+
+_none_hash_ready = False
+
+
+def create_request(request_id: str, prompt_token_ids: list[int], *, max_tokens: int = 4,
+                   block_size: int = 16) -> Request:
+    global _none_hash_ready
+    if not _none_hash_ready:
+        init_none_hash(sha256)
+        _none_hash_ready = True
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params.update_from_generation_config({}, EOS_TOKEN_ID)
+    return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids), sampling_params=params,
+                   pooling_params=None, block_hasher=get_request_block_hasher(block_size, sha256))
+
+
+def create_model_runner_output(req_ids: list[str], sampled: dict[str, list[int]],
+                               kv_connector_output: KVConnectorOutput | None) -> ModelRunnerOutput:
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                             sampled_token_ids=[sampled.get(r, []) for r in req_ids], logprobs=None,
+                             prompt_logprobs_dict={}, pooler_output=None, kv_connector_output=kv_connector_output)
+
+
+def assert_scheduler_empty(scheduler: Scheduler) -> None:
+    """No request, queue entry, or held block left (vLLM's check of the same name)."""
+    assert not scheduler.requests, list(scheduler.requests)
+    assert not scheduler.running and not len(scheduler.waiting)
+    assert not scheduler.finished_recving_kv_req_ids and not scheduler.failed_recving_kv_req_ids
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1  # all but the null block
+    assert all(b.ref_cnt == 0 for b in pool.blocks[1:])
+
+
+def cpu_kv_caches(kv_cache_config: KVCacheConfig) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Per-layer KV cache as vLLM-CPU registers it, and each layer's raw per-block bytes.
+
+    Attention: [num_blocks, heads, block_size, 2 * head_size]. Mamba: a list
+    of state views (e.g. conv, ssm) packed into one padded page per block,
+    as vLLM lays them out for the hybrid allocator (page_size_padded)."""
+    caches: dict[str, Any] = {}
+    raw: dict[str, torch.Tensor] = {}
+    n = kv_cache_config.num_blocks
+    for g in kv_cache_config.kv_cache_groups:
+        s = g.kv_cache_spec
+        for name in g.layer_names:
+            if isinstance(s, MambaSpec):
+                base = torch.zeros(n, s.page_size_bytes, dtype=torch.uint8)
+                views, off = [], 0
+                for shape, dtype in zip(s.shapes, s.dtypes):
+                    nbytes = math.prod(shape) * dtype.itemsize
+                    views.append(base[:, off:off + nbytes].view(dtype).view(n, *shape))
+                    off += nbytes
+                caches[name], raw[name] = views, base[:, :off]
+            else:
+                t = torch.zeros(n, s.num_kv_heads, s.block_size, 2 * s.head_size, dtype=s.dtype)
+                caches[name], raw[name] = t, t.view(n, -1).view(torch.uint8)
+    return caches, raw
+
+
+class WorkerStep:
+    """The model runner's side of a step, in this process."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, scheduler: Scheduler) -> None:
+        from offload.connector import OffloadConnector
+
+        self.scheduler = scheduler
+        self.groups = kv_cache_config.kv_cache_groups
+        self.connector = OffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+        self.kv_caches, self.raw = cpu_kv_caches(kv_cache_config)
+        self.connector.register_kv_caches(self.kv_caches)
+
+    # -- the fake forward: bytes that depend only on the token prefix they stand for --
+
+    @staticmethod
+    def token_value(prefix_crc: int, layer: int) -> int:
+        return ((prefix_crc ^ (layer * 0x9E3779B1)) & 0x7FFF) | 1  # never 0: a zeroed slot is "unwritten"
+
+    def forward(self, so: SchedulerOutput) -> None:
+        """Attention: each computed token's slot. Mamba: the state after the
+        step's last token, in the block holding that token (vLLM's "align"
+        mode keeps a state per block boundary)."""
+        for req_id, n in so.num_scheduled_tokens.items():
+            req = self.scheduler.requests[req_id]
+            after = req.num_computed_tokens  # advanced by schedule() already
+            tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)
+            tokens = req.all_token_ids
+            crcs, crc = [], zlib.crc32(bytes(str(tokens[:after - n]), "ascii"))
+            for pos in range(after - n, after):
+                crc = zlib.crc32(tokens[pos].to_bytes(4, "little"), crc)
+                crcs.append(crc)
+            layer = 0
+            for g, group in enumerate(self.groups):
+                bs = group.kv_cache_spec.block_size
+                for name in group.layer_names:
+                    layer += 1
+                    if isinstance(group.kv_cache_spec, MambaSpec):
+                        self.raw[name][tables[g][(after - 1) // bs]].view(torch.int16).fill_(
+                            self.token_value(crcs[-1], layer))
+                        continue
+                    t = self.kv_caches[name]
+                    for i, pos in enumerate(range(after - n, after)):
+                        t[tables[g][pos // bs], :, pos % bs, :].view(torch.int16).fill_(
+                            self.token_value(crcs[i], layer))
+
+    def blocks_bytes(self, block_ids: Iterable[int], group: int = 0) -> list[bytes]:
+        """The bytes of these blocks in every layer of a group, for byte-for-byte comparison."""
+        ids = list(block_ids)
+        return [self.raw[name][ids].contiguous().numpy().tobytes() for name in self.groups[group].layer_names]
+
+    def scramble(self) -> None:
+        for t in self.raw.values():
+            t.fill_(0x5A)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        c = self.connector
+        c.bind_connector_metadata(so.kv_connector_metadata)
+        c.start_load_kv(None)
+        self.forward(so)
+        c.wait_for_save()
+        results = c.get_transfer_results(so.finished_req_ids)
+        stats = c.get_kv_connector_stats()
+        c.clear_connector_metadata()
+        out = KVConnectorOutput(finished_sending=results.finished_sending or None,
+                                finished_recving=results.finished_recving or None,
+                                failed_recving=results.failed_recving or set(),
+                                kv_connector_stats=stats)
+        sampled = {}
+        for req_id in so.num_scheduled_tokens:
+            req = self.scheduler.requests[req_id]
+            if req.num_computed_tokens >= req.num_prompt_tokens:
+                sampled[req_id] = [7 + len(req.output_token_ids)]
+        return create_model_runner_output(list(so.num_scheduled_tokens), sampled, out)
+
+
+class Engine:
+    """schedule → execute → update_from_output, as EngineCore.step does; collects
+    finished requests' kv_transfer_params and the scheduler-side connector stats."""
+
+    def __init__(self, scheduler: Scheduler, worker: WorkerStep) -> None:
+        self.scheduler = scheduler
+        self.worker = worker
+        self.finished: dict[str, dict[str, Any] | None] = {}
+        self.scheduled: dict[str, int] = {}  # tokens computed per request, over all steps
+        self.sched_stats = OffloadStats(data={})
+
+    def step(self, between=None) -> SchedulerOutput:
+        so = self.scheduler.schedule()
+        for req_id, n in so.num_scheduled_tokens.items():
+            self.scheduled[req_id] = self.scheduled.get(req_id, 0) + n
+        mro = self.worker.execute(so)
+        if between is not None:
+            between()
+        outs = self.scheduler.update_from_output(so, mro)
+        for eco in outs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = o.kv_transfer_params
+            st = eco.scheduler_stats
+            if st is not None and st.kv_connector_stats:
+                data = st.kv_connector_stats
+                self.sched_stats.aggregate(OffloadStats(data=data if isinstance(data, dict) else data.data))
+        return so
+
+    def run_until(self, done, timeout: float = 60.0) -> int:
+        """Step until `done()`. Loads finish on the connector's I/O threads, so
+        this waits in time, not in steps: a step that computes nothing (every
+        request waiting for its load) yields the CPU to those threads."""
+        deadline = time.monotonic() + timeout
+        steps = 0
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not done after {timeout}s ({steps} steps)")
+            if not self.step().total_num_scheduled_tokens:
+                time.sleep(0.002)
+            steps += 1
+        return steps
+
+    def run_to_completion(self, timeout: float = 60.0) -> int:
+        return self.run_until(lambda: not self.scheduler.has_requests(), timeout)
+
+    def status(self, req_id: str) -> RequestStatus | None:
+        r = self.scheduler.requests.get(req_id)
+        return None if r is None else r.status
+
+    def totals(self) -> dict[str, float]:
+        """Counter totals over every step, both roles (what the Prometheus counters would add up to)."""
+        both = OffloadStats(data={})
+        both.aggregate(self.sched_stats)
+        return both.reduce()
