@@ -148,7 +148,7 @@ def tier_params(eng: Engine, req_id: str) -> dict:
     params = eng.finished[req_id]
     assert params is not None, f"{req_id}: no kv_transfer_params in its final output"
     [(key, value)] = params.items()
-    assert key == f"kvoffload:{eng.scheduler.connector.cfg.tier_name}"
+    assert key == f"kvoffload:{eng.scheduler.connector.cfg.tiers[0].tier_name}"
     return value
 
 
