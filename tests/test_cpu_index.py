@@ -122,3 +122,24 @@ def test_cpu_data_round_trip_and_slot_identity_check():
     # A promotion puts bytes read from a tier below into a slot.
     data.put(header(4), HostChunk(expected.reshape(-1).view(torch.uint8)), Placement(0))
     assert torch.equal(data.get(header(4), Placement(0), pool).payload, expected.reshape(-1).view(torch.uint8))
+
+
+def test_in_a_stack_an_only_copy_is_never_evicted():
+    """`backed` (the tiers below hold the entry) gates eviction: an entry whose
+    write-through has not landed yet stays; once it has, LRU order resumes."""
+    planner, _ = hybrid(2)
+    below: set[tuple[int, bytes]] = set()
+    idx = CpuIndex(planner, CpuLayout.plan(planner, 2 * (35_072 + 2 * 262_144)),
+                   backed=lambda g, key: (g, key) in below)
+    assert idx.reserve(0, k(1), None) is not None and idx.reserve(0, k(2), None) is not None
+    assert idx.reserve(0, k(3), None) is None, "both entries are only copies: the store is skipped"
+    assert idx.usage().no_room == 1 and idx.contains(0, k(1)) and idx.contains(0, k(2))
+    below.add((0, k(2)))  # k(2)'s file landed; k(1) is older but still an only copy
+    assert idx.reserve(0, k(3), None) is not None
+    assert idx.contains(0, k(1)) and not idx.contains(0, k(2)) and idx.contains(0, k(3))
+    # Prefix-closed groups: a chain is evicted only when every entry in it is backed.
+    assert idx.reserve(1, k(10), None) is not None and idx.reserve(1, k(11), k(10)) is not None
+    below.add((1, k(10)))
+    assert idx.reserve(1, k(20), None) is None, "k(11) chains from k(10) and is an only copy"
+    below.add((1, k(11)))
+    assert idx.reserve(1, k(20), None) is not None and not idx.contains(1, k(10))
