@@ -270,7 +270,7 @@ def child(spec: dict) -> dict:
         if p:
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         rows = []
-        for ids in spec["prompts"]:
+        for ids in (spec.get("later_prompts") or spec["prompts"]) if p else spec["prompts"]:
             ext0, loc0 = _counter("vllm:external_prefix_cache_hits"), _counter("vllm:prefix_cache_hits")
             t = time.monotonic()
             o = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
@@ -288,10 +288,13 @@ def child(spec: dict) -> dict:
 
 def run_connector(model: str, prompts: Sequence[Sequence[int]], kv_transfer_config: dict | None,
                   passes: int = 1, engine_args: dict | None = None, max_tokens: int = 12,
-                  env: dict[str, str] | None = None, timeout_s: float = 900) -> dict:
-    """`child` in a fresh `python -m bench.vllm_offloading_cpu --child` process; raises with the log."""
+                  env: dict[str, str] | None = None, timeout_s: float = 1800,
+                  later_prompts: Sequence[Sequence[int]] | None = None) -> dict:
+    """`child` in a fresh `python -m bench.vllm_offloading_cpu --child` process; raises with the log.
+    `later_prompts`: what passes after the first serve (default: `prompts` again)."""
     spec = {"model": model, "prompts": [list(p) for p in prompts], "kv_transfer_config": kv_transfer_config,
-            "passes": passes, "engine_args": engine_args or {}, "max_tokens": max_tokens}
+            "passes": passes, "engine_args": engine_args or {}, "max_tokens": max_tokens,
+            "later_prompts": [list(p) for p in later_prompts] if later_prompts else None}
     repo = str(Path(__file__).resolve().parents[1])
     with tempfile.TemporaryDirectory(prefix="vllm-offloading-cpu-") as tmp:
         sp, op = Path(tmp, "spec.json"), Path(tmp, "out.json")

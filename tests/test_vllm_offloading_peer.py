@@ -9,7 +9,8 @@ Host memory does not survive a restart, so both connectors are measured the same
 the prompt set served twice with `LLM.reset_prefix_cache()` in between (vLLM's own prefix cache
 emptied, the connector's store kept). Restored tokens per prompt are vLLM's own
 `vllm:external_prefix_cache_hits` counter deltas around each (one-prompt) generate call: the same
-counter for both connectors. The three engines (no connector, vLLM's, ours) run concurrently in
+counter for both connectors. The second pass also serves NEW, a prompt neither connector has seen
+that shares 384 tokens with an earlier one. The three engines (no connector, vLLM's, ours) run concurrently in
 separate processes to keep the test short on 2 cores.
 
 `test_tiered_restart` (marked `long`: four more engine processes) compares after a restart: vLLM's
@@ -48,16 +49,21 @@ DEFAULT_FLAGS = {"enable_prefix_caching": True, "max_model_len": 4096, "enforce_
 rng = random.Random(1013)
 _A, _B, _C = random_prompt(rng, 300), random_prompt(rng, 745), random_prompt(rng, 1300)
 PROMPTS = [_A, _B, _C, _B[:640] + random_prompt(rng, 260)]  # the last shares 640 tokens with _B
+# Served only after the reset: new to both connectors, it shares 384 tokens (3 blocks, not a boundary
+# any earlier prefill ended on) with _C, so restoring them needs a GDN state stored mid-prefill.
+NEW = _C[:384] + random_prompt(rng, 200)
+LATER = PROMPTS + [NEW]
 
 
 @pytest.fixture(scope="module")
 def runs(models_dir, tmp_path_factory):
     model = str(models_dir / "qwen3-next-tiny")
     fs_dir = tmp_path_factory.mktemp("ours-fs")
-    jobs = {"ref": (None, 1), "vllm": (vllm_cpu_kv_config(), 2), "ours": (ours_fs_kv_config(fs_dir), 2)}
+    jobs = {"ref": (LATER, None, 1), "vllm": (PROMPTS, vllm_cpu_kv_config(), 2),
+            "ours": (PROMPTS, ours_fs_kv_config(fs_dir), 2)}
     with ThreadPoolExecutor(len(jobs)) as ex:
-        futs = {k: ex.submit(run_connector, model, PROMPTS, kv, passes, DEFAULT_FLAGS, 12)
-                for k, (kv, passes) in jobs.items()}
+        futs = {k: ex.submit(run_connector, model, prompts, kv, passes, DEFAULT_FLAGS, 12, later_prompts=LATER)
+                for k, (prompts, kv, passes) in jobs.items()}
         return {k: f.result()["passes"] for k, f in futs.items()}
 
 
@@ -69,6 +75,7 @@ def test_vllm_connector_restores_after_reset(runs):
     """Not a vacuous comparison: vLLM's own connector does restore every distinct prompt here."""
     cold, warm = runs["vllm"]
     assert restored(cold) == [0, 0, 0, 0]
+    assert len(warm) == len(LATER)
     assert all(n > 0 for n in restored(warm)[:3]), restored(warm)
 
 
@@ -84,10 +91,11 @@ def test_ours_restores_at_least_as_much_as_vllm_per_prompt(runs):
 
 
 def test_greedy_tokens_identical_to_no_connector(runs):
-    ref = [r["output_ids"] for r in runs["ref"][0]]
+    ref = [r["output_ids"] for r in runs["ref"][0]]  # LATER: PROMPTS + [NEW]
     for name in ("vllm", "ours"):
-        for p, rows in enumerate(runs[name]):
-            assert [r["output_ids"] for r in rows] == ref, (name, p)
+        cold, warm = runs[name]
+        assert [r["output_ids"] for r in cold] == ref[:len(PROMPTS)], name
+        assert [r["output_ids"] for r in warm] == ref, name
 
 
 @pytest.mark.long
@@ -109,7 +117,7 @@ def test_tiered_restart(models_dir, tmp_path, runs):
     assert any(restored(res["vllm"][1])), "vLLM's fs tier restored nothing after the restart"
     for i, (v, o) in enumerate(zip(res["vllm"][1], res["ours"][1])):
         assert o["external_tokens"] >= v["external_tokens"], (i, restored(res["ours"][1]), restored(res["vllm"][1]))
-    ref = [r["output_ids"] for r in runs["ref"][0]]
+    ref = [r["output_ids"] for r in runs["ref"][0]][:len(PROMPTS)]
     for name, passes in res.items():
         for p, rows in enumerate(passes):
             assert [r["output_ids"] for r in rows] == ref, (name, p)
