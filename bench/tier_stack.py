@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="directory for the file tier (default: a temporary one)")
     ap.add_argument("--out", default=None, help="results directory (default bench/results)")
     args = ap.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="tier-stack-", dir=args.dir))
+    work = Path(tempfile.mkdtemp(prefix="tier-stack-", dir=args.dir)).resolve()
     try:
         res = run(args.gib, args.reps, args.tiny, work)
     finally:

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import REPO, random_prompt
+from conftest import REPO, random_prompt, shipped_config
 
 if str(REPO) not in sys.path:  # bench/ is not installed; it runs from the checkout
     sys.path.insert(0, str(REPO))
@@ -60,7 +60,8 @@ def runs(models_dir, tmp_path_factory):
     model = str(models_dir / "qwen3-next-tiny")
     fs_dir = tmp_path_factory.mktemp("ours-fs")
     jobs = {"ref": (LATER, None, 1), "vllm": (PROMPTS, vllm_cpu_kv_config(), 2),
-            "ours": (PROMPTS, ours_fs_kv_config(fs_dir), 2)}
+            "ours": (PROMPTS, ours_fs_kv_config(fs_dir), 2),
+            "ours-tiered": (PROMPTS, shipped_config("hybrid-tiered.json", tmp_path_factory.mktemp("tiered")), 2)}
     with ThreadPoolExecutor(len(jobs)) as ex:
         futs = {k: ex.submit(run_connector, model, prompts, kv, passes, DEFAULT_FLAGS, 12, later_prompts=LATER)
                 for k, (prompts, kv, passes) in jobs.items()}
@@ -79,20 +80,22 @@ def test_vllm_connector_restores_after_reset(runs):
     assert all(n > 0 for n in restored(warm)[:3]), restored(warm)
 
 
-def test_ours_restores_at_least_as_much_as_vllm_per_prompt(runs):
-    vllm_warm, ours_warm = runs["vllm"][1], runs["ours"][1]
+@pytest.mark.parametrize("ours,tier", [("ours", "fs"), ("ours-tiered", "cpu")])
+def test_ours_restores_at_least_as_much_as_vllm_per_prompt(runs, ours, tier):
+    """configs/fs.json, and configs/hybrid-tiered.json (whose host-memory tier restores after a reset)."""
+    vllm_warm, ours_warm = runs["vllm"][1], runs[ours][1]
     print("vLLM OffloadingConnector restored:", restored(vllm_warm), "cached:", [r["cached_tokens"] for r in vllm_warm])
-    print("ours (configs/fs.json) restored:  ", restored(ours_warm), "cached:", [r["cached_tokens"] for r in ours_warm])
+    print(f"{ours} restored:", restored(ours_warm), "cached:", [r["cached_tokens"] for r in ours_warm])
     for i, (v, o) in enumerate(zip(vllm_warm, ours_warm)):
         assert o["external_tokens"] >= v["external_tokens"], (i, restored(ours_warm), restored(vllm_warm))
         assert o["cached_tokens"] >= v["cached_tokens"], i
         # our own per-request count agrees with vLLM's counter
-        assert o["kv_transfer_params"]["kvoffload:fs"]["restored_tokens"] == o["external_tokens"], i
+        assert o["kv_transfer_params"][f"kvoffload:{tier}"]["restored_tokens"] == o["external_tokens"], i
 
 
 def test_greedy_tokens_identical_to_no_connector(runs):
     ref = [r["output_ids"] for r in runs["ref"][0]]  # LATER: PROMPTS + [NEW]
-    for name in ("vllm", "ours"):
+    for name in ("vllm", "ours", "ours-tiered"):
         cold, warm = runs[name]
         assert [r["output_ids"] for r in cold] == ref[:len(PROMPTS)], name
         assert [r["output_ids"] for r in warm] == ref, name
