@@ -46,6 +46,9 @@ class RunSpec:
     passes: int = 1
     # Or: the prompt indices each pass serves, in order (overrides `passes`).
     order: list[list[int]] | None = None
+    # Idle seconds before each pass after the first (a server's quiet time:
+    # the stores still in flight land).
+    pause_s: float = 0.0
 
 
 @dataclass
@@ -148,6 +151,7 @@ def _serve(spec: RunSpec, progress: TextIO | None = None) -> tuple[list[PromptRe
     order = spec.order or [list(range(len(spec.prompts)))] * spec.passes
     for p, indices in enumerate(order):
         if p:
+            time.sleep(spec.pause_s)
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         out.extend(_serve_pass(llm, [spec.prompts[i] for i in indices], params, progress))
     metrics = _metrics()
