@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from conftest import CHUNK, REPO, engine_args, random_prompt
+from conftest import CHUNK, REPO, engine_args, random_prompt, side_by_side
 from offload.engine_run import RunSpec, run_engine
 
 pytestmark = pytest.mark.e2e
@@ -50,8 +50,9 @@ def files_written(log: str, tier: str) -> int:
 def runs(models_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("tiered")
     cold = serve(models_dir, tiered(cache))
-    restart = serve(models_dir, tiered(cache))
-    weighted = serve(models_dir, tiered(cache, fs_weight=2.0))
+    # Two restarts reading the same files, side by side (each its own CPU tier; neither writes to disk).
+    restart, weighted = side_by_side(lambda: serve(models_dir, tiered(cache)),
+                                     lambda: serve(models_dir, tiered(cache, fs_weight=2.0)))
     return {"cold": cold, "restart": restart, "weighted": weighted}
 
 
