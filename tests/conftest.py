@@ -97,6 +97,80 @@ def side_by_side(*calls):
     return [f.result() for f in futures]
 
 
+# Engine work that no other test's work depends on (runs on their own cache directory) can also run
+# ahead, on one background lane that starts with the session: a test marked
+# `@pytest.mark.prefetch.with_args(fn)` takes the result of `fn(models_dir, a fresh directory)` from the
+# `prefetched` fixture. The lane runs the marked functions of the collected tests one after the
+# other, in the tests' order, while the tests before them run; a function the lane has not started
+# when its test asks for it runs then, in the test.
+
+
+class Lane:
+    def __init__(self, models_dir: Path, tmp_path_factory) -> None:
+        self.models_dir, self.tmp_path_factory = models_dir, tmp_path_factory
+        self.futures: dict = {}
+        self._lock = threading.Lock()
+
+    def _run(self, fn):
+        return fn(self.models_dir, self.tmp_path_factory.mktemp(fn.__name__.strip("_")))
+
+    def start(self, fns: list) -> None:
+        with self._lock:
+            jobs = [(fn, Future()) for fn in fns if fn not in self.futures]
+            self.futures.update(jobs)
+
+        def run_all():
+            for fn, fut in jobs:
+                if not fut.set_running_or_notify_cancel():  # cancelled: a test ran it itself
+                    continue
+                try:
+                    fut.set_result(self._run(fn))
+                except BaseException as e:  # noqa: BLE001 - re-raised by the test that asks
+                    fut.set_exception(e)
+
+        threading.Thread(target=run_all, daemon=True).start()
+
+    def get(self, fn):
+        with self._lock:
+            fut = self.futures.get(fn)
+            if fut is None or fut.cancel():  # not started yet: run it here, now
+                self.futures[fn] = fut = Future()
+                fut.set_running_or_notify_cancel()
+                try:
+                    fut.set_result(self._run(fn))
+                except BaseException as e:  # noqa: BLE001
+                    fut.set_exception(e)
+        return fut.result()
+
+    def close(self) -> None:
+        """Nothing the lane has not started yet starts; what it runs is waited for."""
+        for fut in list(self.futures.values()):
+            fut.cancel()
+        for fut in list(self.futures.values()):
+            if not fut.cancelled():
+                fut.exception()
+
+
+@pytest.fixture(scope="session")
+def prefetched(request, models_dir, tmp_path_factory):
+    """`prefetched(fn)`: the result of a module's PREFETCH function (see Lane above)."""
+    lane = request.config._kvoffload_lane = Lane(models_dir, tmp_path_factory)
+    yield lane.get
+    lane.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prefetch_lane(request):
+    fns = []
+    for item in request.session.items:
+        for mark in item.iter_markers("prefetch"):
+            if mark.args[0] not in fns:
+                fns.append(mark.args[0])
+    if fns:
+        request.getfixturevalue("prefetched")
+        request.config._kvoffload_lane.start(fns)
+
+
 # ---- the connector built in-process, as vLLM's engine core builds it ---------------------------
 
 
@@ -186,8 +260,12 @@ def fs_server(models_dir, tmp_path_factory):
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The test that stops the shared server (its point is the SIGTERM) runs right after the
-    other tests that use it, so the server does not sit idle through the modules in between."""
+    """Tests whose engine work the background lane runs (`prefetch`) come last, so that every other
+    test runs while the lane works. The test that stops the shared server (its point is the
+    SIGTERM) runs right after the other tests that use it, so the server does not sit idle through
+    the modules in between."""
+    items[:] = ([it for it in items if not it.get_closest_marker("prefetch")]
+                + [it for it in items if it.get_closest_marker("prefetch")])
     users = [i for i, it in enumerate(items) if "fs_server" in getattr(it, "fixturenames", ())]
     stoppers = [it for it in items if it.get_closest_marker("stops_fs_server")]
     if not stoppers or len(users) == len(stoppers):
@@ -200,3 +278,4 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "stops_fs_server: the test stops the session's shared server (fs_server)")
+    config.addinivalue_line("markers", "prefetch(fn): the session's background lane runs fn for the test (conftest.py)")
