@@ -576,9 +576,14 @@ def _shared_directory(models_dir, tmp_path, repeats: int) -> None:
            evicted_files=evicted, cross_instance_tokens_restored=handoff_restored)
 
 
-@pytest.mark.long  # ~2 min: keeps `make test` (CI) under 30 min; -m long runs it with its longer twin
-def test_two_engines_share_a_directory_within_a_byte_budget(models_dir, tmp_path):
+def _shared_directory_once(models_dir, tmp_path):
+    """The test below (~2 min, two engines), on the session's background lane (tests/conftest.py)."""
     _shared_directory(models_dir, tmp_path, repeats=1)
+
+
+@pytest.mark.prefetch.with_args(_shared_directory_once)
+def test_two_engines_share_a_directory_within_a_byte_budget(prefetched):
+    prefetched(_shared_directory_once)
 
 
 @pytest.mark.long
