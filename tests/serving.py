@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,9 +38,10 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 30
 @contextmanager
 def _running(cmd: list[str], log: Path, base: str, ready_path: str, start_s: float, stop_s: float,
              env: dict[str, str] | None = None) -> Iterator[str]:
-    """Run `cmd` until the block ends (SIGTERM, then SIGKILL after `stop_s`)."""
+    """Run `cmd` until the block ends (SIGTERM, then SIGKILL of its whole process group after `stop_s`:
+    a vLLM server killed alone leaves its engine core and workers running)."""
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         wait_http(f"{base}{ready_path}", proc, log, timeout_s=start_s)
         yield base
@@ -48,7 +50,8 @@ def _running(cmd: list[str], log: Path, base: str, ready_path: str, start_s: flo
         try:
             proc.wait(timeout=stop_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @contextmanager
