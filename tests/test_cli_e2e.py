@@ -1,8 +1,9 @@
 """`kvoffload` commands on real engines and on the files a real engine wrote.
 
 Engine starts in this module: 2 (warmup --verify, shared by every test as
-the module's cold cache) + 1 (a restart after gc) + 1 (an OpenAI server for
-warmup --url) = 4. stats, fsck and gc run on copies of the cache warmup
+the module's cold cache) + 1 (a restart after gc), and the session's OpenAI
+server for warmup --url (tests/conftest.py `fs_server`, started while
+warmup --verify runs). stats, fsck and gc run on copies of the cache warmup
 filled; what they should find is derived independently, from the prompts'
 chunk keys (offload.keys) and the files on disk.
 """
@@ -22,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt
-from serving import api_server
 from offload import cli
 from offload.cli.prompts import load, token_ids
 from offload.engine_run import RunSpec, run_engine
@@ -50,8 +50,9 @@ def cli_run(*argv: str) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="module")
-def warm(models_dir, tmp_path_factory):
+def warm(models_dir, tmp_path_factory, fs_server):
     """`kvoffload warmup --verify` on the tiny hybrid model: the module's cold cache."""
+    fs_server.prestart()  # for warmup --url: its start overlaps these engine runs
     d = tmp_path_factory.mktemp("warm")
     model = str(models_dir / "qwen3-next-tiny")
     cfg = d / "kv.json"
@@ -286,16 +287,16 @@ def test_gc_without_parent_links_evicts_later_positions_first_and_leaves_no_hole
 # ---- warmup --url ----------------------------------------------------------------------
 
 
-def test_warmup_url_replays_text_and_token_prompts_through_a_running_server(models_dir, tmp_path):
+def test_warmup_url_replays_text_and_token_prompts_through_a_running_server(fs_server, tmp_path):
+    """On the session's server (fs tier, --enable-prompt-tokens-details): these prompts are its own."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": TEXT}) + "\n"
                        + json.dumps({"prompt_token_ids": TOKEN_PROMPTS[3]}) + "\n")
-    with api_server(models_dir / "qwen3-next-tiny", fs_kv_config(tmp_path / "cache"), tmp_path / "server.log",
-                    extra_args=("--enable-prompt-tokens-details",)) as url:
-        rc, first = cli_run("warmup", "--prompts", str(prompts), "--url", url)
-        assert rc == 0, first
-        rc, second = cli_run("warmup", "--prompts", str(prompts), "--url", url)
-        assert rc == 0, second
+    url = fs_server.url()
+    rc, first = cli_run("warmup", "--prompts", str(prompts), "--url", url)
+    assert rc == 0, first
+    rc, second = cli_run("warmup", "--prompts", str(prompts), "--url", url)
+    assert rc == 0, second
     n_tok = int(re.search(r"2 prompts, (\d+) prompt tokens", first).group(1))
     assert n_tok > len(TOKEN_PROMPTS[3])  # the server tokenized the text prompt
     cached1 = int(re.search(r"cached (\d+) ", first).group(1))
@@ -303,5 +304,8 @@ def test_warmup_url_replays_text_and_token_prompts_through_a_running_server(mode
     # The second pass finds both prompts' chunk-aligned prefixes (vLLM's cache or the tier).
     assert cached2 > cached1 and cached2 >= (len(TOKEN_PROMPTS[3]) - 1) // CHUNK * CHUNK, (first, second)
     assert "restored per tier: fs" in first, first
-    # The server's worker stored the prompts' chunks.
-    assert all(f.exists() for f in files_of(tmp_path / "cache", TOKEN_PROMPTS[3], ATTN))
+    # The server's worker stored the prompts' chunks (it keeps running: its stores may still be in flight).
+    deadline = time.monotonic() + 60
+    while not all(f.exists() for f in files_of(fs_server.cache, TOKEN_PROMPTS[3], ATTN)):
+        assert time.monotonic() < deadline, "the server did not store the prompt's chunks"
+        time.sleep(0.5)

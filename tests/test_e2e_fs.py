@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt
+from conftest import CHUNK, engine_args, fs_kv_config, in_background, layouts, random_prompt, side_by_side
 from offload.engine_run import RunResult, RunSpec, run_engine
 from offload.keys import chunk_keys, request_root
 
@@ -52,14 +52,22 @@ def serve(models: Path, model: str, cache: Path | None, seed: str, prompts=PROMP
                       env={"PYTHONHASHSEED": seed})
 
 
+# Engine runs side by side (tests/conftest.py), in three rounds of two: the reference and the cold
+# run; the warm Qwen run and Llama's first run into the directory Qwen filled (both need only the
+# cold run's files); Llama's reference and its restart.
+
+
 @pytest.fixture(scope="module")
 def qwen(models_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
-    ref = serve(models_dir, "qwen3-next-tiny", None, "0")
-    cold = serve(models_dir, "qwen3-next-tiny", cache, "0")
+    ref, cold = side_by_side(lambda: serve(models_dir, "qwen3-next-tiny", None, "0"),
+                             lambda: serve(models_dir, "qwen3-next-tiny", cache, "0"))
     snapshot = tmp_path_factory.mktemp("cold-snapshot")
     shutil.copytree(cache, snapshot, dirs_exist_ok=True)
-    return {"ref": ref, "cold": cold, "cache": cache, "snapshot": snapshot}
+    # Llama's cold run into the snapshot (only Llama's fingerprint directory is new there): see `llama`.
+    llama_cold = in_background(serve, models_dir, "llama-tiny", snapshot, "1")
+    yield {"ref": ref, "cold": cold, "cache": cache, "snapshot": snapshot, "llama_cold": llama_cold}
+    llama_cold.exception()  # no engine outlives the module
 
 
 @pytest.fixture(scope="module")
@@ -145,9 +153,9 @@ def llama(models_dir, qwen, tmp_path_factory):
     asserted below; the comparison itself stays exact.
     """
     shared, empty = qwen["snapshot"], tmp_path_factory.mktemp("cache2")
-    ref = serve(models_dir, "llama-tiny", empty, "5")
-    cold = serve(models_dir, "llama-tiny", shared, "1")
-    warm = serve(models_dir, "llama-tiny", shared, "77")
+    cold = qwen["llama_cold"].result()  # serve(models_dir, "llama-tiny", shared, "1"), run beside Qwen's warm run
+    ref, warm = side_by_side(lambda: serve(models_dir, "llama-tiny", empty, "5"),
+                             lambda: serve(models_dir, "llama-tiny", shared, "77"))
     return {"ref": ref, "cold": cold, "warm": warm, "shared": shared, "other": empty}
 
 

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from conftest import CHUNK, engine_args, random_prompt, shipped_config
+from conftest import CHUNK, engine_args, random_prompt, shipped_config, side_by_side
 from offload.config import tier_dicts
 from offload.engine_run import RunSpec, run_engine
 
@@ -64,8 +64,10 @@ def files_written(run, tier: str) -> float:
 def runs(models_dir, tmp_path_factory):
     cache = tmp_path_factory.mktemp("tiered")
     cold = serve(models_dir, tiered(cache))
-    restart = serve(models_dir, tiered(cache))
-    return {"cold": cold, "restart": restart}
+    # The restart, and the weighted MultiConnector on a directory of its own, side by side.
+    restart, weighted_run = side_by_side(lambda: serve(models_dir, tiered(cache)),
+                                         lambda: serve(models_dir, weighted(tmp_path_factory.mktemp("w"), 2.0)))
+    return {"cold": cold, "restart": restart, "weighted": weighted_run}
 
 
 def test_cpu_tier_after_reset_disk_after_restart_then_promoted_to_cpu(runs):
@@ -85,14 +87,13 @@ def test_cpu_tier_after_reset_disk_after_restart_then_promoted_to_cpu(runs):
         assert not any(r.load_failed for r in results)
 
 
-def test_weights_favour_the_filesystem_child_on_a_tie(runs, models_dir, tmp_path):
+def test_weights_favour_the_filesystem_child_on_a_tie(runs):
     _, ref, _ = runs["cold"]
-    serve(models_dir, weighted(tmp_path, 2.0))  # stores into both children
-    _, first, second = serve(models_dir, weighted(tmp_path, 2.0))
-    assert by_tier(first, "fs") == HITS  # CPU empty after the restart
-    # Both tiers now hold the same prefixes: a tie in tokens, fs weighs 2.0.
+    _, first, second = runs["weighted"]
+    assert all(r.restored_tokens == 0 for r in first), "cold: both children empty"
+    # Both children now hold the same prefixes: a tie in tokens, fs weighs 2.0.
     assert by_tier(second, "fs") == HITS and by_tier(second, "cpu") == [0, 0, 0]
-    assert [r.output_ids for r in second] == [r.output_ids for r in ref]
+    assert [r.output_ids for r in second] == [r.output_ids for r in first]
 
 
 def test_llama_restart_restores_from_disk_then_from_promoted_cpu(models_dir, tmp_path):

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.e2e
 TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-def test_tp2_stores_one_directory_per_rank_and_restores_after_a_restart(models_dir, tmp_path):
+def _tp2_runs(models_dir, tmp_path):
+    """A cold run and a restart (a new process) on one directory; on the session's background lane
+    (tests/conftest.py)."""
     rng = random.Random(2)
     prompts = [random_prompt(rng, n) for n in (300, 520)]
     kv = fs_kv_config(tmp_path)
@@ -32,6 +34,12 @@ def test_tp2_stores_one_directory_per_rank_and_restores_after_a_restart(models_d
     model = str(models_dir / "llama-tiny")
     cold = run_engine(RunSpec(model, prompts, kv, 8, eng), env=TP2)
     warm = run_engine(RunSpec(model, prompts, kv, 8, eng), env=TP2)  # a restart: a new process
+    return prompts, cold, warm, tmp_path
+
+
+@pytest.mark.prefetch.with_args(_tp2_runs)
+def test_tp2_stores_one_directory_per_rank_and_restores_after_a_restart(prefetched):
+    prompts, cold, warm, tmp_path = prefetched(_tp2_runs)
     dirs = sorted(p.parent for p in tmp_path.glob("kvoffload-v1/*/layout.json"))
     layout = json.loads((dirs[0] / "layout.json").read_text())
     base = bytes.fromhex(layout["base_fingerprint"])

@@ -26,8 +26,6 @@ from conftest import CHUNK, REPO, random_prompt, shipped_config
 from offload.config import tier_dicts
 from serving import api_server, complete, post, prometheus
 
-pytestmark = pytest.mark.e2e
-
 DASHBOARD = REPO / "configs" / "grafana" / "dashboards" / "kvoffload.json"
 
 
@@ -50,9 +48,8 @@ def query(prom: str, expr: str) -> list[dict]:
     return out["data"]["result"]
 
 
-@pytest.fixture(scope="module")
-def scraped(models_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("prom")
+def _scraped(models_dir, tmp):
+    """The server, Prometheus and the load, on the session's background lane (tests/conftest.py)."""
     if shutil.which("prometheus") is None:
         pytest.fail("the Debian package 'prometheus' is not installed; run `make setup`")
     rng = random.Random(4)
@@ -84,6 +81,14 @@ def scraped(models_dir, tmp_path_factory):
             results = {(title, expr): query(prom, expr) for title, expr in panel_queries()}
             up = query(prom, 'up{job="vllm"}')
     return {"results": results, "exported": exported, "up": up, "usage": usage, "tmp": tmp}
+
+
+pytestmark = [pytest.mark.e2e, pytest.mark.prefetch.with_args(_scraped)]
+
+
+@pytest.fixture(scope="module")
+def scraped(prefetched):
+    return prefetched(_scraped)
 
 
 def test_prometheus_scrapes_the_vllm_server(scraped):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import engine_args
+from conftest import start_connector
 from faults.report import record
 from offload.config import ConfigError
 
@@ -80,35 +80,8 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def vllm_setup(models_dir):
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
-
-    args = EngineArgs(model=str(models_dir / "qwen3-next-tiny"), **engine_args(True))
-    vllm_config = args.create_engine_config()
-    groups = [
-        KVCacheGroupSpec(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
-                         MambaSpec(block_size=128, shapes=((3, 192), (1, 64, 64)),
-                                   dtypes=(torch.bfloat16, torch.float32))),
-        KVCacheGroupSpec(["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
-                         FullAttentionSpec(block_size=128, num_kv_heads=4, head_size=64, dtype=torch.bfloat16)),
-    ]
-    return vllm_config, KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
-
-
-def _start(vllm_setup, ktc: dict):
-    """What vLLM's connector factory does in the engine core."""
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    from offload.connector import OffloadConnector
-    from offload.multi_connector.connector import MultiConnector
-
-    vllm_config, kv_cache_config = vllm_setup
-    vllm_config.kv_transfer_config = KVTransferConfig(**ktc)
-    cls = MultiConnector if ktc["kv_connector"] == "OffloadMultiConnector" else OffloadConnector
-    return cls(vllm_config, KVConnectorRole.SCHEDULER, kv_cache_config)
+# vllm_setup (tests/conftest.py): a real VllmConfig of the tiny hybrid and its KV cache groups.
+_start = start_connector  # what vLLM's connector factory does in the engine core
 
 
 def _subst(v, tmp: Path):

@@ -289,10 +289,8 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
     return r.returncode == 0
 
 
-def test_full_disk_drops_and_counts_stores_serves_every_request_and_recovers(models_dir, tmp_path):
-    """A cache on a 6 MiB tmpfs (or, where mounting is not permitted, ENOSPC
-    injected at commit while a flag file exists) fills up during the first
-    pass; space returns before the second; the third restores everything."""
+def _full_disk_run(models_dir, tmp_path):
+    """The engine run of the test below, on the session's background lane (tests/conftest.py, PREFETCH)."""
     rng = random.Random(33)
     prompts = [random_prompt(rng, 4 * CHUNK + 100) for _ in range(8)]  # ~2.2 MB of files each
     mnt = tmp_path / "small"
@@ -311,6 +309,15 @@ def test_full_disk_drops_and_counts_stores_serves_every_request_and_recovers(mod
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(mnt)])
+    return run, prompts, every, how
+
+
+@pytest.mark.prefetch.with_args(_full_disk_run)
+def test_full_disk_drops_and_counts_stores_serves_every_request_and_recovers(prefetched):
+    """A cache on a 6 MiB tmpfs (or, where mounting is not permitted, ENOSPC
+    injected at commit while a flag file exists) fills up during the first
+    pass; space returns before the second; the third restores everything."""
+    run, prompts, every, how = prefetched(_full_disk_run)
     p1, p2, p3 = run.by_phase(0), run.by_phase(1), run.by_phase(2)
     c = run.counters()
     dropped = c["stores_dropped"].get("no_space", 0)
@@ -569,9 +576,14 @@ def _shared_directory(models_dir, tmp_path, repeats: int) -> None:
            evicted_files=evicted, cross_instance_tokens_restored=handoff_restored)
 
 
-@pytest.mark.long  # ~2 min: keeps `make test` (CI) under 30 min; -m long runs it with its longer twin
-def test_two_engines_share_a_directory_within_a_byte_budget(models_dir, tmp_path):
+def _shared_directory_once(models_dir, tmp_path):
+    """The test below (~2 min, two engines), on the session's background lane (tests/conftest.py)."""
     _shared_directory(models_dir, tmp_path, repeats=1)
+
+
+@pytest.mark.prefetch.with_args(_shared_directory_once)
+def test_two_engines_share_a_directory_within_a_byte_budget(prefetched):
+    prefetched(_shared_directory_once)
 
 
 @pytest.mark.long
