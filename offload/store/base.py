@@ -181,6 +181,10 @@ class TierContext:
     planner: HybridOffloadPlanner
     fingerprint: Fingerprint  # this worker rank's (its files, its layout)
     index_fingerprint: Fingerprint  # rank 0's: what the scheduler looks up for every rank
+    world_size: int = 1  # tensor-parallel ranks
+    # The workers run in processes other than the scheduler's (TP>1, or a
+    # multiprocess executor): in-process state is not shared between the halves.
+    separate_workers: bool = False
 
 
 class TierSpec(ABC, Generic[O]):

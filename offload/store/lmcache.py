@@ -1,0 +1,210 @@
+"""The "lmcache" tier: our per-(chunk, group) entries as objects in LMCache's
+storage engine (offload/store/lmcache_objects.py).
+
+Our planner decides the entries and their keys exactly as for files; an
+object holds exactly what a chunk file holds (the 128-byte header with the
+payload's CRC32C, then the payload: `FileStore.write_framed`'s bytes), and a
+load checks header and CRC like a file read. An object that is missing,
+evicted, of another length or damaged is a `ChunkMiss`, never garbage: vLLM
+recomputes. LMCache's own settings come from the tier's keys: the local CPU
+pool size (`local_cpu_bytes`) and, optionally, a remote (`remote_url`, e.g.
+`redis://host:6379`) shared by engines on other machines.
+
+One storage engine per process and options (`shared_objects`): with TP=1 vLLM
+builds the scheduler's connector and the worker's in the same engine-core
+process (uniproc executor), so the scheduler's index sees the worker's local
+objects. Worker processes of their own (TP>1, or a multiprocess executor) each
+have their own local pool, invisible to the scheduler: such a deployment needs
+`remote_url`, and start-up refuses it without one.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from offload import copier
+from offload.keys import ChunkKey
+from offload.store.base import (
+    Backed,
+    ChunkMiss,
+    HostChunk,
+    MissReason,
+    OptionError,
+    Placement,
+    TierContext,
+    TierData,
+    TierIndex,
+    TierSpec,
+    TierUsage,
+)
+from offload.store.buffers import BufferPool
+from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
+from offload.store.lmcache_objects import LMCacheObjects, object_name
+
+
+@dataclass(frozen=True)
+class LMCacheOptions:
+    """Options of the LMCache tier (`"store": "lmcache"`); see docs/operations.md."""
+
+    local_cpu_bytes: int
+    remote_url: str | None = None
+    timeout_s: float = 2.0
+
+
+# ---- one storage engine per process and options ------------------------------------
+
+_LOCK = threading.Lock()
+_SHARED: dict[LMCacheOptions, list] = {}  # options -> [LMCacheObjects, users]
+
+
+def shared_objects(options: LMCacheOptions) -> LMCacheObjects:
+    """This process's storage engine for `options`, started on first use;
+    every caller gives it back with `release_objects`, and the last one stops it."""
+    with _LOCK:
+        entry = _SHARED.get(options)
+        if entry is None:
+            objs = LMCacheObjects.open(options.local_cpu_bytes, options.remote_url, timeout_s=options.timeout_s)
+            entry = _SHARED[options] = [objs, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def release_objects(options: LMCacheOptions) -> None:
+    with _LOCK:
+        entry = _SHARED.get(options)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _SHARED[options]
+    entry[0].close()
+
+
+def _name(header_or_fp, group: int, key: ChunkKey) -> str:
+    return object_name(bytes(header_or_fp), group, bytes(key))
+
+
+class LMCacheIndex(TierIndex):
+    """Scheduler side: the storage engine is the index (local pool, then the
+    remote). Nothing is pinned: an object evicted before its load is a miss."""
+
+    def __init__(self, objects: LMCacheObjects, options: LMCacheOptions, ctx: TierContext) -> None:
+        self.objects = objects
+        self.options = options
+        self.fp = ctx.index_fingerprint
+        self._closed = False
+
+    def contains(self, group: int, key: ChunkKey) -> bool:
+        return self.objects.contains(_name(self.fp, group, key))
+
+    def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
+        return Placement()  # the worker skips an entry it already holds, off the scheduling path
+
+    def pin(self, group: int, key: ChunkKey) -> Placement | None:
+        return Placement() if self.contains(group, key) else None
+
+    def usage(self) -> TierUsage | None:
+        # Objects are named by hashes: per-group figures are not known here.
+        return TierUsage(entries=(), bytes=(), capacity_bytes=self.options.local_cpu_bytes)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            release_objects(self.options)
+
+
+class LMCacheData(TierData):
+    """Worker side: framed payloads (header + CRC, as a chunk file) in and out
+    of the storage engine, on the worker's I/O threads."""
+
+    def __init__(self, objects: LMCacheObjects, options: LMCacheOptions) -> None:
+        self.objects = objects
+        self.options = options
+        self._closed = False
+
+    def holds(self, header: ChunkHeader, placement: Placement) -> bool:
+        return self.objects.contains(_name(header.fingerprint, header.group, header.key))
+
+    def put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
+        n = chunk.payload.numel()
+        if n != header.payload_len:
+            raise ValueError(f"payload has {n} bytes, header says {header.payload_len}")
+        name = _name(header.fingerprint, header.group, header.key)
+        if self.objects.contains(name):
+            return False
+        if chunk.buf is None:  # a host-memory slot: frame it (a memcpy, off the forward path)
+            framed = HostChunk.pooled(BufferPool(), n)
+            framed.payload.copy_(chunk.payload)
+            chunk = framed
+        assert chunk.buf is not None
+        full = ChunkHeader(**{**header.__dict__, "payload_crc": copier.crc32c(chunk.payload)})
+        chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(full.pack()), dtype=torch.uint8))
+        if not self.objects.put(name, chunk.buf[:HEADER_LEN + n]):
+            raise OSError(f"LMCache local pool took no object of {HEADER_LEN + n} bytes (full, or an engine error)")
+        return True
+
+    def get(self, header: ChunkHeader, placement: Placement, pool: BufferPool) -> HostChunk:
+        n = header.payload_len
+        name = _name(header.fingerprint, header.group, header.key)
+        chunk = HostChunk.pooled(pool, n)
+        try:
+            assert chunk.buf is not None
+            framed = chunk.buf[:HEADER_LEN + n]
+            if not self.objects.get_into(name, framed):
+                # Gone (evicted, remote down or without it) or another length.
+                raise ChunkMiss(MissReason.MISSING, f"LMCache object {name}")
+            try:
+                stored = ChunkHeader.unpack(bytes(framed[:HEADER_LEN].numpy()))
+                stored.check_matches(header)
+                if stored.payload_crc != copier.crc32c(chunk.payload):
+                    raise FormatError("payload checksum mismatch")
+            except FormatError as e:
+                raise ChunkMiss(MissReason.CORRUPT, f"LMCache object {name}: {e}") from None
+        except BaseException:
+            chunk.release()
+            raise
+        return chunk
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            release_objects(self.options)
+
+
+class LMCacheTier(TierSpec[LMCacheOptions]):
+    """LMCache's storage engine: a local CPU pool and, optionally, a remote."""
+
+    store = "lmcache"
+    hit_source = "HOST"
+
+    def __init__(self, options: LMCacheOptions, ctx: TierContext) -> None:
+        super().__init__(options, ctx)
+        if options.remote_url:
+            self.hit_source = "EXTERNAL_UNSPECIFIED"
+
+    def check(self) -> None:
+        if self.ctx.separate_workers and not self.options.remote_url:
+            raise OptionError(
+                f"remote_url=None: this engine's workers run in processes of their own (tensor parallel "
+                f"size {self.ctx.world_size}, or a multiprocess executor), and a local-only LMCache pool "
+                "in each would be invisible to the scheduler; set remote_url (e.g. \"redis://host:6379\") "
+                "or use \"store\": \"cpu\"")
+        try:
+            import lmcache  # noqa: F401
+        except ImportError as e:
+            raise OptionError(f"store='lmcache': LMCache is not importable ({e}); install lmcache==0.5.6 "
+                              "(make setup)") from None
+
+    def describe(self) -> str:
+        remote = f", remote {self.options.remote_url}" if self.options.remote_url else ", no remote"
+        return f"LMCache local CPU pool {self.options.local_cpu_bytes} bytes{remote}"
+
+    def index(self, backed: Backed | None) -> LMCacheIndex:
+        return LMCacheIndex(shared_objects(self.options), self.options, self.ctx)
+
+    def data(self, device: torch.device) -> LMCacheData:
+        return LMCacheData(shared_objects(self.options), self.options)
