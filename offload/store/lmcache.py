@@ -20,6 +20,7 @@ have their own local pool, invisible to the scheduler: such a deployment needs
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ from offload.store.base import (
 from offload.store.buffers import BufferPool
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
 from offload.store.lmcache_objects import LMCacheObjects, object_name
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,13 @@ def release_objects(options: LMCacheOptions) -> None:
         if entry[1] > 0:
             return
         del _SHARED[options]
-    entry[0].close()
+    objs: LMCacheObjects = entry[0]
+    objs.close(flush_timeout_s=max(30.0, objs.timeout_s))  # remote write-behind finishes (bounded)
+    st = objs.stats
+    # One line per engine: what the storage engine answered (tests and operators read it).
+    logger.info("kvoffload: LMCache storage engine stats: puts=%d put_failures=%d remote_put_failures=%d "
+                "local_hits=%d remote_hits=%d misses=%d errors=%d", st.puts, st.put_failures,
+                st.remote_put_failures, st.local_hits, st.remote_hits, st.misses, st.errors)
 
 
 def _name(header_or_fp, group: int, key: ChunkKey) -> str:
