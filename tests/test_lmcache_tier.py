@@ -97,11 +97,34 @@ def test_one_engine_per_process_and_options():
     assert OPTS not in _SHARED and other not in _SHARED
 
 
-def test_separate_worker_processes_need_a_remote():
-    ctx = TierContext(None, FP, FP, world_size=2, separate_workers=True)  # type: ignore[arg-type]
-    with pytest.raises(OptionError, match="remote_url"):
-        LMCacheTier(OPTS, ctx).check()
-    LMCacheTier(LMCacheOptions(8 << 20, "redis://127.0.0.1:1"), ctx).check()
+def test_separate_worker_processes_keep_a_ledger_in_the_scheduler(ledger_ctx):
+    """vLLM-CPU runs its worker in a process of its own: the scheduler's index
+    models the worker's pool as an LRU of entry bytes (no engine opened)."""
+    ctx, entry = ledger_ctx
+    ix = LMCacheTier(LMCacheOptions(local_cpu_bytes=3 * entry), ctx).index(None)
+    assert ix.objects is None and ix.ledger is not None
+    k = [key_of(str(i)) for i in range(4)]
+    assert not ix.contains(0, k[0]) and ix.pin(0, k[0]) is None
+    assert ix.reserve(0, k[0], None) == Placement()
+    assert ix.reserve(0, k[0], None) is None, "stored already"
+    assert ix.contains(0, k[0]) and ix.pin(0, k[0]) == Placement()
+    ix.reserve(0, k[1], None), ix.reserve(0, k[2], None)
+    ix.pin(0, k[0])  # a read refreshes it: k[1] is now the oldest
+    ix.reserve(0, k[3], None)
+    assert [ix.contains(0, x) for x in k] == [True, False, True, True]
+    assert ix.usage().evictions[0] == 1
+    ix.forget(0, k[2])
+    assert not ix.contains(0, k[2])
+    ix.close()
+
+
+@pytest.fixture
+def ledger_ctx():
+    from offload.planner import GroupSpec, HybridOffloadPlanner
+    from offload.planner.spec import GroupKind
+
+    planner = HybridOffloadPlanner([GroupSpec(GroupKind.FULL_ATTENTION, 128, 262_144, 2)], 256)  # 2 pages a chunk
+    return TierContext(planner, FP, FP, separate_workers=True), HEADER_LEN + 2 * 262_144
 
 
 @pytest.mark.parametrize("cfg,fragment", [

@@ -311,6 +311,9 @@ class SchedulerSide:
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         failed = out.failed_recving or set()
         for req_id in out.finished_recving or ():
+            if req_id in failed:  # which entry missed is not known here: forget them all (a lost hit at worst)
+                for t, g, key in self._pins.get(req_id, ()):
+                    self.indices[t].forget(g, key)
             self._unpin(req_id)
             st = self.reqs.get(req_id)
             if st is None:

