@@ -10,7 +10,7 @@ import torch
 from test_format_store import FP, header, key_of, payload
 
 from offload.config import ConfigError, parse_config
-from offload.store.base import ChunkMiss, HostChunk, MissReason, OptionError, Placement, TierContext
+from offload.store.base import ChunkMiss, HostChunk, MissReason, Placement, TierContext
 from offload.store.buffers import BufferPool
 from offload.store.format import HEADER_LEN
 from offload.store.lmcache import LMCacheData, LMCacheOptions, LMCacheTier, _SHARED, release_objects, shared_objects
