@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 if TYPE_CHECKING:
     from offload.store.cpu import CpuOptions
     from offload.store.fs import FsOptions
+    from offload.store.lmcache import LMCacheOptions
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 
@@ -31,12 +32,25 @@ class TierConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    store: Literal["fs", "cpu"] = Field(
-        description="tier backend: 'fs' (files on a local or NFS directory) or 'cpu' (host memory)")
+    store: Literal["fs", "cpu", "lmcache"] = Field(
+        description="tier backend: 'fs' (files on a local or NFS directory), 'cpu' (host memory) or "
+        "'lmcache' (LMCache's storage engine: a local CPU pool, optionally a remote)")
     path: str | None = Field(default=None, description="absolute cache directory, created if missing "
                              "(required for store 'fs')")
     cpu_bytes: int | None = Field(default=None, ge=1 << 20, le=1 << 44,
                                   description="host memory for store 'cpu', in bytes (required for it)")
+    local_cpu_bytes: int | None = Field(
+        default=None, ge=1 << 20, le=1 << 44,
+        description="LMCache's local CPU pool for store 'lmcache', in bytes (required for it; LMCache's "
+        "max_local_cpu_size)")
+    remote_url: str | None = Field(
+        default=None, pattern=r"^[a-z][a-z0-9+.-]*://\S+$",
+        description="LMCache remote for store 'lmcache', e.g. 'redis://127.0.0.1:6379' (LMCache's remote_url; "
+        "default: none, the local pool only)")
+    remote_timeout_s: float = Field(
+        default=2.0, gt=0, le=60,
+        description="bound on one LMCache remote operation for store 'lmcache' (seconds, up to 60); "
+        "beyond it the lookup or load is a miss")
     fsync: bool = Field(default=False, description="fsync each file and its directory before it becomes visible")
     name: str | None = Field(
         default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
@@ -74,12 +88,17 @@ class TierConfig(BaseModel):
     def tier_name(self) -> str:
         return self.name or self.store
 
-    def options(self) -> CpuOptions | FsOptions:
+    def options(self) -> CpuOptions | FsOptions | LMCacheOptions:
         """The store's own options (stores never see this config)."""
         # Imported here: `kvoffload plan` and `check-config` import this module without torch.
         from offload.store.cpu import CpuOptions
         from offload.store.fs import FsOptions
+        from offload.store.lmcache import LMCacheOptions
 
+        if self.store == "lmcache":
+            assert self.local_cpu_bytes is not None
+            return LMCacheOptions(local_cpu_bytes=self.local_cpu_bytes, remote_url=self.remote_url,
+                                  timeout_s=self.remote_timeout_s)
         if self.store == "cpu":
             assert self.cpu_bytes is not None
             return CpuOptions(cpu_bytes=self.cpu_bytes)
@@ -100,6 +119,18 @@ class TierConfig(BaseModel):
                              "(the file tier's budget is max_bytes)")
         if self.store == "cpu" and self.max_bytes is not None:
             raise ValueError("max_bytes: only for store 'fs'; the host-memory budget is cpu_bytes")
+        if self.store == "lmcache":
+            if self.local_cpu_bytes is None:
+                raise ValueError("local_cpu_bytes: required for store 'lmcache' (LMCache's local CPU pool in "
+                                 "bytes; its remote backend buffers through it too)")
+            for key, hint in (("path", "files are store 'fs': add a tier"), ("cpu_bytes", "its pool is local_cpu_bytes"),
+                              ("max_bytes", "its pool is local_cpu_bytes")):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key}: not a key of store 'lmcache' ({hint}); remove it")
+        else:
+            for key in ("local_cpu_bytes", "remote_url"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"{key}: only for store 'lmcache'; remove it, or set \"store\": \"lmcache\"")
         return self
 
     @field_validator("file_mode", "dir_mode")

@@ -153,8 +153,11 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.recorders = [Recorder(t.tier_name) for t in self.cfg.tiers]
         tp = pc.tensor_parallel_size
         rank = _tp_rank(vllm_config) if role != KVConnectorRole.SCHEDULER else 0
+        # With the uniproc executor (TP=1) vLLM builds the scheduler's and the
+        # worker's connector in the same engine-core process.
+        separate = tp * pc.pipeline_parallel_size > 1 or pc.distributed_executor_backend not in (None, "uni")
         ctx = TierContext(self.planner, rank_fingerprint(self.fingerprint, rank, tp),
-                          rank_fingerprint(self.fingerprint, 0, tp))
+                          rank_fingerprint(self.fingerprint, 0, tp), world_size=tp, separate_workers=separate)
         self.tiers: list[TierSpec] = [tier_spec(t.store, t.options(), ctx) for t in self.cfg.tiers]
         if role == KVConnectorRole.SCHEDULER:
             self._startup_checks(vllm_config)

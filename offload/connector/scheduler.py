@@ -333,6 +333,9 @@ class SchedulerSide:
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         failed = out.failed_recving or set()
         for req_id in out.finished_recving or ():
+            if req_id in failed:  # which entry missed is not known here: forget them all (a lost hit at worst)
+                for t, g, key in self._pins.get(req_id, ()):
+                    self.indices[t].forget(g, key)
             self._unpin(req_id)
             st = self.reqs.get(req_id)
             if st is None:
@@ -354,9 +357,9 @@ class SchedulerSide:
             if u is None:
                 continue
             rec = self.recorders[t]
-            for g, kind in enumerate(self._kinds):
-                rec.set("kvoffload_files_in_use", u.entries[g], group_kind=kind)
-                rec.set("kvoffload_bytes_in_use", u.bytes[g], group_kind=kind)
+            for kind, entries, nbytes in zip(self._kinds, u.entries, u.bytes):  # () where per-group is unknown
+                rec.set("kvoffload_files_in_use", entries, group_kind=kind)
+                rec.set("kvoffload_bytes_in_use", nbytes, group_kind=kind)
             if u.capacity_bytes is not None:
                 rec.set("kvoffload_capacity_bytes", u.capacity_bytes)
             seen = self._reported_evictions[t]

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 TIERS: dict[str, str] = {
     "cpu": "offload.store.cpu:CpuTier",
     "fs": "offload.store.fs:FsTier",
+    "lmcache": "offload.store.lmcache:LMCacheTier",
 }
 
 

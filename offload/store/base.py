@@ -123,6 +123,11 @@ class TierIndex(ABC):
     def unpin(self, group: int, key: ChunkKey) -> None:
         return None
 
+    def forget(self, group: int, key: ChunkKey) -> None:
+        """A load that read this entry failed: stop counting on it (an index
+        that models the tier rather than asking it drops it)."""
+        return None
+
     def usage(self) -> TierUsage | None:
         """Current usage, cheap to call every step; None while unknown."""
         return None
@@ -181,6 +186,10 @@ class TierContext:
     planner: HybridOffloadPlanner
     fingerprint: Fingerprint  # this worker rank's (its files, its layout)
     index_fingerprint: Fingerprint  # rank 0's: what the scheduler looks up for every rank
+    world_size: int = 1  # tensor-parallel ranks
+    # The workers run in processes other than the scheduler's (TP>1, or a
+    # multiprocess executor): in-process state is not shared between the halves.
+    separate_workers: bool = False
 
 
 class TierSpec(ABC, Generic[O]):

@@ -1,0 +1,283 @@
+"""The "lmcache" tier: our per-(chunk, group) entries as objects in LMCache's
+storage engine (offload/store/lmcache_objects.py).
+
+Our planner decides the entries and their keys exactly as for files; an
+object holds exactly what a chunk file holds (the 128-byte header with the
+payload's CRC32C, then the payload: `FileStore.write_framed`'s bytes), and a
+load checks header and CRC like a file read. An object that is missing,
+evicted, of another length or damaged is a `ChunkMiss`, never garbage: vLLM
+recomputes. LMCache's own settings come from the tier's keys: the local CPU
+pool size (`local_cpu_bytes`) and, optionally, a remote (`remote_url`, e.g.
+`redis://host:6379`) shared by engines on other machines.
+
+One storage engine per process and options (`shared_objects`). Where the
+scheduler's connector and the worker's share a process (vLLM's uniproc
+executor), the scheduler's index asks that engine. Where they do not (vLLM-CPU
+always runs its worker in a process of its own, and so does every TP>1
+deployment), the worker's local pool is out of the scheduler's sight, so the
+scheduler keeps a ledger instead (`LMCacheIndex`): the entries it had stored,
+as an LRU of the pool's size in entry bytes, the way LMCache's LocalCPUBackend
+evicts. The ledger is a model: an entry LMCache evicted early (allocator
+overhead, a failed store) makes a load a `MISSING` miss, after which the
+request's entries are dropped from the ledger. With `remote_url` the remote
+is asked too, so engines on other machines find each other's entries.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+import torch
+
+from offload import copier
+from offload.keys import ChunkKey
+from offload.store.base import (
+    Backed,
+    ChunkMiss,
+    HostChunk,
+    MissReason,
+    OptionError,
+    Placement,
+    TierContext,
+    TierData,
+    TierIndex,
+    TierSpec,
+    TierUsage,
+)
+from offload.store.buffers import BufferPool
+from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
+from offload.store.lmcache_objects import LMCacheObjects, object_name
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LMCacheOptions:
+    """Options of the LMCache tier (`"store": "lmcache"`); see docs/operations.md."""
+
+    local_cpu_bytes: int
+    remote_url: str | None = None
+    timeout_s: float = 2.0
+
+
+# ---- one storage engine per process and options ------------------------------------
+
+_LOCK = threading.Lock()
+_SHARED: dict[LMCacheOptions, list] = {}  # options -> [LMCacheObjects, users]
+
+
+def shared_objects(options: LMCacheOptions) -> LMCacheObjects:
+    """This process's storage engine for `options`, started on first use;
+    every caller gives it back with `release_objects`, and the last one stops it."""
+    with _LOCK:
+        entry = _SHARED.get(options)
+        if entry is None:
+            objs = LMCacheObjects.open(options.local_cpu_bytes, options.remote_url, timeout_s=options.timeout_s)
+            entry = _SHARED[options] = [objs, 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def release_objects(options: LMCacheOptions) -> None:
+    with _LOCK:
+        entry = _SHARED.get(options)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] > 0:
+            return
+        del _SHARED[options]
+    objs: LMCacheObjects = entry[0]
+    objs.close(flush_timeout_s=max(30.0, objs.timeout_s))  # remote write-behind finishes (bounded)
+    st = objs.stats
+    # One line per engine: what the storage engine answered (tests and operators read it).
+    logger.info("kvoffload: LMCache storage engine stats: puts=%d put_failures=%d remote_put_failures=%d "
+                "local_hits=%d remote_hits=%d misses=%d errors=%d", st.puts, st.put_failures,
+                st.remote_put_failures, st.local_hits, st.remote_hits, st.misses, st.errors)
+
+
+def _name(header_or_fp, group: int, key: ChunkKey) -> str:
+    return object_name(bytes(header_or_fp), group, bytes(key))
+
+
+class LMCacheIndex(TierIndex):
+    """Scheduler side. Shared process: the storage engine is the index. Separate
+    worker processes: a ledger of what this scheduler had stored (an LRU in
+    entry bytes, capacity `local_cpu_bytes`), plus the remote when there is one.
+    Nothing is pinned: an object evicted before its load is a miss."""
+
+    def __init__(self, objects: LMCacheObjects | None, options: LMCacheOptions, ctx: TierContext,
+                 release: LMCacheOptions | None) -> None:
+        self.objects = objects  # None: no remote and a separate worker: the ledger only
+        self.options = options
+        self.fp = ctx.index_fingerprint
+        self._release = release
+        self.ledger: OrderedDict[tuple[int, bytes], int] | None = None
+        if ctx.separate_workers:
+            self.ledger = OrderedDict()
+            self._entry_bytes = [HEADER_LEN + b for b in _max_entry_bytes(ctx)]
+            self._used = 0
+            self._evictions = [0] * len(self._entry_bytes)
+            self._lock = threading.Lock()
+
+    def contains(self, group: int, key: ChunkKey) -> bool:
+        if self.ledger is not None:
+            with self._lock:
+                if (group, bytes(key)) in self.ledger:
+                    return True
+        return self.objects is not None and self.objects.contains(_name(self.fp, group, key))
+
+    def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
+        if self.ledger is not None:
+            k = (group, bytes(key))
+            with self._lock:
+                if k in self.ledger:
+                    self.ledger.move_to_end(k)
+                    return None  # stored already (in this engine's pool, as far as the ledger knows)
+                n = self._entry_bytes[group]
+                while self.ledger and self._used + n > self.options.local_cpu_bytes:
+                    (g, _), m = self.ledger.popitem(last=False)
+                    self._used -= m
+                    self._evictions[g] += 1
+                self.ledger[k] = n
+                self._used += n
+        return Placement()  # the worker skips an entry it already holds, off the scheduling path
+
+    def pin(self, group: int, key: ChunkKey) -> Placement | None:
+        if self.ledger is not None:
+            with self._lock:
+                k = (group, bytes(key))
+                if k in self.ledger:
+                    self.ledger.move_to_end(k)  # a read refreshes LMCache's LRU too
+                    return Placement()
+        return Placement() if self.objects is not None and self.objects.contains(_name(self.fp, group, key)) \
+            else None
+
+    def forget(self, group: int, key: ChunkKey) -> None:
+        if self.ledger is not None:
+            with self._lock:
+                n = self.ledger.pop((group, bytes(key)), None)
+                if n is not None:
+                    self._used -= n
+
+    def usage(self) -> TierUsage | None:
+        if self.ledger is None:
+            # Objects are named by hashes: per-group figures are not known here.
+            return TierUsage(entries=(), bytes=(), capacity_bytes=self.options.local_cpu_bytes)
+        with self._lock:
+            entries = [0] * len(self._entry_bytes)
+            nbytes = [0] * len(self._entry_bytes)
+            for (g, _), n in self.ledger.items():
+                entries[g] += 1
+                nbytes[g] += n
+            return TierUsage(tuple(entries), tuple(nbytes), tuple(self._evictions),
+                             capacity_bytes=self.options.local_cpu_bytes)
+
+    def close(self) -> None:
+        if self._release is not None:
+            release_objects(self._release)
+            self._release = None
+
+
+def _max_entry_bytes(ctx: TierContext) -> list[int]:
+    """Each group's largest payload (as the host tier sizes its slots)."""
+    from offload.store.cpu import CpuLayout
+
+    layout = CpuLayout.plan(ctx.planner, 1 << 62)
+    return [layout.slot_bytes(g) for g in range(len(ctx.planner.groups))]
+
+
+class LMCacheData(TierData):
+    """Worker side: framed payloads (header + CRC, as a chunk file) in and out
+    of the storage engine, on the worker's I/O threads."""
+
+    def __init__(self, objects: LMCacheObjects, options: LMCacheOptions) -> None:
+        self.objects = objects
+        self.options = options
+        self._closed = False
+
+    def holds(self, header: ChunkHeader, placement: Placement) -> bool:
+        return self.objects.contains(_name(header.fingerprint, header.group, header.key))
+
+    def put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
+        n = chunk.payload.numel()
+        if n != header.payload_len:
+            raise ValueError(f"payload has {n} bytes, header says {header.payload_len}")
+        name = _name(header.fingerprint, header.group, header.key)
+        if self.objects.contains(name):
+            return False
+        if chunk.buf is None:  # a host-memory slot: frame it (a memcpy, off the forward path)
+            framed = HostChunk.pooled(BufferPool(), n)
+            framed.payload.copy_(chunk.payload)
+            chunk = framed
+        assert chunk.buf is not None
+        full = ChunkHeader(**{**header.__dict__, "payload_crc": copier.crc32c(chunk.payload)})
+        chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(full.pack()), dtype=torch.uint8))
+        if not self.objects.put(name, chunk.buf[:HEADER_LEN + n]):
+            raise OSError(f"LMCache local pool took no object of {HEADER_LEN + n} bytes (full, or an engine error)")
+        return True
+
+    def get(self, header: ChunkHeader, placement: Placement, pool: BufferPool) -> HostChunk:
+        n = header.payload_len
+        name = _name(header.fingerprint, header.group, header.key)
+        chunk = HostChunk.pooled(pool, n)
+        try:
+            assert chunk.buf is not None
+            framed = chunk.buf[:HEADER_LEN + n]
+            if not self.objects.get_into(name, framed):
+                # Gone (evicted, remote down or without it) or another length.
+                raise ChunkMiss(MissReason.MISSING, f"LMCache object {name}")
+            try:
+                stored = ChunkHeader.unpack(bytes(framed[:HEADER_LEN].numpy()))
+                stored.check_matches(header)
+                if stored.payload_crc != copier.crc32c(chunk.payload):
+                    raise FormatError("payload checksum mismatch")
+            except FormatError as e:
+                raise ChunkMiss(MissReason.CORRUPT, f"LMCache object {name}: {e}") from None
+        except BaseException:
+            chunk.release()
+            raise
+        return chunk
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            release_objects(self.options)
+
+
+class LMCacheTier(TierSpec[LMCacheOptions]):
+    """LMCache's storage engine: a local CPU pool and, optionally, a remote."""
+
+    store = "lmcache"
+    hit_source = "HOST"
+
+    def __init__(self, options: LMCacheOptions, ctx: TierContext) -> None:
+        super().__init__(options, ctx)
+        if options.remote_url:
+            self.hit_source = "EXTERNAL_UNSPECIFIED"
+
+    def check(self) -> None:
+        try:
+            import lmcache  # noqa: F401
+        except ImportError as e:
+            raise OptionError(f"store='lmcache': LMCache is not importable ({e}); install lmcache==0.5.6 "
+                              "(make setup)") from None
+
+    def describe(self) -> str:
+        remote = f", remote {self.options.remote_url}" if self.options.remote_url else ", no remote"
+        return f"LMCache local CPU pool {self.options.local_cpu_bytes} bytes{remote}"
+
+    def index(self, backed: Backed | None) -> LMCacheIndex:
+        if not self.ctx.separate_workers:
+            return LMCacheIndex(shared_objects(self.options), self.options, self.ctx, self.options)
+        if not self.options.remote_url:
+            return LMCacheIndex(None, self.options, self.ctx, None)
+        # The remote only: a minimal local pool (LMCache requires one), never written.
+        remote = replace(self.options, local_cpu_bytes=1 << 20)
+        return LMCacheIndex(shared_objects(remote), self.options, self.ctx, remote)
+
+    def data(self, device: torch.device) -> LMCacheData:
+        return LMCacheData(shared_objects(self.options), self.options)
