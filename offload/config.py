@@ -7,7 +7,6 @@ valid, so an operator can fix a kv-transfer-config without reading our code.
 from __future__ import annotations
 
 import os
-import stat
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
