@@ -163,7 +163,7 @@ def test_fsck_finds_each_fault_and_repair_fixes_it(warm, tmp_path):
     old_tmp = p2_attn.with_name(p2_attn.name + ".tmp.4242.0badc0de")
     old_tmp.write_bytes(b"x" * 100)
     os.utime(old_tmp, (time.time() - 7200, time.time() - 7200))
-    fresh_tmp = p2_attn.with_name(p2_attn.name + ".tmp.4243.00c0ffee")
+    fresh_tmp = p2_attn.with_name(p2_attn.name + f".tmp.{os.getpid()}.00c0ffee")  # its writer (this process) lives
     fresh_tmp.write_bytes(b"y")
     root, _ = fp_dir(cache)
     stray_chunk = files_of(cache, TOKEN_PROMPTS[3], ATTN)[1]
