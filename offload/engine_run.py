@@ -145,6 +145,10 @@ def _serve(spec: RunSpec, progress: TextIO | None = None) -> tuple[list[PromptRe
     kw: dict[str, Any] = dict(spec.engine_args)
     if spec.kv_transfer_config is not None:
         kw["kv_transfer_config"] = KVTransferConfig(**spec.kv_transfer_config)
+        # vLLM's default (0) kills the engine core 5 s after SIGTERM: stores
+        # still queued on a busy machine would be lost when the run ends (the
+        # connector warns about it; docs/operations.md). Let them land.
+        kw.setdefault("shutdown_timeout", 60)
     llm = LLM(model=spec.model, disable_log_stats=False, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
     out: list[PromptResult] = []
