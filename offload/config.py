@@ -257,7 +257,7 @@ def parse_config(extra: dict[str, Any] | None) -> OffloadConfig:
         mixed = sorted(k for k in extra if k in TIER_KEYS)
         if mixed:
             raise ConfigError(f"invalid OffloadConnector config:\n  {EXTRA_CONFIG}.{mixed[0]}: a tier key next to "
-                              "'tiers'; move it into the tier it belongs to (tiers[i]) or drop 'tiers'")
+                              "'tiers'; move it into the tier it belongs to (tiers[i]) or drop 'tiers'") from None
         doc = extra
     try:
         cfg = OffloadConfig.model_validate(doc)
