@@ -12,7 +12,10 @@ Configurations, alternating within each repetition:
 - cpu: the host-memory tier alone;
 - fs: the file tier alone;
 - stack: host memory, then files (write-through from the host copy);
-- two-connectors: the cpu and fs tiers as two workers, each gathering.
+- two-connectors: the cpu and fs tiers as two workers, each gathering (what
+  our MultiConnector did with two of our children);
+- two-connectors-shared: the same with the MultiConnector's `GatherShare`
+  (the first child gathers, the second copies its host bytes).
 Loads: stack from host memory (after a reset), stack after a restart (host
 memory empty: from files, with promotion into host memory), each tier alone.
 
@@ -36,7 +39,7 @@ from bench.common import GB, drop_page_cache, median, table, write_results
 from bench.kvsynth import CHUNK, TINY, HybridKV, Shape
 from offload.config import parse_config
 from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob, TierSlot
-from offload.connector.worker import WorkerSide
+from offload.connector.worker import GatherShare, WorkerSide
 from offload.keys import Fingerprint
 from offload.metrics import Recorder
 from offload.planner import GroupSpec, HybridOffloadPlanner
@@ -102,11 +105,14 @@ def ref(kv: HybridKV, c: int, g) -> FileRef:
                    kv.keys[c - 1][:8] if c else bytes(8))
 
 
-def store_all(kv: HybridKV, workers: list[tuple[WorkerSide, list[TierIndex]]]) -> tuple[float, float]:
+def store_all(kv: HybridKV, workers: list[tuple[WorkerSide, list[TierIndex]]],
+              share: GatherShare | None = None) -> tuple[float, float]:
     """(forward-path seconds, seconds until every tier has every entry)."""
     t0 = time.perf_counter()
     forward = 0.0
     for c in range(kv.chunks):
+        if share is not None:
+            share.clear()  # what the MultiConnector does after each step
         for w, indices in workers:
             meta = OffloadMetadata()
             for g in kv.groups:
@@ -121,6 +127,8 @@ def store_all(kv: HybridKV, workers: list[tuple[WorkerSide, list[TierIndex]]]) -
             f0 = time.perf_counter()
             w.wait_for_save(meta)
             forward += time.perf_counter() - f0
+    if share is not None:
+        share.clear()
     for w, _ in workers:
         while w._stores:
             time.sleep(0.001)
@@ -194,21 +202,27 @@ def run(gib: float, reps: int, tiny: bool, work: Path) -> dict:
         "fs": [[{"store": "fs"}]],
         "stack": [[{"store": "cpu", "cpu_bytes": cpu_bytes}, {"store": "fs"}]],
         "two-connectors": [[{"store": "cpu", "cpu_bytes": cpu_bytes}], [{"store": "fs"}]],
+        "two-connectors-shared": [[{"store": "cpu", "cpu_bytes": cpu_bytes}], [{"store": "fs"}]],
     }
     rows: dict[str, dict[str, list[float]]] = {}
     for rep in range(reps):
         for name, connectors in configs.items():
             cache = work / f"{name}{rep}"
             workers = [build(kv, [dict(t) for t in tiers], cache) for tiers in connectors]
+            share = None
+            if name == "two-connectors-shared":
+                share = GatherShare()
+                for w, _ in workers:
+                    w.share = share
             counting.bytes, counting.seconds = 0, 0.0
-            forward, complete = store_all(kv, workers)
+            forward, complete = store_all(kv, workers, share)
             r = rows.setdefault(name, {})
             r.setdefault("gather_bytes_per_chunk", []).append(counting.bytes / kv.chunks)
             r.setdefault("gather_ms_per_chunk", []).append(counting.seconds / kv.chunks * 1e3)
             r.setdefault("forward_ms_per_chunk", []).append(forward / kv.chunks * 1e3)
             r.setdefault("store_GBps", []).append(total / complete / GB)
-            # Loads: from the fastest tier that holds each entry.
-            w, ix = workers[0] if name != "two-connectors" else workers[0]
+            # Loads: from the fastest tier that holds each entry (the first connector's).
+            w, ix = workers[0]
             drop_page_cache(kv_files(cache))
             secs, _ = load_all(kv, w, ix)
             r.setdefault("load_GBps", []).append(total / secs / GB)

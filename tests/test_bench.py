@@ -149,3 +149,18 @@ def test_bench_e2e_small(prefetched) -> None:
     assert doc["ttft"]["restored_tokens"] == [768]  # 3 of 4 chunks: hits stop at num_tokens - 1
     assert doc["miss"]["cached_tokens_with"] == [0]
     assert doc["ttft"]["identical_first_token"] == [True]
+
+
+def test_tier_stack_bench_gathers_once_per_chunk(tmp_path: Path) -> None:
+    """bench/tier_stack.py on a small cache: the stack and two connectors with
+    the MultiConnector's GatherShare copy each entry out of the KV cache once,
+    two connectors without it twice; every load is checked byte for byte
+    inside the benchmark, and a restart is served from files then promoted."""
+    from bench.tier_stack import run
+
+    res = run(0.01, 1, True, tmp_path)
+    per_chunk = {name: m["gather_bytes_per_chunk"] for name, m in res["median"].items()}
+    one = per_chunk["cpu"]
+    assert one > 0 and per_chunk["fs"] == one == per_chunk["stack"] == per_chunk["two-connectors-shared"]
+    assert per_chunk["two-connectors"] == 2 * one
+    assert res["median"]["stack"]["restart_load_GBps"] > 0 and res["median"]["stack"]["promoted_load_GBps"] > 0

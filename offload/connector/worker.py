@@ -70,6 +70,29 @@ def _describe(name: str, t: torch.Tensor, num_blocks: int) -> str:
     return f"{name}:{t.dtype}:pre{tuple(t.shape[:d])}:post{tuple(t.shape[d + 1:])}/{tuple(t.stride()[d + 1:])}"
 
 
+class GatherShare:
+    """Host copies gathered in the current step, by (group, key), shared by
+    the OffloadConnector children of one MultiConnector in one worker: the
+    first child to store an entry gathers it from the KV cache, the next ones
+    copy its host bytes (a memcpy, never a second device transfer). The
+    MultiConnector clears it after each step's `wait_for_save`."""
+
+    def __init__(self) -> None:
+        self._chunks: dict[tuple[int, bytes], HostChunk] = {}
+
+    def get(self, group: int, key: bytes) -> HostChunk | None:
+        return self._chunks.get((group, key))
+
+    def offer(self, group: int, key: bytes, chunk: HostChunk) -> None:
+        if (group, key) not in self._chunks:
+            self._chunks[(group, key)] = chunk.hold()
+
+    def clear(self) -> None:
+        chunks, self._chunks = self._chunks, {}
+        for c in chunks.values():
+            c.release()
+
+
 class WorkerSide:
     def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fingerprint: Fingerprint,
                  make_data: Callable[[torch.device], list[TierData]], layer_names: list[list[str]],
@@ -109,6 +132,7 @@ class WorkerSide:
         self._reading: dict[tuple[int, int, int], Future[None]] = {}
         self._pending_store_bytes = 0
         self._closed = False
+        self.share: GatherShare | None = None  # set by a MultiConnector with several of us
 
     @property
     def recorder(self) -> Recorder:
@@ -264,10 +288,20 @@ class WorkerSide:
                 direct = (t, target)
             else:
                 rest.append(t)
+        shared = self.share.get(header.group, header.key) if self.share is not None else None
         if direct is not None:
             t, target = direct
             self._wait_reading(t, header.group)
-            pages.gather(job.block_ids, out=target)
+            if shared is not None:
+                target.copy_(shared.payload)  # a sibling connector gathered it this step
+            else:
+                pages.gather(job.block_ids, out=target)
+                if self.share is not None:
+                    # A pooled copy, not the slot: a later store or promotion may reuse the slot.
+                    copy = HostChunk.pooled(self.buffers, n)
+                    copy.payload.copy_(target)
+                    self.share.offer(header.group, header.key, copy)
+                    copy.release()
             self.tiers[t.tier].gathered(header, Placement(t.slot))
             self._stored(t.tier, header, n, t0)
         # Skip the gather where every other tier holds the entry already (one
@@ -287,7 +321,12 @@ class WorkerSide:
         if direct is None:
             chunk = HostChunk.pooled(self.buffers, n)
             try:
-                pages.gather(job.block_ids, out=chunk.payload)
+                if shared is not None:
+                    chunk.payload.copy_(shared.payload)  # a sibling connector gathered it this step
+                else:
+                    pages.gather(job.block_ids, out=chunk.payload)
+                    if self.share is not None:
+                        self.share.offer(header.group, header.key, chunk)
             except BaseException:
                 chunk.release()
                 self._release(n)

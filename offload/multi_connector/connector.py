@@ -118,6 +118,15 @@ class MultiConnector(VllmMultiConnector):
         inner.kv_transfer_config.kv_connector_extra_config = self._as_vllm_extra(ktc.kv_connector_extra_config)
         super().__init__(inner, role, kv_cache_config)
         self._children = children
+        # Our children share one gather per entry and step (GatherShare).
+        self._share = None
+        ours = [c for c in self._connectors if isinstance(c, OffloadConnector) and c._worker is not None]
+        if len(ours) > 1:
+            from offload.connector.worker import GatherShare
+
+            self._share = GatherShare()
+            for c in ours:
+                c._worker.share = self._share
         if role == KVConnectorRole.SCHEDULER:
             logger.info("OffloadMultiConnector: %s", ", ".join(
                 f"[{i}] {c.ktc['kv_connector']}"
@@ -158,6 +167,13 @@ class MultiConnector(VllmMultiConnector):
             return 0, False
         self._requests_to_connector[request.request_id] = best[1]
         return best[2], best[3]
+
+    def wait_for_save(self) -> None:
+        try:
+            super().wait_for_save()  # every child in order; the first to store an entry gathers it
+        finally:
+            if self._share is not None:
+                self._share.clear()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput):
         meta = super().build_connector_meta(scheduler_output)

@@ -18,6 +18,7 @@ tier (promotion).
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -92,16 +93,30 @@ class HostChunk:
     payload: torch.Tensor
     buf: torch.Tensor | None = None
     pool: BufferPool | None = None
+    refs: int = 1  # holders; the buffer goes back to the pool when the last one releases
 
     @classmethod
     def pooled(cls, pool: BufferPool, payload_len: int) -> HostChunk:
         buf = pool.get(HEADER_LEN + payload_len)
         return cls(buf[HEADER_LEN:HEADER_LEN + payload_len], buf, pool)
 
+    def hold(self) -> HostChunk:
+        with _REFS_LOCK:
+            self.refs += 1
+        return self
+
     def release(self) -> None:
-        if self.pool is not None and self.buf is not None:
-            self.pool.put(self.buf)
-        self.pool = None
+        with _REFS_LOCK:
+            self.refs -= 1
+            last = self.refs == 0
+        if last:
+            if self.pool is not None and self.buf is not None:
+                self.pool.put(self.buf)
+            self.pool = None
+
+
+# Holders of one chunk release it on different threads (forward path, store threads).
+_REFS_LOCK = threading.Lock()
 
 
 class TierIndex(ABC):
