@@ -24,9 +24,9 @@ rng = random.Random(21)
 PROMPTS = [random_prompt(rng, n) for n in (700, 900, 1100)]
 
 
-def _serve_twice(models_dir, kv: dict):
+def _serve_twice(models_dir, kv: dict, model: str = "llama-tiny"):
     args = {**engine_args(False), "disable_hybrid_kv_cache_manager": True}
-    run = run_engine(RunSpec(str(models_dir / "llama-tiny"), PROMPTS, kv, 12, args, passes=2))
+    run = run_engine(RunSpec(str(models_dir / model), PROMPTS, kv, 12, args, passes=2))
     return run.results[:3], run.results[3:]
 
 
@@ -35,11 +35,14 @@ def _check(first, second):
     assert all(r.cached_tokens > 0 for r in second), "after reset_prefix_cache() a child restores"
 
 
-def test_lmcache_child_restores_attention_model(models_dir, tmp_path):
+@pytest.mark.parametrize("model", ["llama-tiny", "llama-3.1-8b-geometry"])
+def test_lmcache_child_restores_attention_model(models_dir, tmp_path, model):
+    """LMCache's own vLLM connector as a child where it has a data path (pure attention on a GPU),
+    on the toy and on a model with Llama-3.1-8B's per-layer geometry."""
     pytest.importorskip("lmcache")
     kv = json.loads((REPO / "configs" / "attention-tiered-lmcache.json").read_text())
     kv["kv_connector_extra_config"]["children"][1]["kv_connector_extra_config"]["path"] = str(tmp_path)
-    _check(*_serve_twice(models_dir, kv))
+    _check(*_serve_twice(models_dir, kv, model))
 
 
 def test_vllm_simple_cpu_offload_child_beside_our_fs_tier(models_dir, tmp_path):

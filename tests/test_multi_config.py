@@ -53,6 +53,7 @@ def test_lmcache_child_refused_on_hybrid_model_with_reason_and_alternative():
     msg = str(e.value)
     assert "children[0].kv_connector='LMCacheConnectorV1'" in msg
     assert "Mamba" in msg and "2845" in msg and '"store": "cpu"' in msg
+    assert "MP mode" in msg and "not bit-exact" in msg and '"store": "lmcache"' in msg
     check_children(children, kv_cache_config(hybrid=False))  # fine for pure attention
 
 

@@ -89,9 +89,12 @@ def check_children(children: list[Child], kv_cache_config: KVCacheConfig) -> Non
         where = f"{EXTRA_CONFIG}.{CHILDREN}[{i}]"
         if hybrid and "lmcache" in c.ktc["kv_connector"].lower():
             raise ConfigError(
-                f"{where}.kv_connector={c.ktc['kv_connector']!r}: LMCache restores attention KV without the "
-                "Mamba/GDN state of a hybrid model (LMCache issue 2845), which corrupts outputs; use an "
-                'OffloadConnector child with "store": "cpu" for host memory instead')
+                f"{where}.kv_connector={c.ktc['kv_connector']!r}: LMCache's classic connector restores "
+                "attention KV without the Mamba/GDN state of a hybrid model (LMCache issue 2845), which "
+                "corrupts outputs, and its MP mode, which does handle hybrids, is not bit-exact by LMCache's own "
+                "documentation; so neither is accepted here. To keep KV in LMCache's storage engine on a hybrid, "
+                'use an OffloadConnector child with "store": "lmcache" (our planner and format decide what a '
+                'hit is, bit-exact), or "store": "cpu" for host memory')
         if not c.store and not _is_ours(c.ktc):
             raise ConfigError(f"{where}.store=false: only OffloadConnector children can be read-only; "
                               "remove 'store' or use an OffloadConnector child")
