@@ -114,10 +114,9 @@ def _tp_rank(vllm_config: VllmConfig) -> int:
 
 class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads KV cache chunks of every group (attention KV, windowed KV,
-    Mamba/GDN state) to canonical per-group files, and restores a prefix only
-    when every group can be restored at exactly that boundary."""
-
-    _cache_hit_source = CacheHitSource.DISK
+    Mamba/GDN state) to a stack of tiers (host memory, files, LMCache's
+    storage engine), and restores a prefix only when every group can be
+    restored at exactly that boundary."""
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         # A stack's hit is attributed to the slowest tier it reads from.
