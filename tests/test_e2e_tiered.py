@@ -45,8 +45,9 @@ def weighted(path, fs_weight: float) -> dict:
                 {**child, "kv_connector_extra_config": fs, "load_weight": fs_weight}]}}
 
 
-def serve(models_dir, kv):
-    run = run_engine(RunSpec(str(models_dir / "qwen3-next-tiny"), PROMPTS, kv, 12, engine_args(True), passes=2))
+def serve(models_dir, kv, pause_s: float = 0.0):
+    run = run_engine(RunSpec(str(models_dir / "qwen3-next-tiny"), PROMPTS, kv, 12, engine_args(True), passes=2,
+                             pause_s=pause_s))
     n = len(PROMPTS)
     return run, run.results[:n], run.results[n:]
 
@@ -66,7 +67,8 @@ def runs(models_dir, tmp_path_factory):
     cold = serve(models_dir, tiered(cache))
     # The restart, and the weighted MultiConnector on a directory of its own, side by side.
     restart, weighted_run = side_by_side(lambda: serve(models_dir, tiered(cache)),
-                                         lambda: serve(models_dir, weighted(tmp_path_factory.mktemp("w"), 2.0)))
+                                         # idle 10 s: the file child's writes land, so both children hold the prefixes
+                                         lambda: serve(models_dir, weighted(tmp_path_factory.mktemp("w"), 2.0), 10.0))
     return {"cold": cold, "restart": restart, "weighted": weighted_run}
 
 
