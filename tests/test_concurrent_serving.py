@@ -118,7 +118,7 @@ def tiered_config(cache: Path) -> dict:
 
 
 def chunk_from_log(log: Path) -> int:
-    sizes = {int(m) for m in re.findall(r"OffloadConnector: store=\S+ .*?hybrid_chunk_size=(\d+)", log.read_text())}
+    sizes = {int(m) for m in re.findall(r"OffloadConnector: hybrid_chunk_size=(\d+)", log.read_text())}
     assert len(sizes) == 1, f"one hybrid_chunk_size in the start-up log, got {sizes}"
     return sizes.pop()
 
