@@ -101,9 +101,15 @@ def remote_cfg(path, url: str) -> dict:
 
 
 def engine_stats(log: str) -> dict[str, int]:
+    """LMCache's counts summed over the engine's storage engines (the worker's, and the scheduler's
+    where it keeps its own for remote lookups: each logs one line when the connector shuts down)."""
     m = re.findall(r"LMCache storage engine stats: (.*)", log)
     assert m, "no LMCache stats line in the engine log"
-    return {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", m[-1])}
+    out: dict[str, int] = {}
+    for line in m:
+        for k, v in re.findall(r"(\w+)=(\d+)", line):
+            out[k] = out.get(k, 0) + int(v)
+    return out
 
 
 def test_two_engines_share_a_redis_remote_and_survive_its_kill(models_dir, tmp_path):
