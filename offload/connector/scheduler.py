@@ -38,7 +38,7 @@ class _Req:
     stored_chunks: int = 0
     # (hit chunks, computed tokens) of the last lookup that reported a hit.
     pending_hit: tuple[int, int] | None = None
-    hit_tier: int = 0  # the slowest tier the pending hit reads from
+    hit_tier: int = 0  # the slowest tier the planned load reads from
     loading_tokens: int = 0
     loading_by_tier: dict[int, int] = field(default_factory=dict)
     restored_by_tier: dict[int, int] = field(default_factory=dict)
@@ -146,17 +146,7 @@ class SchedulerSide:
             st.pending_hit = None
             return 0, False
         st.pending_hit = (n, num_computed_tokens)
-        st.hit_tier = self._slowest_tier(st, n) if len(self.indices) > 1 else 0
         return hit, True
-
-    def _slowest_tier(self, st: _Req, n: int) -> int:
-        """The slowest tier a hit of `n` chunks reads from (its source, for vLLM's metrics)."""
-        slowest = 0
-        for g in range(len(self.planner.groups)):
-            for ch in ([n - 1] if g in self._mamba else range(n)):
-                t = next((t for t, ix in enumerate(self.indices) if ix.contains(g, st.keys[ch])), 0)
-                slowest = max(slowest, t)
-        return slowest
 
     @property
     def pinned_entries(self) -> int:
@@ -164,6 +154,8 @@ class SchedulerSide:
         return sum(len(v) for v in self._pins.values())
 
     def hit_tier(self, req_id: str) -> int:
+        """The slowest tier the admitted hit reads from, as its load was
+        planned (vLLM asks right after `update_state_after_alloc`): no probes."""
         st = self.reqs.get(req_id)
         return st.hit_tier if st is not None else 0
 
@@ -238,6 +230,7 @@ class SchedulerSide:
         if fail:
             self._unpin(request.request_id)
         st.loading_tokens = num_external_tokens
+        st.hit_tier = max((s.tier for s in sources), default=0)
         st.loading_by_tier = {}
         for chunk in range(n):  # a hit's tokens, by the tier its chunk comes from
             tokens = min(c, (chunk + 1) * c - computed) if (chunk + 1) * c > computed else 0
