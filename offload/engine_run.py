@@ -1,26 +1,38 @@
 """Serve a prompt set through a fresh vLLM engine process and report per prompt.
 
 A restart is a new process, so every run happens in a subprocess
-(`python -m offload.engine_run SPEC OUT [PROGRESS]`): the demo, the end-to-end
-tests and the warm-up CLI (its progress bar from `progress`) all use this one
-runner and measure what an operator's restarted server would see.
+(`python -m offload.engine_run SPEC DIR`): the demo, the end-to-end tests and
+the warm-up CLI (its progress bar from `progress`) all use this one runner and
+measure what an operator's restarted server would see.
 Prompts are served one at a time so that batch composition cannot change a
 near-tie greedy token between runs (random-weight bf16 models have many).
+
+The child writes one JSON line per served prompt to DIR/results.jsonl as it
+goes (a run killed with SIGKILL still reports what it served), a line per
+finished pass, and its metrics to DIR/metrics.json after the last pass. With
+`RunSpec.gated` each pass after the first waits until the parent releases it
+(`EngineRun.release`): a test changes the cache between passes, or two
+engines take turns. With `RunSpec.hold` the engine stays up after its last
+pass until it is killed, as a server killed in service would.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any
+
+Samples = list[tuple[str, dict[str, str], float]]
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,7 @@ class PromptResult:
     ttft_s: float
     output_ids: list[int]
     restored_by_tier: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0  # the request's whole time (decode time = wall_s - ttft_s)
 
 
 @dataclass
@@ -49,6 +62,13 @@ class RunSpec:
     # Idle seconds before each pass after the first (a server's quiet time:
     # the stores still in flight land).
     pause_s: float = 0.0
+    # Each pass after the first starts when the parent releases it (EngineRun.release).
+    gated: bool = False
+    # After the last pass, stay up until killed (stores may still be in flight).
+    hold: bool = False
+
+    def pass_orders(self) -> list[list[int]]:
+        return self.order if self.order is not None else [list(range(len(self.prompts)))] * self.passes
 
 
 @dataclass
@@ -57,12 +77,18 @@ class RunResult:
     log: str  # the engine's stdout+stderr, for checks on what it logged
     # kvoffload_* Prometheus samples (name, labels, value) as the engine's own
     # stat logger exported them after the last pass (offload/metrics.py).
-    metrics: list[tuple[str, dict[str, str], float]] = field(default_factory=list)
+    metrics: Samples = field(default_factory=list)
+    # The pass each result belongs to, and its prompt's index in RunSpec.prompts.
+    pass_of: list[int] = field(default_factory=list)
+    index_of: list[int] = field(default_factory=list)
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of the samples of `name` whose labels include `labels`."""
-        return sum(v for n, lab, v in self.metrics
-                   if n == name and all(lab.get(k) == want for k, want in labels.items()))
+        return metric_sum(self.metrics, name, **labels)
+
+    def by_pass(self, p: int) -> dict[int, PromptResult]:
+        """Pass `p`'s results by prompt index."""
+        return {i: r for r, q, i in zip(self.results, self.pass_of, self.index_of) if q == p}
 
     @property
     def prompt_tokens(self) -> int:
@@ -88,57 +114,136 @@ class RunResult:
         return [r.output_ids for r in self.results]
 
 
-def run_engine(spec: RunSpec, env: dict[str, str] | None = None, timeout_s: float = 900,
-               progress: Callable[[int, int], None] | None = None) -> RunResult:
-    """Run `spec` in a new Python process; raise with the engine log on
-    failure (or after `timeout_s`). `progress(done, total)` is called as the
-    child finishes prompts (the CLI draws its bar from it)."""
-    total = sum(map(len, spec.order)) if spec.order else len(spec.prompts) * spec.passes
-    with tempfile.TemporaryDirectory(prefix="kvoffload-run-") as tmp:
-        spec_path, out_path, prog, log_path = (Path(tmp, n) for n in ("spec.json", "out.json", "progress", "log"))
-        spec_path.write_text(json.dumps(asdict(spec)))
-        prog.touch()
+def metric_sum(samples: Samples, name: str, **labels: str) -> float:
+    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == want for k, want in labels.items()))
+
+
+class EngineRun:
+    """A running engine process (`start_engine`); `wait()` gives its RunResult."""
+
+    def __init__(self, spec: RunSpec, env: dict[str, str] | None, workdir: Path | None) -> None:
+        self.spec, self._own_dir = spec, workdir is None
+        self.dir = Path(tempfile.mkdtemp(prefix="kvoffload-run-")) if workdir is None else workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.results_path, self.log_path = self.dir / "results.jsonl", self.dir / "engine.log"
+        (self.dir / "spec.json").write_text(json.dumps(asdict(spec)))
+        self.results_path.write_text("")
         full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                     **(env or {})}
-        with open(log_path, "w") as lf:
-            proc = subprocess.Popen([sys.executable, "-m", "offload.engine_run", str(spec_path), str(out_path),
-                                     str(prog)], env=full_env, stdout=lf, stderr=subprocess.STDOUT)
-        deadline, seen = time.monotonic() + timeout_s, 0
-        while True:
-            finished = proc.poll() is not None
-            done = len(prog.read_text()) // 2
-            if progress is not None and done > seen:
-                progress(done, total)
-                seen = done
-            if finished:
-                break
+        with open(self.log_path, "w") as lf:
+            # A session of its own: kill() takes the engine core and workers with it.
+            self.proc = subprocess.Popen([sys.executable, "-m", "offload.engine_run", str(self.dir)], env=full_env,
+                                         stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def rows(self) -> list[dict]:
+        """What the child has reported so far: {"pass", "index", "result"} per prompt, {"pass_done"} per pass."""
+        text = self.results_path.read_text()
+        return [json.loads(ln) for ln in text.splitlines()[: text.count("\n")] if ln]
+
+    def served(self) -> list[tuple[int, int, PromptResult]]:
+        """(pass, prompt index, result) of every prompt served so far."""
+        return [(r["pass"], r["index"], PromptResult(**r["result"])) for r in self.rows() if "result" in r]
+
+    def passes_done(self) -> int:
+        return sum(1 for r in self.rows() if "pass_done" in r)
+
+    def wait_pass(self, p: int, timeout_s: float = 900) -> None:
+        """Until pass `p` has finished; raises if the engine exits first."""
+        deadline = time.monotonic() + timeout_s
+        while self.passes_done() <= p:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited (code {self.proc.returncode}) before pass {p} ended:\n"
+                                   f"{self.log[-6000:]}")
             if time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                raise subprocess.TimeoutExpired(proc.args, timeout_s, output=log_path.read_text(errors="replace"))
-            time.sleep(0.2)
-        log = log_path.read_text(errors="replace")
-        if proc.returncode != 0 or not out_path.exists():
-            raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{log[-6000:]}")
-        results = [PromptResult(**r) for r in json.loads(out_path.read_text())]
-        return RunResult(results, log, read_metrics(out_path))
+                raise TimeoutError(f"pass {p} did not end in {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    def release(self, p: int) -> None:
+        """Let a gated run start pass `p`."""
+        (self.dir / f"go.{p}").touch()
+
+    def metrics(self) -> Samples:
+        p = self.dir / "metrics.json"
+        return [tuple(m) for m in json.loads(p.read_text())] if p.exists() else []
+
+    def result(self) -> RunResult:
+        served = self.served()
+        return RunResult([r for _, _, r in served], self.log, self.metrics(), [p for p, _, _ in served],
+                         [i for _, i, _ in served])
+
+    def kill(self) -> None:
+        """SIGKILL to the engine's whole process group."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def wait(self, timeout_s: float = 900, progress: Callable[[int, int], None] | None = None,
+             between: Callable[[int], None] | None = None) -> RunResult:
+        """Until the engine exits; raise with its log on failure (or after
+        `timeout_s`, killing it). `progress(done, total)` as prompts finish;
+        `between(p)` runs when pass `p` has ended, before a gated run's next."""
+        orders = self.spec.pass_orders()
+        total = sum(map(len, orders))
+        deadline, seen, released = time.monotonic() + timeout_s, 0, 0
+        try:
+            while True:
+                finished = self.proc.poll() is not None
+                rows = self.rows()
+                done = sum(1 for r in rows if "result" in r)
+                if progress is not None and done > seen:
+                    progress(done, total)
+                    seen = done
+                ended = sum(1 for r in rows if "pass_done" in r)
+                while self.spec.gated and released < min(ended, len(orders) - 1):
+                    if between is not None:
+                        between(released)
+                    released += 1
+                    self.release(released)
+                if finished:
+                    break
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise subprocess.TimeoutExpired(self.proc.args, timeout_s, output=self.log)
+                time.sleep(0.1)
+            if self.proc.returncode != 0 or self.passes_done() < len(orders):
+                raise RuntimeError(f"engine run failed (exit {self.proc.returncode}):\n{self.log[-6000:]}")
+            return self.result()
+        finally:
+            if self._own_dir and self.proc.poll() is not None:
+                shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def read_metrics(out_path: Path) -> list[tuple[str, dict[str, str], float]]:
-    """The samples a child wrote next to its results file (OUT.metrics)."""
-    p = Path(f"{out_path}.metrics")
-    return [tuple(m) for m in json.loads(p.read_text())] if p.exists() else []
+def start_engine(spec: RunSpec, env: dict[str, str] | None = None, workdir: Path | None = None) -> EngineRun:
+    """Start `spec` in a new Python process (its files under `workdir`, else a temporary directory)."""
+    return EngineRun(spec, env, workdir)
 
 
-def _metrics() -> list[tuple[str, dict[str, str], float]]:
+def run_engine(spec: RunSpec, env: dict[str, str] | None = None, timeout_s: float = 900,
+               progress: Callable[[int, int], None] | None = None,
+               between: Callable[[int], None] | None = None) -> RunResult:
+    """Run `spec` in a new Python process to its end (see EngineRun.wait)."""
+    if between is not None:
+        spec.gated = True
+    return start_engine(spec, env).wait(timeout_s, progress, between)
+
+
+def _metrics() -> Samples:
     from prometheus_client import REGISTRY
 
     return [(s.name, dict(s.labels), s.value) for m in REGISTRY.collect() if m.name.startswith("kvoffload")
             for s in m.samples]
 
 
-def _serve(spec: RunSpec, progress: TextIO | None = None) -> tuple[list[PromptResult],
-                                                                    list[tuple[str, dict[str, str], float]]]:
+def _write_line(out: Any, row: dict) -> None:
+    out.write(json.dumps(row) + "\n")
+    out.flush()
+
+
+def _serve(spec: RunSpec, workdir: Path) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
@@ -151,47 +256,41 @@ def _serve(spec: RunSpec, progress: TextIO | None = None) -> tuple[list[PromptRe
         kw.setdefault("shutdown_timeout", 60)
     llm = LLM(model=spec.model, disable_log_stats=False, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
-    out: list[PromptResult] = []
-    order = spec.order or [list(range(len(spec.prompts)))] * spec.passes
-    for p, indices in enumerate(order):
-        if p:
-            time.sleep(spec.pause_s)
-            assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
-        out.extend(_serve_pass(llm, [spec.prompts[i] for i in indices], params, progress))
-    metrics = _metrics()
+    with open(workdir / "results.jsonl", "a") as out:
+        for p, indices in enumerate(spec.pass_orders()):
+            if p:
+                while spec.gated and not (workdir / f"go.{p}").exists():
+                    time.sleep(0.05)
+                time.sleep(spec.pause_s)
+                assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
+            for i in indices:
+                _write_line(out, {"pass": p, "index": i, "result": asdict(_serve_one(llm, spec.prompts[i], params))})
+            _write_line(out, {"pass_done": p})
+    (workdir / "metrics.json").write_text(json.dumps(_metrics()))
+    while spec.hold:
+        time.sleep(3600)
     del llm  # clean shutdown: the connector finishes its stores in flight
-    return out, metrics
 
 
-def _serve_pass(llm: Any, prompts: list[list[int]], params: Any, progress: TextIO | None = None) -> list[PromptResult]:
-    out: list[PromptResult] = []
-    for ids in prompts:
-        t0 = time.monotonic()
-        o = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
-        wall = time.monotonic() - t0
-        m = o.metrics
-        ttft = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
-        tiers = {k.split(":", 1)[1]: v for k, v in (o.kv_transfer_params or {}).items()
-                 if k.startswith("kvoffload:")}
-        out.append(PromptResult(
-            prompt_tokens=len(ids), cached_tokens=o.num_cached_tokens or 0,
-            restored_tokens=sum(int(v["restored_tokens"]) for v in tiers.values()),
-            load_failed=any(v["load_failed"] for v in tiers.values()),
-            restored_by_tier={t: int(v["restored_tokens"]) for t, v in tiers.items()},
-            ttft_s=ttft if ttft > 0 else wall, output_ids=list(o.outputs[0].token_ids),
-        ))
-        if progress is not None:
-            progress.write(".\n")  # a line per prompt: the parent counts them
-            progress.flush()
-    return out
+def _serve_one(llm: Any, ids: list[int], params: Any) -> PromptResult:
+    t0 = time.monotonic()
+    o = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    wall = time.monotonic() - t0
+    m = o.metrics
+    ttft = getattr(m, "first_token_latency", 0.0) if m is not None else 0.0
+    tiers = {k.split(":", 1)[1]: v for k, v in (o.kv_transfer_params or {}).items() if k.startswith("kvoffload:")}
+    return PromptResult(
+        prompt_tokens=len(ids), cached_tokens=o.num_cached_tokens or 0,
+        restored_tokens=sum(int(v["restored_tokens"]) for v in tiers.values()),
+        load_failed=any(v["load_failed"] for v in tiers.values()),
+        restored_by_tier={t: int(v["restored_tokens"]) for t, v in tiers.items()},
+        ttft_s=ttft if ttft > 0 else wall, output_ids=list(o.outputs[0].token_ids), wall_s=wall,
+    )
 
 
 def main(argv: list[str]) -> int:
-    spec = RunSpec(**json.loads(Path(argv[0]).read_text()))
-    with open(argv[2] if len(argv) > 2 else os.devnull, "a") as progress:
-        results, metrics = _serve(spec, progress)
-    Path(argv[1]).write_text(json.dumps([asdict(r) for r in results]))
-    Path(argv[1] + ".metrics").write_text(json.dumps(metrics))
+    workdir = Path(argv[0])
+    _serve(RunSpec(**json.loads((workdir / "spec.json").read_text())), workdir)
     return 0
 
 

@@ -2,11 +2,13 @@
 lookup and load, foreign format versions, I/O errors, full disks, kill -9,
 slow storage, a shared directory under a byte budget.
 
-Engines run in subprocesses (tests/faults/driver.py) on the tiny Qwen3-Next
+Engines run through the project's engine runner (offload/engine_run.py: passes
+the test releases one by one, a hold until killed) on the tiny Qwen3-Next
 hybrid (group 0 = GDN state, group 1 = full attention). Faults are injected
 in files or, where a file cannot be made to fail at the right moment, by
-tests/faults/faulty_connector.py at our storage layer (never in vLLM). Each
-test prints one RELIABILITY line: its row in docs/reliability.md.
+tests/faults/faulty_connector.py at our storage layer (never in vLLM). The
+worker's counts come from the engine's own Prometheus samples. Each test
+prints one RELIABILITY line: its row in docs/reliability.md.
 
 Reference outputs are connector-loaded cold runs (loading any KV connector
 can flip a near-tie bf16 token; see tests/test_e2e_fs.py); comparisons are exact.
@@ -14,18 +16,16 @@ can flip a near-tie bf16 token; see tests/test_e2e_fs.py); comparisons are exact
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import random
 import re
-import signal
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -33,6 +33,7 @@ import pytest
 from conftest import CHUNK, REPO, engine_args, layouts, random_prompt
 from faults.report import record
 from offload.copier import crc32c
+from offload.engine_run import EngineRun, RunResult, RunSpec, start_engine
 from offload.keys import chunk_keys, request_root
 
 pytestmark = pytest.mark.e2e
@@ -40,6 +41,11 @@ pytestmark = pytest.mark.e2e
 GDN, ATTN = 0, 1
 MODEL = "qwen3-next-tiny"
 ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "VLLM_CPU_KVCACHE_SPACE": "1"}
+# Counts a run reports come from its engine's Prometheus samples after its last pass; a store lands
+# after its request ended, so runs that count stores or evictions end with a pass of one prompt
+# shorter than a chunk (nothing to store or restore), after SETTLE_S idle seconds: its steps report
+# what landed meanwhile.
+SETTLE_S = 2.0
 
 
 def kv_config(cache: Path, faulty: bool = False, **extra) -> dict:
@@ -48,57 +54,36 @@ def kv_config(cache: Path, faulty: bool = False, **extra) -> dict:
             "kv_role": "kv_both", "kv_connector_extra_config": {"store": "fs", "path": str(cache), **extra}}
 
 
-class Run:
-    """A driver process: results per (phase, index), its log, its counters."""
-
-    def __init__(self, proc: subprocess.Popen, out: Path, log: Path) -> None:
-        self.proc, self.out, self.log_path = proc, out, log
-
-    def rows(self) -> list[dict]:
-        return [json.loads(ln) for ln in self.out.read_text().splitlines()] if self.out.exists() else []
-
-    def by_phase(self, phase: int) -> dict[int, dict]:
-        return {r["index"]: r["result"] for r in self.rows() if r["phase"] == phase}
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def counters(self) -> dict:
-        """The worker's counters from its shutdown log line (last one)."""
-        lines = re.findall(r"kvoffload worker counters \[[^\]]+\]: WorkerCounters\((.*)\)", self.log)
-        assert lines, f"no counters line in the engine log:\n{self.log[-3000:]}"
-        fields = {}
-        for m in re.finditer(r"(\w+)=(\{[^}]*\}|\d+)", lines[-1]):
-            fields[m.group(1)] = ast.literal_eval(m.group(2))
-        return fields
+def start(models: Path, tmp: Path, name: str, prompts, order, kv=None, faults=None, max_tokens=2,
+          extra_args=None, **spec) -> EngineRun:
+    """An engine serving `order` (a list of passes) in a process of its own (files under tmp/name)."""
+    run_spec = RunSpec(str(models / MODEL), prompts, kv, max_tokens, {**engine_args(True), **(extra_args or {})},
+                       order=order, **spec)
+    return start_engine(run_spec, {**ENV, "KVOFFLOAD_FAULTS": json.dumps(faults or {})}, tmp / name)
 
 
-def start(models: Path, tmp: Path, name: str, prompts, phases, kv=None, faults=None, hang=False,
-          max_tokens=2, extra_args=None) -> Run:
-    spec = {"model": str(models / MODEL), "prompts": prompts, "kv_transfer_config": kv, "max_tokens": max_tokens,
-            "engine_args": {**engine_args(True), **(extra_args or {})}, "phases": phases, "hang": hang}
-    spec_path, out, log = tmp / f"{name}.spec.json", tmp / f"{name}.jsonl", tmp / f"{name}.log"
-    spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, **ENV, "KVOFFLOAD_FAULTS": json.dumps(faults or {})}
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "faults" / "driver.py"), str(spec_path), str(out)],
-                                stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return Run(proc, out, log)
+def serve(models, tmp, name, prompts, order, between=None, **kw) -> RunResult:
+    return start(models, tmp, name, prompts, order, gated=between is not None, **kw).wait(900, between=between)
 
 
-def finish(run: Run, timeout: float = 900) -> Run:
-    try:
-        rc = run.proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(run.proc.pid, signal.SIGKILL)
-        raise
-    assert rc == 0, f"engine run failed ({rc}):\n{run.log[-5000:]}"
-    return run
+def phase(run: RunResult, p: int) -> dict[int, dict]:
+    """Pass `p`'s results by prompt index, as dicts."""
+    return {i: asdict(r) for i, r in run.by_pass(p).items()}
 
 
-def serve(models, tmp, name, prompts, phases, **kw) -> Run:
-    return finish(start(models, tmp, name, prompts, phases, **kw))
+def counters(run: RunResult) -> dict:
+    """The worker's counts, from the engine's Prometheus samples after its last pass."""
+    def by_reason(name: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for n, labels, v in run.metrics:
+            if n == name and v:
+                out[labels["reason"]] = out.get(labels["reason"], 0) + int(v)
+        return out
+
+    return {"chunk_misses": by_reason("kvoffload_chunk_misses_total"),
+            "stores_dropped": by_reason("kvoffload_stores_dropped_total"),
+            "files_written": int(run.metric("kvoffload_stored_tokens_total", tier="fs")) // CHUNK,
+            "evicted": int(run.metric("kvoffload_evictions_total", tier="fs"))}
 
 
 def files_of(cache: Path, prompt: list[int], group: int) -> list[Path]:
@@ -155,7 +140,7 @@ def bad_files(models_dir, tmp_path_factory):
     idx["eio"] = range(idx["vanish"].stop, idx["vanish"].stop + n_eio)
     idx["ok"] = range(idx["eio"].stop, idx["eio"].stop + n_ok)
     everything = list(range(len(prompts)))
-    cold = serve(models_dir, tmp, "cold", prompts, [{"order": everything}], kv=kv_config(cache))
+    cold = serve(models_dir, tmp, "cold", prompts, [everything], kv=kv_config(cache))
     # Damage: two files each hit reads (the GDN state at the hit boundary and the
     # attention KV of chunk 0), every kind of damage on both groups. A load stops
     # at its first bad file, so pass 1 finds one of the two, pass 2 the other, and
@@ -186,7 +171,7 @@ def bad_files(models_dir, tmp_path_factory):
               {"group": GDN, "keys": [last(i) for i in idx["vanish"][2:3]], "how": "delete"},
               {"group": GDN, "keys": [last(i) for i in idx["vanish"][3:]], "how": "corrupt"}]
     eio_keys = [files_of(cache, prompts[i], ATTN)[0].stem for i in idx["eio"]]
-    warm = serve(models_dir, tmp, "warm", prompts, [{"order": everything}] * 3,
+    warm = serve(models_dir, tmp, "warm", prompts, [everything] * 3,
                  kv=kv_config(cache, faulty=True),
                  faults={"vanish_after_lookup": vanish, "eio_read_keys": eio_keys})
     return {"cache": cache, "prompts": prompts, "idx": idx, "cold": cold, "warm": warm, "damaged": damaged,
@@ -199,8 +184,8 @@ def _hit(prompt: list[int]) -> int:
 
 def test_corrupt_and_foreign_version_files_are_all_detected_counted_and_healed(bad_files):
     b = bad_files
-    cold = b["cold"].by_phase(0)
-    p1, p2, p3 = (b["warm"].by_phase(k) for k in range(3))
+    cold = phase(b["cold"], 0)
+    p1, p2, p3 = (phase(b["warm"], k) for k in range(3))
     for i in b["idx"]["corrupt"]:
         for k, p in enumerate((p1, p2)):
             assert p[i]["load_failed"] and p[i]["restored_tokens"] == 0, f"prompt {i}, pass {k + 1}: not refused"
@@ -213,37 +198,37 @@ def test_corrupt_and_foreign_version_files_are_all_detected_counted_and_healed(b
         assert p3[i]["output_ids"] == cold[i]["output_ids"], f"prompt {i}: output differs after healing"
     detected = sum(1 for _, _, _, path in b["damaged"]
                    if list(path.parents[2].glob(f"quarantine/{path.name}.*")))
-    counters = b["warm"].counters()
+    c = counters(b["warm"])
     q = list(b["cache"].glob("kvoffload-v1/*/quarantine/*"))
     n = len(b["damaged"])
     # + 1: the GDN state overwritten between lookup and load (next test)
-    assert counters["chunk_misses"].get("corrupt") == n + 1, counters
+    assert c["chunk_misses"].get("corrupt") == n + 1, c
     assert len(q) == n + 1
     for i in b["idx"]["ok"]:
         assert p1[i]["restored_tokens"] == _hit(b["prompts"][i]) and p1[i]["output_ids"] == cold[i]["output_ids"]
     kinds = {how for _, _, how, _ in b["damaged"]}
     groups = {g for _, g, _, _ in b["damaged"]}
     print(f"\ndamaged files: {n} ({N_CORRUPT} corrupt + {len(VERSIONS)} of other versions), groups {sorted(groups)}, "
-          f"kinds {sorted(kinds)}; detected {detected}/{n}; counted corrupt={counters['chunk_misses'].get('corrupt')}; "
+          f"kinds {sorted(kinds)}; detected {detected}/{n}; counted corrupt={c['chunk_misses'].get('corrupt')}; "
           f"quarantined {len(q)}")
     assert groups == {GDN, ATTN} and detected == n and n == N_CORRUPT + len(VERSIONS)
     served = len(p1) + len(p2) + len(p3)
     record("2 corruption of files of both groups (bit flip, truncation, zeroed 4 KiB page, tampered header "
            "with and without a matching header CRC)", f"{N_CORRUPT} damaged files, both groups' files of {N_CORRUPT // 2} prompts",
            N_CORRUPT, served, 0, "none: every damaged chunk recomputed, re-stored, and restored in pass 3",
-           detected=f"{detected - len(VERSIONS)}/{N_CORRUPT}", counted_corrupt=counters["chunk_misses"].get("corrupt"))
+           detected=f"{detected - len(VERSIONS)}/{N_CORRUPT}", counted_corrupt=c["chunk_misses"].get("corrupt"))
     record("9 another format version (0, 2, 7) where a v1 reader looks, header CRC valid",
            f"{len(VERSIONS)} files", len(VERSIONS), len(VERSIONS) * 3, 0, "none: refused before any byte is used")
 
 
 def test_a_file_that_vanishes_or_changes_between_lookup_and_load_is_recomputed(bad_files):
     b = bad_files
-    cold, p1, p2 = b["cold"].by_phase(0), b["warm"].by_phase(0), b["warm"].by_phase(1)
+    cold, p1, p2 = phase(b["cold"], 0), phase(b["warm"], 0), phase(b["warm"], 1)
     for i in b["idx"]["vanish"]:
         assert p1[i]["load_failed"] and p1[i]["restored_tokens"] == 0, f"prompt {i}"
         assert p1[i]["output_ids"] == cold[i]["output_ids"], f"prompt {i}: output differs"
         assert p2[i]["restored_tokens"] == _hit(b["prompts"][i]) and p2[i]["output_ids"] == cold[i]["output_ids"]
-    misses = b["warm"].counters()["chunk_misses"]
+    misses = counters(b["warm"])["chunk_misses"]
     assert misses.get("missing", 0) >= 3 and misses.get("corrupt", 0) >= 1, misses
     n = len(b["idx"]["vanish"])
     print(f"\nfiles deleted (3 prompts) or overwritten (1 prompt) between lookup and load: {n} prompts, "
@@ -255,10 +240,10 @@ def test_a_file_that_vanishes_or_changes_between_lookup_and_load_is_recomputed(b
 
 def test_unreadable_file_is_a_miss_and_kept(bad_files):
     b = bad_files
-    cold, p1 = b["cold"].by_phase(0), b["warm"].by_phase(0)
+    cold, p1 = phase(b["cold"], 0), phase(b["warm"], 0)
     for i in b["idx"]["eio"]:
         assert p1[i]["load_failed"] and p1[i]["output_ids"] == cold[i]["output_ids"]
-    misses = b["warm"].counters()["chunk_misses"]
+    misses = counters(b["warm"])["chunk_misses"]
     assert misses.get("io_error") == 3 * len(b["idx"]["eio"]), misses
     kept = [k for k in b["eio_keys"] if list(b["cache"].glob(f"kvoffload-v1/*/g1/*/{k}.kv"))]
     assert len(kept) == len(b["eio_keys"]), "a file that failed with EIO is not quarantined"
@@ -303,8 +288,9 @@ def _full_disk_run(models_dir, tmp_path):
         grow, faults, how = f"rm {flag}", {"enospc_while": str(flag)}, "ENOSPC injected at commit"
     every = list(range(len(prompts)))
     try:
-        run = serve(models_dir, tmp_path, "full", prompts,
-                    [{"order": every}, {"order": every, "before": grow}, {"order": every}],
+        # Space returns between the first pass and the second.
+        run = serve(models_dir, tmp_path, "full", prompts, [every] * 3,
+                    between=lambda p: p == 0 and subprocess.run(grow, shell=True, check=True),
                     kv=kv_config(mnt / "cache", faulty=not mounted), faults=faults)
     finally:
         if mounted:
@@ -318,8 +304,8 @@ def test_full_disk_drops_and_counts_stores_serves_every_request_and_recovers(pre
     injected at commit while a flag file exists) fills up during the first
     pass; space returns before the second; the third restores everything."""
     run, prompts, every, how = prefetched(_full_disk_run)
-    p1, p2, p3 = run.by_phase(0), run.by_phase(1), run.by_phase(2)
-    c = run.counters()
+    p1, p2, p3 = (phase(run, k) for k in range(3))
+    c = counters(run)
     dropped = c["stores_dropped"].get("no_space", 0)
     assert dropped > 0, c
     assert "Traceback" not in run.log, "an exception reached the log"
@@ -344,17 +330,17 @@ DECODE_TOKENS = 48
 # without a connector; docs/operations.md#cpu-machines).
 
 
-def _decode_tps(rows: list[dict]) -> float:
+def _decode_tps(results) -> float:
     """Median decode tokens/s per request (time after the first token)."""
     import statistics
 
-    return statistics.median((DECODE_TOKENS - 1) / r["decode_s"] for r in rows)
+    return statistics.median((DECODE_TOKENS - 1) / max(r.wall_s - r.ttft_s, 1e-9) for r in results)
 
 
 class RssPeak:
     """Peak resident memory of a run's process session (engine core and workers included)."""
 
-    def __init__(self, run: Run) -> None:
+    def __init__(self, run: EngineRun) -> None:
         self.run, self.peak, self._stop = run, 0, threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
         self._t.start()
@@ -383,14 +369,6 @@ class RssPeak:
         return self.peak
 
 
-def _wait_done(run: Run, timeout: float = 900) -> None:
-    deadline = time.monotonic() + timeout
-    while "DONE" not in run.log:
-        assert run.proc.poll() is None, f"engine exited early:\n{run.log[-4000:]}"
-        assert time.monotonic() < deadline, "engine did not finish its prompts"
-        time.sleep(0.2)
-
-
 def test_kill9_with_stores_in_flight_and_slow_storage(models_dir, tmp_path):
     """Every storing engine writes through a slow store path (each commit
     waits 0.5 s, at most 1 MiB of staged stores pending) and is killed with
@@ -406,56 +384,50 @@ def test_kill9_with_stores_in_flight_and_slow_storage(models_dir, tmp_path):
     cache = tmp_path / "cache"
     # The no-connector run and the first slow-store run serve at the same time, two passes each (24
     # decode samples): on shared cores both then see the same load, and their medians compare.
-    base = start(models_dir, tmp_path, "noconn", prompts, [{"order": every}, {"order": every}],
-                 max_tokens=DECODE_TOKENS)
+    base = start(models_dir, tmp_path, "noconn", prompts, [every, every], max_tokens=DECODE_TOKENS)
     base_rss = RssPeak(base)
     reference = None
     tmp_seen = corrupt = restored = served = recomputed = 0
     slow_tps, peaks, dropped = [], [], {}
     for cycle in range(KILL_CYCLES):
-        run = start(models_dir, tmp_path, f"kill{cycle}", prompts, [{"order": every}, {"order": every}],
-                    kv=kv_config(cache, faulty=True, max_pending_store_bytes=1 << 20), hang=True,
+        run = start(models_dir, tmp_path, f"kill{cycle}", prompts, [every, every],
+                    kv=kv_config(cache, faulty=True, max_pending_store_bytes=1 << 20), hold=True,
                     faults={"slow_commit_s": 0.5}, max_tokens=DECODE_TOKENS)
         rss = RssPeak(run)
         try:
-            _wait_done(run)
+            run.wait_pass(1)
             if cycle == 0:
-                finish(base)
+                base_result = base.wait(900)
                 base_peak = base_rss.stop()
-                base_tps = _decode_tps(base.rows())
+                base_tps = _decode_tps(base_result.results)
         finally:
-            os.killpg(run.proc.pid, signal.SIGKILL)
-            run.proc.wait()
+            run.kill()  # SIGKILL to the process group, stores in flight
             peaks.append(rss.stop())
-            if base.proc.poll() is None:  # only if something above failed
-                os.killpg(base.proc.pid, signal.SIGKILL)
-        served += len(run.rows())
+            base.kill()  # exited already, unless something above failed
+        killed = run.result()
+        served += len(killed.results)
         if reference is None:
-            reference = {i: r["output_ids"] for i, r in run.by_phase(0).items()}
-        for row in run.rows():
-            i, r = row["index"], row["result"]
-            assert r["output_ids"] == reference[i], f"cycle {cycle}, prompt {i}: output differs after restart"
-            restored += r["restored_tokens"]
-            recomputed += r["load_failed"]
-        slow_tps.append(_decode_tps(run.rows()))
+            reference = {i: r.output_ids for i, r in killed.by_pass(0).items()}
+        for i, r in zip(killed.index_of, killed.results):
+            assert r.output_ids == reference[i], f"cycle {cycle}, prompt {i}: output differs after restart"
+            restored += r.restored_tokens
+            recomputed += r.load_failed
+        slow_tps.append(_decode_tps(killed.results))
         # The engine's own Prometheus samples, taken after its last request (before the kill).
-        samples = json.loads(Path(f"{run.out}.metrics").read_text())
-        for name, labels, value in samples:
+        for name, labels, value in killed.metrics:
             if name == "kvoffload_stores_dropped_total":
                 dropped[labels.get("reason")] = dropped.get(labels.get("reason"), 0) + int(value)
             if name == "kvoffload_failed_loads_total" and labels.get("reason") == "corrupt":
                 corrupt += int(value)
         tmp_seen += len([p for p in cache.rglob("*") if ".tmp" in p.name])
         assert "kvoffload worker counters" not in run.log, "the engine was meant to die without its shutdown"
-    final = serve(models_dir, tmp_path, "final", prompts, [{"order": every}, {"order": every}],
-                  kv=kv_config(cache), max_tokens=DECODE_TOKENS)
-    c = final.counters()
+    final = serve(models_dir, tmp_path, "final", prompts, [every, every], kv=kv_config(cache), max_tokens=DECODE_TOKENS)
+    c = counters(final)
     corrupt += c["chunk_misses"].get("corrupt", 0)
-    for row in final.rows():
-        i, r = row["index"], row["result"]
-        assert r["output_ids"] == reference[i], f"final run, prompt {i}: output differs"
-        restored += r["restored_tokens"]
-        recomputed += r["load_failed"]
+    for i, r in zip(final.index_of, final.results):
+        assert r.output_ids == reference[i], f"final run, prompt {i}: output differs"
+        restored += r.restored_tokens
+        recomputed += r.load_failed
     # A store dropped at the kill (or by backpressure) can leave a later chunk without an earlier
     # one: the lookup then offers a hit whose load misses a file ('missing'), a recompute. Never corrupt.
     assert corrupt == 0 and set(c["chunk_misses"]) <= {"missing"}, c
@@ -463,12 +435,12 @@ def test_kill9_with_stores_in_flight_and_slow_storage(models_dir, tmp_path):
     assert restored > 0, "nothing was ever restored: the kill test proves nothing"
     assert dropped.get("backpressure", 0) > 0, f"no store dropped by policy under slow storage: {dropped}"
     ratio = slow_tps[0] / base_tps
-    served_after = len(final.rows())
+    served_after = len(final.results)
     print(f"\nengine kill -9 cycles: {KILL_CYCLES}; requests {served + served_after}; tokens restored {restored}; "
           f"corrupt loads {corrupt}; loads that missed a file and recomputed {recomputed}; tmp files seen right after kills {tmp_seen}; decode throughput vs "
           f"no connector, served side by side (slow store path): {ratio:.3f}; peak RSS of killed engines "
           f"{[p >> 20 for p in peaks]} MiB (no connector: {base_peak >> 20} MiB); stores dropped {dropped}")
-    record(f"1b kill -9 of a real engine (process group) with stores in flight", "SIGKILL after the last "
+    record("1b kill -9 of a real engine (process group) with stores in flight", "SIGKILL after the last "
            "request, slow store path (0.5 s per commit) so stores are pending", KILL_CYCLES,
            served + served_after, corrupt, "only stores in flight at the kill; outputs identical after restart",
            tokens_restored=restored)
@@ -514,21 +486,16 @@ def _shared_directory(models_dir, tmp_path, repeats: int) -> None:
     prefixes = [random_prompt(rng, 3 * CHUNK) for _ in range(12)]
     pool = [p + random_prompt(rng, 260 + rng.randrange(200)) for p in prefixes for _ in range(4)]
     handoff = [random_prompt(rng, 3 * CHUNK + 100) for _ in range(3)]
-    prompts = pool + handoff
-    ho = list(range(len(pool), len(prompts)))
-    cache, flag = tmp_path / "shared", tmp_path / "a-stored-handoff"
+    settle = [len(pool) + len(handoff)]  # a prompt shorter than a chunk (see SETTLE_S)
+    prompts = pool + handoff + [random_prompt(rng, CHUNK // 2)]
+    ho = list(range(len(pool), len(pool) + len(handoff)))
+    cache = tmp_path / "shared"
     kv = kv_config(cache, max_bytes=SHARED_BUDGET)
     order_a = [i for _ in range(repeats) for i in rng.sample(range(len(pool)), len(pool))]
     order_b = [i for _ in range(repeats) for i in rng.sample(range(len(pool)), len(pool))]
-    # A stores the hand-off prompts once B is up; B serves them right after, then both run the load.
-    b_ready = tmp_path / "b-ready"
-    a = start(models_dir, tmp_path, "share-a", prompts,
-              [{"order": [], "wait_for": str(b_ready)}, {"order": ho, "touch": str(flag)}, {"order": order_a}],
-              kv=kv, max_tokens=4)
-    b = start(models_dir, tmp_path, "share-b", prompts,
-              [{"order": [], "touch": str(b_ready)}, {"order": [], "wait_for": str(flag), "before": "sleep 0.5"},
-               {"order": ho}, {"order": order_b}],
-              kv=kv, max_tokens=4)
+    # Passes: [] (the engine is up), the hand-off prompts, the load, the settling prompt.
+    a, b = (start(models_dir, tmp_path, f"share-{n}", prompts, [[], ho, order, settle], kv=kv, max_tokens=4,
+                  gated=True) for n, order in (("a", order_a), ("b", order_b)))
     top, peak, samples, stop = cache / "kvoffload-v1", [0], [0], threading.Event()
 
     def sample():
@@ -541,24 +508,40 @@ def _shared_directory(models_dir, tmp_path, repeats: int) -> None:
     t.start()
     t0 = time.monotonic()
     try:
-        finish(a)
-        finish(b)
+        # A stores the hand-off prompts once both are up; B serves them right after, then both run the load.
+        a.wait_pass(0)
+        b.wait_pass(0)
+        a.release(1)
+        a.wait_pass(1)
+        time.sleep(0.5)
+        a.release(2)
+        b.release(1)
+        b.wait_pass(1)
+        b.release(2)
+        for run in (a, b):
+            run.wait_pass(2)
+        time.sleep(SETTLE_S)
+        for run in (a, b):
+            run.release(3)
+        ra, rb = a.wait(900), b.wait(900)
     finally:
         stop.set()
         t.join()
+        a.kill()
+        b.kill()
     wall = time.monotonic() - t0
-    ca, cb = a.counters(), b.counters()
-    evicted = sum(int(n) for run in (a, b) for n in re.findall(r"evicted (\d+) files", run.log))
+    ca, cb = counters(ra), counters(rb)
+    evicted = ca["evicted"] + cb["evicted"]
     present = len(list(top.rglob("*.kv")))
     written = ca["files_written"] + cb["files_written"]
     # Every serve of a prompt, in either engine, restored or recomputed, gives the same tokens.
     outs: dict[int, list[int]] = {}
     served = 0
-    for run in (a, b):
-        for r in run.rows():
+    for run in (ra, rb):
+        for i, r in zip(run.index_of, run.results):
             served += 1
-            assert outs.setdefault(r["index"], r["result"]["output_ids"]) == r["result"]["output_ids"], r["index"]
-    handoff_restored = sum(r["restored_tokens"] for r in b.by_phase(2).values())
+            assert outs.setdefault(i, r.output_ids) == r.output_ids, i
+    handoff_restored = sum(r.restored_tokens for r in rb.by_pass(1).values())
     corrupt = ca["chunk_misses"].get("corrupt", 0) + cb["chunk_misses"].get("corrupt", 0)
     unaccounted = written - present - evicted
     print(f"\nshared directory, 2 engines, budget {SHARED_BUDGET >> 20} MiB, {wall:.0f} s: {served} requests; "

@@ -198,6 +198,7 @@ class WorkerSide:
                 chunk = tier.get(header, Placement(src.slot), self.buffers)
             except ChunkMiss as e:
                 self._count(src.tier, "chunk_misses", key=e.reason.value)
+                self.recorders[src.tier].inc("kvoffload_chunk_misses", reason=e.reason.value)
                 if e.reason is MissReason.CORRUPT:
                     self.recorders[src.tier].inc("kvoffload_checksum_failures", group_kind=ref.kind.value)
                 logger.warning("kvoffload: load of request %s is a miss (%s); it will be recomputed",
