@@ -173,6 +173,7 @@ def test_stats_finds_what_a_load_would_refuse(redis_server, capsys):
     r.delete(k[3] + "kv_bytes")  # bytes gone (as when Redis evicts them): the metadata record remains
     r.set(k[4] + "kv_bytes", r.get(k[5] + "kv_bytes"))  # another object's bytes under this key
     r.set(k[4] + "metadata", r.get(k[5] + "metadata"))
+    r.set(k[5] + "metadata", r.get(k[6] + "metadata"))  # a metadata record of another length
     r.set("kvoffload-k2@1@0@abc@uint8kv_bytes", b"later scheme")
     rc, out, err = stats(capsys, "--lmcache-url", redis_server.url, "--json")
     assert rc == 0, err
@@ -181,23 +182,24 @@ def test_stats_finds_what_a_load_would_refuse(redis_server, capsys):
     [u] = rep["unreadable_objects"]
     assert u["key"] == k[0] + "kv_bytes" and "header" in u["problem"] and u["bytes"] == HEADER_LEN + A[0].payload_len
     problems = {p["key"]: p["problem"] for p in a["problems"]}
-    assert set(problems) == {k[1] + "kv_bytes", k[2] + "kv_bytes", k[4] + "kv_bytes"}, problems
+    assert set(problems) == {k[i] + "kv_bytes" for i in (1, 2, 4, 5)}, problems
     assert "truncated" in problems[k[1] + "kv_bytes"]
+    assert "metadata record does not describe" in problems[k[5] + "kv_bytes"]
     assert "no LMCache metadata record" in problems[k[2] + "kv_bytes"]
     assert "another object" in problems[k[4] + "kv_bytes"]
     assert rep["metadata_only_records"] == 1
-    assert a["objects"] == len(A) - 2 and a["bad_objects"] == 3  # k0 has no fingerprint, k3 no bytes
-    assert sum(g["bad_objects"] for g in a["groups"]) == 3
+    assert a["objects"] == len(A) - 2 and a["bad_objects"] == 4  # k0 has no fingerprint, k3 no bytes
+    assert sum(g["bad_objects"] for g in a["groups"]) == 4
     assert rep["other_key_schemes"] == {"kvoffload-k2": 1} and rep["other_keys"] == 0
-    # Only good objects make chunks: chunk 2's attention (complete) and chunk 3's Mamba state.
-    assert (a["chunks"], a["complete_chunks"]) == (2, 1)
+    # Only good objects make chunks: chunk 3's Mamba state (no attention: not complete).
+    assert (a["chunks"], a["complete_chunks"]) == (1, 0)
 
     rc, out, _ = stats(capsys, "--lmcache-url", redis_server.url)
     assert "unreadable objects 1 (header does not verify), metadata-only records 1" in out
-    assert out.count("  bad g") == 3 and "note: 1 keys under kvoffload-k2@" in out
+    assert out.count("  bad g") == 4 and "note: 1 keys under kvoffload-k2@" in out
 
     # The tier's own loads agree (after the reports: LMCache deletes a metadata-only record on a get).
-    for h in A[:5]:
+    for h in A[:6]:
         assert not get_through_tier(redis_server.url, h), f"the tier loaded damaged object {A.index(h)}"
     assert get_through_tier(redis_server.url, A[6]), "an undamaged object still loads"
 
