@@ -154,7 +154,7 @@ def _read_batch(client, bases: list[bytes], metas: set[bytes], rep: Remote, by_f
                 no_touch: bool) -> None:
     import redis
 
-    from offload.store.lmcache_objects import REDIS_SUFFIXES, redis_key, remote_metadata
+    from offload.store.lmcache_objects import REDIS_SUFFIXES, object_name, redis_key, remote_metadata
 
     data, meta = (s.encode() for s in REDIS_SUFFIXES)
     pipe = client.pipeline(transaction=False)
@@ -185,7 +185,7 @@ def _read_batch(client, bases: list[bytes], metas: set[bytes], rep: Remote, by_f
             rep.unreadable.append(RemoteObject(key, size, f"header: {e}"))
             continue
         problem = None
-        if redis_key(f"{h.fingerprint.hex()}/{h.group}/{h.key.hex()}").encode() != b:
+        if redis_key(object_name(bytes(h.fingerprint), h.group, bytes(h.key))).encode() != b:
             problem = "header names another object than the key it is stored under"
         elif size != HEADER_LEN + h.payload_len:
             problem = f"size {size} bytes, header says {HEADER_LEN + h.payload_len} (truncated?)"
