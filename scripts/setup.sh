@@ -37,7 +37,8 @@ fi
 # prometheus_client below what vLLM runs with. So: the wheel without its
 # dependencies, plus the four pure runtime imports its storage manager, CPU and
 # remote backends need (sortedcontainers; aiofile+caio are imported at package
-# import time by gds_backend; redis for the redis:// remote). None of these is
+# import time by gds_backend; redis for the redis:// remote, and for `kvoffload
+# stats --lmcache-url`, which declares it). None of these is
 # in the vLLM environment, so nothing installed there changes version.
 if ! "$PY" -c "import lmcache, importlib.metadata as m; assert m.version('lmcache') == '0.5.6'" 2>/dev/null; then
   "${PIP[@]}" --no-deps lmcache==0.5.6 sortedcontainers==2.4.0 redis==8.1.0 aiofile==3.12.3 caio==0.12.10

@@ -2,6 +2,7 @@
 
     kvoffload warmup --config CONFIG --prompts FILE (--model M | --url URL) [--verify]
     kvoffload stats PATH [--json]
+    kvoffload stats (--config CONFIG | --lmcache-url URL) [--json]
     kvoffload fsck PATH [--repair]
     kvoffload gc PATH --max-bytes N
     kvoffload check-config CONFIG

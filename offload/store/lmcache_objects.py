@@ -30,6 +30,7 @@ under another scheme are simply never found.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import math
 import os
@@ -71,6 +72,26 @@ def lmcache_key(name: str):
 
     chunk_hash = int.from_bytes(hashlib.sha256(name.encode()).digest(), "big")
     return CacheEngineKey(MODEL_NAME, 1, 0, chunk_hash, torch.uint8)
+
+
+def redis_key(name: str) -> str:
+    """The Redis key prefix LMCache 0.5.6's RedisConnector stores `name` under: it keeps
+    `<prefix>kv_bytes` (the object's bytes) and `<prefix>metadata` (`remote_metadata`)."""
+    return lmcache_key(name).to_string()
+
+
+REDIS_SUFFIXES = ("kv_bytes", "metadata")
+
+
+@functools.lru_cache(maxsize=256)
+def remote_metadata(n: int) -> bytes:
+    """The metadata record LMCache's remote connector writes beside an n-byte object of ours
+    (its `RemoteMetadata`: length, memory format, dtype, 4-D shape), for readers that check it."""
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.protocol import RemoteMetadata, init_remote_metadata_info
+
+    init_remote_metadata_info(1)  # what every connector of ours sets: one KV group (uint8 bytes)
+    return RemoteMetadata(n, [_shape(n)], [torch.uint8], MemoryFormat.KV_2LTD).serialize()
 
 
 def remote_url_with_timeouts(url: str, timeout_s: float) -> str:
