@@ -116,14 +116,19 @@ def expected(prompt_len: int, chunk: int) -> int:
     return (prompt_len - 1) // chunk * chunk
 
 
+def width(tier: str) -> int:
+    """A tier's column: at least 10, and a space before 'from <tier>' however long the name."""
+    return max(10, len(tier) + 6)
+
+
 def header(names: list[str], verify: bool = True) -> str:
-    cols = "".join(f"{'from ' + t:>10}" for t in names)
+    cols = "".join(f"{'from ' + t:>{width(t)}}" for t in names)
     return (f"{'run':<18}{'prompts':>8}{'prompt tok':>11}{cols}{'prefix$':>9}{'computed':>9}{'hit rate':>9}"
             f"{'expected':>9}{'failed':>7}{'med TTFT':>11}" + ("  identical to run 1" if verify else ""))
 
 
 def row(label: str, r: RunResult, names: list[str], exp: float | None, identical: str = "-") -> str:
-    per_tier = "".join(f"{sum(x.restored_by_tier.get(t, 0) for x in r.results):>10}" for t in names)
+    per_tier = "".join(f"{sum(x.restored_by_tier.get(t, 0) for x in r.results):>{width(t)}}" for t in names)
     own = r.cached_tokens - r.restored_tokens
     exp_s = f"{exp:.1%}" if exp is not None else "-"
     return (f"{label:<18}{len(r.results):>8}{r.prompt_tokens:>11}{per_tier}{own:>9}"
