@@ -23,12 +23,17 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 # Engines the tests start run vLLM's engine core and worker in one process (vLLM's uniproc executor,
 # the layout of a single-GPU server): an engine start then imports torch and vLLM once instead of
-# three times (measured here: 21 s instead of 48 s per run, same tokens). Servers keep their API
-# process (AsyncLLM always runs its engine core apart). vLLM-CPU's own three-process layout stays
-# covered where the process boundary is the point: the session's shared server (`fs_server`) and
-# the LMCache tier's scheduler-side ledger (tests/test_e2e_lmcache.py) set THREE_PROCESSES.
+# three times (measured here: 32 s instead of 65 s for a 20-prompt run). vLLM-CPU binds its worker's
+# OpenMP threads to cores only in its own worker processes; in one process OMP_PROC_BIND does it
+# (unbound, a request took 2-4x longer: 0.46-0.81 s vs 0.20 s median; bound, 0.16-0.44 s like
+# vLLM's layout on this shared machine). Same thread count, so the same sums and tokens. Servers
+# keep their API process (AsyncLLM always runs its engine core apart). vLLM-CPU's own
+# three-process layout stays covered where the process boundary is the point: the session's
+# shared server (`fs_server`) and the LMCache tier's scheduler-side ledger
+# (tests/test_e2e_lmcache.py) set THREE_PROCESSES.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-THREE_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+os.environ.setdefault("OMP_PROC_BIND", "true")
+THREE_PROCESSES = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "OMP_PROC_BIND": "false"}
 
 # The connector's default chunk on the tiny hybrid: its block size (vLLM-CPU gives it 128-token blocks).
 CHUNK = 128
