@@ -258,6 +258,8 @@ def child(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
+    from offload.engine_run import land_stores
+
     kw = dict(spec.get("engine_args") or {})
     if spec.get("kv_transfer_config"):
         kw["kv_transfer_config"] = KVTransferConfig(**spec["kv_transfer_config"])
@@ -268,6 +270,7 @@ def child(spec: dict) -> dict:
     passes = []
     for p in range(spec.get("passes", 1)):
         if p:
+            land_stores()  # ours: the last pass's queued stores (vLLM's own store within the step)
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         rows = []
         for ids in (spec.get("later_prompts") or spec["prompts"]) if p else spec["prompts"]:

@@ -62,6 +62,10 @@ class RunSpec:
     # Idle seconds before each pass after the first (a server's quiet time:
     # the stores still in flight land).
     pause_s: float = 0.0
+    # Before each pass after the first, wait (up to 60 s) for the connector's
+    # queued stores to land, where its worker runs in this process
+    # (VLLM_ENABLE_V1_MULTIPROCESSING=0); False: the next pass races them.
+    land_stores: bool = True
     # Each pass after the first starts when the parent releases it (EngineRun.release).
     gated: bool = False
     # After the last pass, stay up until killed (stores may still be in flight).
@@ -238,6 +242,18 @@ def _metrics() -> Samples:
             for s in m.samples]
 
 
+def land_stores(timeout_s: float = 60.0) -> int | None:
+    """Wait for this process's connector's queued stores (see
+    `OffloadConnector.wait_for_stores`); returns how many are still pending, or
+    None where no connector of ours has its worker in this process."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    conn = get_kv_transfer_group()
+    return conn.wait_for_stores(timeout_s) if hasattr(conn, "wait_for_stores") else None
+
+
 def _write_line(out: Any, row: dict) -> None:
     out.write(json.dumps(row) + "\n")
     out.flush()
@@ -262,6 +278,8 @@ def _serve(spec: RunSpec, workdir: Path) -> None:
                 while spec.gated and not (workdir / f"go.{p}").exists():
                     time.sleep(0.05)
                 time.sleep(spec.pause_s)
+                if spec.land_stores:
+                    land_stores()
                 assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
             for i in indices:
                 _write_line(out, {"pass": p, "index": i, "result": asdict(_serve_one(llm, spec.prompts[i], params))})

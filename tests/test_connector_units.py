@@ -481,3 +481,61 @@ def test_reset_prefix_cache_while_a_load_is_in_flight(make, tmp_path, held_loads
     assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
     assert pinned(eng) == 0
     assert_scheduler_empty(eng.scheduler)
+
+
+# ---- a load planned while the entry's write is still queued -------------------------------------------
+
+
+def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make, tmp_path, monkeypatch):
+    """A ledger tier (LMCache with the worker in its own process) reports an
+    entry once the scheduler planned its store, so a lookup can plan a load
+    while the write still waits on a starved I/O thread (measured in CI:
+    LMCache promotions, SCHED_IDLE store threads, a busy machine). The load
+    must read the queued bytes rather than miss. Here the file tier's writes
+    are held and its index answers from the scheduler's reservations, as a
+    ledger does."""
+    from offload.store.fs import FsData, FsIndex
+
+    eng = make("fs")
+    reserved: set[tuple[int, bytes]] = set()
+    real_reserve = FsIndex.reserve
+
+    def reserve(self, group, key, parent):
+        reserved.add((group, bytes(key)))
+        return real_reserve(self, group, key, parent)
+
+    monkeypatch.setattr(FsIndex, "reserve", reserve)
+    monkeypatch.setattr(FsIndex, "contains", lambda self, group, key: (group, bytes(key)) in reserved)
+    release, real_put = threading.Event(), FsData.put
+
+    def held_put(self, *args, **kwargs):
+        assert release.wait(30), "write held for 30 s"
+        return real_put(self, *args, **kwargs)
+
+    monkeypatch.setattr(FsData, "put", held_put)
+    tokens = prompt(9)
+    a = create_request("a", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(a)
+    snapshot = None
+    while "a" in eng.scheduler.requests:
+        eng.step()
+        if snapshot is None and a.num_computed_tokens >= HIT:
+            snapshot = eng.worker.blocks_bytes(table(eng, "a")[:HIT // BS])
+    assert snapshot is not None and len(reserved) == HIT // CHUNK
+    assert not list((tmp_path / "cache").glob("kvoffload-v1/*/g*/*/*.kv")), "a write landed while held"
+    assert eng.scheduler.reset_prefix_cache()
+    eng.worker.scramble()
+
+    b = create_request("b", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()
+    assert eng.status("b") == WAITING_FOR_KV
+    dest = table(eng, "b")[:HIT // BS]
+    eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV and b.num_computed_tokens > HIT)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), snapshot, "restored from the queued write")
+    assert not list((tmp_path / "cache").glob("kvoffload-v1/*/g*/*/*.kv")), "a write landed while held"
+    release.set()
+    eng.run_to_completion()
+    assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
+    wait_for_files(tmp_path / "cache", HIT // CHUNK)  # the held writes still land
+    assert_scheduler_empty(eng.scheduler)

@@ -111,13 +111,13 @@ def test_llama_restart_restores_from_disk_then_from_promoted_cpu(models_dir, tmp
 def test_host_memory_too_small_files_serve_the_rest(models_dir, tmp_path):
     """4 MiB of host memory holds 14 of the 20 chunks: after a reset the hit
     comes from both tiers, and every prompt restores its whole prefix. The
-    second pass runs newest first, after 10 idle seconds in which the files
-    of the last prompt land (until then host memory holds their only copy,
+    second pass runs newest first, once the files of the last prompt have
+    landed (RunSpec.land_stores; until then host memory holds their only copy,
     which it never evicts, so it has no room for more). In the first order,
     each promotion would evict the next prompt's chain: LRU under a cyclic
     working set larger than the cache."""
     spec = RunSpec(str(models_dir / "qwen3-next-tiny"), PROMPTS, tiered(tmp_path, cpu_bytes=4 << 20), 12,
-                   engine_args(True), order=[[0, 1, 2], [2, 1, 0]], pause_s=10.0)
+                   engine_args(True), order=[[0, 1, 2], [2, 1, 0]])
     run = run_engine(spec)
     ref, again = run.results[:3], run.results[3:][::-1]
     assert all(r.restored_tokens == 0 for r in ref), "pass 1 of a cold process restores nothing"

@@ -282,6 +282,12 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending or None, r.finished_recving or None
 
+    def wait_for_stores(self, timeout_s: float = 60.0) -> int:
+        """Worker side: wait for the stores queued so far to land; returns how
+        many are still pending after `timeout_s`. For harnesses that must not
+        start a pass before the last one's stores are readable (vLLM never calls it)."""
+        return self._worker.drain(timeout_s) if self._worker is not None else 0
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()

@@ -130,6 +130,10 @@ class WorkerSide:
         # Host slots a write-through is still copying out of: a later gather
         # into the same slot (after the scheduler evicted and reused it) waits.
         self._reading: dict[tuple[int, int, int], Future[None]] = {}
+        # Entries queued for the lower tiers, by (tier, group, key): a load the
+        # scheduler planned from its reservation (a ledger tier records a store
+        # when it plans it) reads these bytes instead of racing the write.
+        self._writing: dict[tuple[int, int, bytes], HostChunk] = {}
         self._pending_store_bytes = 0
         self._closed = False
         self.share: GatherShare | None = None  # set by a MultiConnector with several of us
@@ -195,7 +199,7 @@ class WorkerSide:
             header = self._header(ref)
             tier = self.tiers[src.tier]
             try:
-                chunk = tier.get(header, Placement(src.slot), self.buffers)
+                chunk = self._queued(src.tier, header) or tier.get(header, Placement(src.slot), self.buffers)
             except ChunkMiss as e:
                 self._count(src.tier, "chunk_misses", key=e.reason.value)
                 self.recorders[src.tier].inc("kvoffload_chunk_misses", reason=e.reason.value)
@@ -214,6 +218,12 @@ class WorkerSide:
             self._count(src.tier, "bytes_read", moved)
             self.recorders[src.tier].inc("kvoffload_restored_bytes", moved, group_kind=ref.kind.value)
         return None
+
+    def _queued(self, tier: int, header: ChunkHeader) -> HostChunk | None:
+        """The entry's bytes while its write to `tier` is still queued (held), else None."""
+        with self._lock:
+            chunk = self._writing.get((tier, header.group, bytes(header.key)))
+            return chunk.hold() if chunk is not None else None
 
     def _promote(self, up: TierSlot, header: ChunkHeader, chunk: HostChunk) -> None:
         """Put a loaded entry into a faster tier; a failure costs only the promotion."""
@@ -332,6 +342,9 @@ class WorkerSide:
                 chunk.release()
                 self._release(n)
                 raise
+            with self._lock:
+                for t in rest:
+                    self._writing[(t.tier, header.group, bytes(header.key))] = chunk
             fut = self.store_pool.submit(self._write, header, chunk, rest, n, t0)
         else:
             t, target = direct
@@ -381,6 +394,10 @@ class WorkerSide:
                     logger.exception("kvoffload: store of %s failed", header.key.hex()[:16])
                     self._drop(t.tier, "error")
         finally:
+            with self._lock:
+                for t in targets:
+                    if self._writing.get((t.tier, header.group, bytes(header.key))) is chunk:
+                        del self._writing[(t.tier, header.group, bytes(header.key))]
             chunk.release()
             self._release(nbytes)
 
@@ -412,19 +429,24 @@ class WorkerSide:
             rec.set("kvoffload_store_queue_bytes", queued if t == last else 0)
             rec.set("kvoffload_loads_in_flight", len(self._loads) if t == 0 else 0)
 
+    def drain(self, timeout_s: float) -> int:
+        """Wait (at most `timeout_s`) for the stores queued so far; returns how many are still pending."""
+        with self._lock:
+            pending = set(self._stores)
+        _, not_done = wait(pending, timeout=timeout_s)
+        return len(not_done)
+
     def shutdown(self) -> None:
         """Finish the stores in flight (bounded), so a warm-up run that exits
         has really stored its prefixes; log whatever had to be dropped."""
         if self._closed:
             return
         self._closed = True
-        with self._lock:
-            pending = set(self._stores)
-        _, not_done = wait(pending, timeout=self.cfg.shutdown_timeout_s)
+        not_done = self.drain(self.cfg.shutdown_timeout_s)
         if not_done:
-            self._drop(len(self.tiers) - 1 if self.tiers else 0, "shutdown", len(not_done))
+            self._drop(len(self.tiers) - 1 if self.tiers else 0, "shutdown", not_done)
             logger.warning("kvoffload: shutdown dropped %d stores still pending after %.0fs",
-                           len(not_done), self.cfg.shutdown_timeout_s)
+                           not_done, self.cfg.shutdown_timeout_s)
         self.load_pool.shutdown(wait=False, cancel_futures=True)
         self.store_pool.shutdown(wait=False, cancel_futures=True)
         for tier in self.tiers:

@@ -171,6 +171,10 @@ class MultiConnector(VllmMultiConnector):
         self._requests_to_connector[request.request_id] = best[1]
         return best[2], best[3]
 
+    def wait_for_stores(self, timeout_s: float = 60.0) -> int:
+        """Each child of ours: see `OffloadConnector.wait_for_stores`."""
+        return sum(c.wait_for_stores(timeout_s) for c in self._connectors if hasattr(c, "wait_for_stores"))
+
     def wait_for_save(self) -> None:
         try:
             super().wait_for_save()  # every child in order; the first to store an entry gathers it
