@@ -238,10 +238,14 @@ class DirBudget:
             return  # the next sync reads the record back
         try:
             self._apply(("+", t, size, parent, rel))
-            if self.max_bytes and (self.usage > self.max_bytes
-                                   or time.monotonic() - self._synced_at > self.rescan_s):
-                self._sync_locked()
-                self._evict_locked()
+            if self.max_bytes:
+                # Near the budget, every write first reads the other instances'
+                # new records (one listing and a read per log): they may have
+                # filled or freed the room since the last pass.
+                if self.usage > 0.9 * self.max_bytes or time.monotonic() - self._synced_at > self.rescan_s:
+                    self._sync_locked()
+                if self.usage > self.max_bytes:
+                    self._evict_locked()
         finally:
             self._lock.release()
 
