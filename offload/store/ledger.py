@@ -83,8 +83,10 @@ def header_line(kind: str, extra: str = "") -> str:
 def parse(line: str) -> Record | tuple | None:
     """A record `(op, t, size, parent, rel)`, `("end", n)`, `("@", name, offset)`,
     or None for a line that fails its CRC or names something a record may not."""
-    body, _, crc = line.rpartition(" ")
-    if len(crc) != 8 or _crc(body) != crc:
+    if len(line) < 12 or line[-9] != " ":
+        return None
+    body = line[:-9]
+    if _crc(body) != line[-8:]:
         return None
     f = body.split(" ")
     try:
