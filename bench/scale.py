@@ -234,17 +234,18 @@ def run(files: int, reps: int, dir: str | None = None, out_dir: Path | None = No
         bare = dataclasses.replace(store, account=None, budget=None)
         k = max(200, min(2000, files // 100))
         base_p = prompts + 10
-        for name, st, off in (("store: write_framed + ledger record (index loaded)", with_acct, 0),
-                              ("store: write_framed, no ledger", bare, 1)):
-            out = []
-            for r in range(reps):
+        kinds = (("store: write_framed + ledger record (index loaded)", with_acct, 0),
+                 ("store: write_framed, no ledger", bare, 1))
+        out: dict[str, list[float]] = {name: [] for name, _, _ in kinds}
+        for r in range(reps):  # interleaved, so that both see the same machine
+            for name, st, off in kinds:
                 hs = [header(base_p + (2 * r + off) * k + i, 0, ATTN) for i in range(k)]
-                out.append(per_op(lambda h: st.write_framed(h, chunk, direct=False), hs, 1))
-            res[name] = {"s": statistics.median(out)}
-            if st is bare:  # never recorded: take them away again, as if they had not been written
-                for r in range(reps):
-                    for i in range(k):
-                        os.unlink(st.file_path(ATTN, key(base_p + (2 * r + off) * k + i, 0)))
+                out[name].append(per_op(lambda h: st.write_framed(h, chunk, direct=False), hs, 1))
+                if st is bare:  # never recorded: take them away again, as if they had not been written
+                    for h in hs:
+                        os.unlink(st.file_path(ATTN, h.key))
+        for name, _, _ in kinds:
+            res[name] = {"s": statistics.median(out[name])}
         stored_new = reps * k
 
         # ---- eviction --------------------------------------------------------------------------------

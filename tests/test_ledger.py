@@ -326,3 +326,26 @@ def test_housekeeper_drives_its_account_and_seals_its_log_on_stop(tmp_path):
     lines, _, _ = lg.read_lines(log, 0)
     assert lg.parse(lines[-1])[0] == "end", "a clean stop seals the log"
     assert not acct.loaded
+
+
+def test_many_finished_logs_are_folded_even_without_many_records(tmp_path):
+    """Each engine start leaves a log, and every pass opens every log: past MAX_LOGS
+    the housekeeper writes a snapshot that folds the finished ones, which then go."""
+    from offload.store import budget as bmod
+
+    top = tmp_path / "kvoffload-v1"
+    rng = random.Random(6)
+    a = DirBudget(top, folded_idle_s=0.0)
+    a.ensure_loaded()
+    for i in range(bmod.MAX_LOGS + 8):  # short-lived instances, each a few records, then a clean stop
+        w = DirBudget(top)
+        write_prompt(instance(tmp_path, w), f"r{i}", 0, rng)
+        w.ledger.seal()
+    a.sync()
+    before = a.checkpoints
+    a.maintain()  # few bytes of records: only the number of logs makes a checkpoint due
+    assert a.checkpoints == before + 1 and logs(top) == []
+    assert a.usage == true_bytes(top)
+    b = DirBudget(top)
+    b.ensure_loaded()
+    assert b.usage == a.usage and b.walks == 0

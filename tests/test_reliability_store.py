@@ -258,7 +258,8 @@ for n, (umask, fm, dm) in enumerate({MODE_CASES!r}):
         c = tmp_path / f"c{n}"
         files = [p for p in c.rglob("*") if p.is_file()]
         dirs = [p for p in c.rglob("*") if p.is_dir()] + [c]
-        assert len(files) == 2 and len(dirs) == 5
+        # A chunk file, layout.json and this process's ledger log; ledger-v1/ among the directories.
+        assert len(files) == 3 and len(dirs) == 6 and (c / "kvoffload-v1" / "ledger-v1").is_dir()
         assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {want_f}, (umask, file_mode)
         assert {stat.S_IMODE(p.stat().st_mode) for p in dirs} == {want_d}, (umask, dir_mode)
         assert all(stat.S_IMODE(p.stat().st_mode) & 0o007 == 0 for p in files + dirs)

@@ -49,6 +49,8 @@ TOMB_S = 600.0  # how long a removal overrides older additions that arrive late 
 COMPACT_MIN_BYTES = 8 << 20  # log bytes since the newest snapshot before a checkpoint is worth writing
 FOLDED_IDLE_S = 60.0  # a folded log must be this idle before it goes (every reader has tailed it)
 OTHER_HOST_IDLE_S = 3600.0  # another host's unsealed log: its writer is presumed gone after this
+MAX_LOGS = 32  # more logs than this (restarts leave one each) and a checkpoint folds the finished ones
+MIN_CHECKPOINT_S = 600.0
 
 
 class _Entry:
@@ -76,36 +78,54 @@ def _read_parent(path: str) -> int | None:
 class _Walk:
     """A walk of the tree in slices: its files are merged into the live index
     as it goes (records keep arriving meanwhile), and at its end every entry
-    it did not see and no record touched since it started is dropped."""
+    it did not see and no record touched since it started is dropped, except
+    under a directory it could not list (a transient error must not look
+    like a deletion)."""
 
     def __init__(self, top: Path, epoch: int) -> None:
-        self.it = hygiene.walk(top, skip=frozenset({LEDGER_DIR}))
-        self.prefix = len(str(top)) + 1
+        self.top = str(top)
+        self.stack = [self.top]
+        self.prefix = len(self.top) + 1
         self.epoch = epoch
         self.started = time.time()
         self.t0 = time.monotonic()
         self.files = 0
         self.other = 0  # bytes of files whose names no record can carry
+        self.unlisted: list[str] = []  # relative directories that could not be read
         self.done = False
 
     def batch(self, n: int) -> list[tuple[str, int, float]]:
-        out = []
-        for d, e in self.it:
-            name = e.name
-            if hygiene.TMP_RE.search(name) or hygiene.LAYOUT_TMP_RE.match(name):
-                continue  # in flight: counted once renamed (and recorded) under its final name
+        out: list[tuple[str, int, float]] = []
+        while self.stack:
+            d = self.stack.pop()
             try:
-                st = e.stat(follow_symlinks=False)
+                with os.scandir(d) as it:
+                    entries = list(it)
+            except FileNotFoundError:
+                continue  # removed meanwhile: nothing under it exists
             except OSError:
-                continue  # removed by another instance meanwhile
-            if not stat.S_ISREG(st.st_mode):
+                self.unlisted.append(d[self.prefix:] + "/")
                 continue
-            self.files += 1
-            rel = f"{d[self.prefix:]}/{name}" if len(d) >= self.prefix else name
-            if valid_rel(rel):
-                out.append((rel, st.st_size, st.st_mtime))
-            else:
-                self.other += st.st_size
+            for e in entries:
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        if not (d == self.top and e.name == LEDGER_DIR):
+                            self.stack.append(e.path)
+                        continue
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # removed by another instance meanwhile
+                name = e.name
+                if hygiene.TMP_RE.search(name) or hygiene.LAYOUT_TMP_RE.match(name):
+                    continue  # in flight: counted once renamed (and recorded) under its final name
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                self.files += 1
+                rel = e.path[self.prefix:]
+                if valid_rel(rel):
+                    out.append((rel, st.st_size, st.st_mtime))
+                else:
+                    self.other += st.st_size
             if len(out) >= n:
                 return out
         self.done = True
@@ -135,6 +155,9 @@ class DirBudget:
         self.loaded = False
         self._clear()
         self._offsets: dict[str, int] = {}  # log name -> bytes consumed
+        self._log_sizes: dict[str, int] = {}
+        self._logs = 0
+        self._folded_logs_at = float("-inf")  # the last checkpoint made for the number of logs
         self._sealed: set[str] = set()
         self._ignored: set[str] = set()  # logs of another version or damaged headers
         self._synced_at = 0.0
@@ -428,6 +451,11 @@ class DirBudget:
                 seen.add(name)
                 path = self.ledger_dir / name
                 off = self._offsets.get(name, 0)
+                if name in self._sealed and name in self._log_sizes and self._log_sizes[name] == off:
+                    total += off  # sealed and read to its end: it never changes again
+                    base = self._snap.offsets.get(name, 0) if self._snap is not None else 0
+                    pending += max(0, off - base)
+                    continue
                 if name in self._ignored:
                     try:
                         total += os.stat(path).st_size
@@ -438,6 +466,7 @@ class DirBudget:
                 if size < 0:
                     continue
                 total += size
+                self._log_sizes[name] = size
                 if off == 0 and lines:
                     if parse_header(lines[0]) is None:
                         self._ignored.add(name)
@@ -472,6 +501,8 @@ class DirBudget:
             if name not in seen:
                 del self._offsets[name]
                 self._sealed.discard(name)
+                self._log_sizes.pop(name, None)
+        self._logs = len(seen)
         self._snap_sizes = {n: s for n, s in self._snap_sizes.items() if n in names}
         self._ledger_bytes = total
         self._pending_log_bytes = pending
@@ -520,7 +551,9 @@ class DirBudget:
 
     def _finish_walk(self, walk: _Walk, initial: bool = False) -> None:
         with self._lock:
-            gone = [rel for rel, e in self._index.items() if e.seen != walk.epoch and e.t < walk.started]
+            unlisted = tuple(walk.unlisted)
+            gone = [rel for rel, e in self._index.items()
+                    if e.seen != walk.epoch and e.t < walk.started and not (unlisted and rel.startswith(unlisted))]
             for rel in gone:
                 e = self._remove(rel)
                 self.last_drift["removed_files"] = self.last_drift.get("removed_files", 0) + 1
@@ -638,7 +671,14 @@ class DirBudget:
                 self.last_drift = {}
                 self._walk = _Walk(self.top, self._next_epoch())
             return
-        if self._pending_log_bytes > max(COMPACT_MIN_BYTES, self._snap_bytes) and self.lease.acquire():
+        # Compaction: when the logs since the snapshot outgrow it, or when many logs
+        # (each a file every pass opens) have piled up, at most every MIN_CHECKPOINT_S.
+        many = self._logs > MAX_LOGS and time.monotonic() - self._folded_logs_at > MIN_CHECKPOINT_S
+        due = (many or self._pending_log_bytes > max(COMPACT_MIN_BYTES, self._snap_bytes)
+               or (self._snap is None and self._logs > 0))  # a new directory's first: later starts need no walk
+        if due and self.lease.acquire():
+            if many:
+                self._folded_logs_at = time.monotonic()
             try:
                 self.checkpoint()
             finally:
