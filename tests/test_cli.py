@@ -207,7 +207,6 @@ def test_verify_verdict_passes_only_a_full_identical_restore():
 def _ledger_cache(tmp_path: Path):
     """A cache of 8 prompts (attention chains plus Mamba states) with its layout.json, and an
     engine-like account on it that has loaded its index (as a running engine's housekeeper has)."""
-    import random
 
     from ledger_instance import FP, true_bytes, write_prompt
     from offload.store.budget import DirBudget
@@ -219,9 +218,8 @@ def _ledger_cache(tmp_path: Path):
     store = dataclasses.replace(FileStore.open(str(tmp_path), FP), account=live)
     store.write_layout({"chunk_size": 256, "groups": [{"spec": "MambaSpec(...)"}, {"spec": "FullAttentionSpec(...)"}],
                         "tensors": {}})
-    rng = random.Random(9)
     for p in range(8):
-        write_prompt(store, "cli", p, rng)
+        write_prompt(store, "cli", p)
     live.ensure_loaded()
     assert live.usage == true_bytes(top)
     return top, live, true_bytes

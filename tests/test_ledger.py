@@ -14,11 +14,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
-import random
 
 import torch
 
@@ -161,9 +159,8 @@ def test_two_accounts_in_one_process_see_each_others_writes_and_evictions(tmp_pa
     b = DirBudget(top, max_bytes=1 << 20)
     sa, sb = instance(tmp_path, a), instance(tmp_path, b)
     a.ensure_loaded(), b.ensure_loaded()
-    rng = random.Random(1)
     for p in range(6):
-        write_prompt(sa, "a", p, rng)  # ~0.8 MB
+        write_prompt(sa, "a", p)  # ~0.8 MB
     b.sync()
     assert b.usage == a.usage == true_bytes(top)
     time.sleep(0.02)
@@ -171,7 +168,7 @@ def test_two_accounts_in_one_process_see_each_others_writes_and_evictions(tmp_pa
         for c in (0, 1):
             os.utime(top / FP.hex() / f"g{ATTN}" / key("a", p, c).hex()[:2] / f"{key('a', p, c).hex()}.kv")
     for p in range(6):
-        write_prompt(sb, "b", p, rng)  # b goes over its budget and evicts a's oldest leaves too
+        write_prompt(sb, "b", p)  # b goes over its budget and evicts a's oldest leaves too
     assert b.evicted_files > 0 and true_bytes(top) <= 1 << 20
     for owner in ("a", "b"):  # leaves first: what is left of every chain is a prefix
         for p in range(6):
@@ -230,9 +227,8 @@ def test_reconcile_corrects_what_the_ledger_missed_and_other_instances_adopt_it(
     top = tmp_path / "kvoffload-v1"
     a = DirBudget(top)
     sa = instance(tmp_path, a)
-    rng = random.Random(2)
     for p in range(5):
-        write_prompt(sa, "a", p, rng)
+        write_prompt(sa, "a", p)
     a.ensure_loaded()
     b = DirBudget(top)
     b.ensure_loaded()  # from a's snapshot, no walk
@@ -241,7 +237,7 @@ def test_reconcile_corrects_what_the_ledger_missed_and_other_instances_adopt_it(
     known = sorted(root.rglob("*.kv"))
     # Behind the ledger's back: a writer without a ledger, a file deleted by hand, one resized.
     plain = dataclasses.replace(FileStore.open(str(tmp_path), FP), account=None)
-    write_prompt(plain, "unrecorded", 0, rng)
+    write_prompt(plain, "unrecorded", 0)
     known[3].unlink()
     with open(known[7], "ab") as f:
         f.write(b"x" * 1000)
@@ -261,10 +257,9 @@ def test_reconcile_corrects_what_the_ledger_missed_and_other_instances_adopt_it(
 
 def test_checkpoint_folds_the_logs_and_a_new_instance_starts_from_it(tmp_path):
     top = tmp_path / "kvoffload-v1"
-    rng = random.Random(3)
     writers = [DirBudget(top) for _ in range(3)]
     for i, w in enumerate(writers):
-        write_prompt(instance(tmp_path, w), f"w{i}", 0, rng)
+        write_prompt(instance(tmp_path, w), f"w{i}", 0)
         w.ledger.seal()  # these instances are done (a clean shutdown)
     assert len(logs(top)) == 3
     a = DirBudget(top, folded_idle_s=0.0)
@@ -281,7 +276,7 @@ def test_checkpoint_folds_the_logs_and_a_new_instance_starts_from_it(tmp_path):
     (top / FP.hex() / "g9").rename(top / FP.hex() / f"g{GDN}")
     # Records after the snapshot are replayed on top of it.
     c = DirBudget(top)
-    write_prompt(instance(tmp_path, c), "c", 0, rng)
+    write_prompt(instance(tmp_path, c), "c", 0)
     d = DirBudget(top)
     d.ensure_loaded()
     assert d.usage == true_bytes(top) and d.walks == 0
@@ -312,9 +307,8 @@ def test_housekeeper_drives_its_account_and_seals_its_log_on_stop(tmp_path):
     acct = DirBudget(top, max_bytes=1 << 20)
     store = instance(tmp_path, acct)
     keeper = Housekeeper(store.root, 2, acct).start()
-    rng = random.Random(4)
     for p in range(12):
-        write_prompt(store, "h", p, rng)
+        write_prompt(store, "h", p)
     deadline = time.monotonic() + 30
     while (keeper.latest() is None or sum(keeper.latest().bytes) != true_bytes(top)) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -334,12 +328,11 @@ def test_many_finished_logs_are_folded_even_without_many_records(tmp_path):
     from offload.store import budget as bmod
 
     top = tmp_path / "kvoffload-v1"
-    rng = random.Random(6)
     a = DirBudget(top, folded_idle_s=0.0)
     a.ensure_loaded()
     for i in range(bmod.MAX_LOGS + 8):  # short-lived instances, each a few records, then a clean stop
         w = DirBudget(top)
-        write_prompt(instance(tmp_path, w), f"r{i}", 0, rng)
+        write_prompt(instance(tmp_path, w), f"r{i}", 0)
         w.ledger.seal()
     a.sync()
     before = a.checkpoints

@@ -287,7 +287,9 @@ def test_names_are_made_of_hashes_only(tmp_path):
     import re
 
     names = [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")]
-    pat = re.compile(r"^kvoffload-v1(/[0-9a-f]{64}(/g\d+(/[0-9a-f]{2}(/[0-9a-f]{64}\.kv)?)?)?)?$")
+    # The ledger's names are a host tag, a pid and random hex (docs/format.md "Ledger").
+    pat = re.compile(r"^kvoffload-v1(/[0-9a-f]{64}(/g\d+(/[0-9a-f]{2}(/[0-9a-f]{64}\.kv)?)?)?"
+                     r"|/ledger-v1(/[0-9a-f]{8}-\d+-[0-9a-f]{8}\.log)?)?$")
     assert names and all(pat.match(n) for n in names), names
 
 

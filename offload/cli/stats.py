@@ -81,9 +81,10 @@ def report(cache: Cache) -> dict:
 
 
 def print_ledger(led: dict, table: bool) -> None:
-    snap = (f"snapshot {led['snapshot_age_s']:.0f} s old" if led["snapshot"] else "no snapshot (indexed by a walk)")
+    snap = (f"snapshot {age(led['snapshot_age_s'])} old" if led["snapshot"] else "no snapshot (indexed by a walk)")
     walked = f"last walk {age(led['last_walk_age_s'])} ago" if led["last_walk_age_s"] is not None else "never walked"
-    print(f"\nledger: {led['files']} files, {human(led['bytes'])} accounted; {led['logs']} logs "
+    logs = f"{led['logs']} log{'' if led['logs'] == 1 else 's'}"
+    print(f"\nledger: {led['files']} files, {human(led['bytes'])} accounted; {logs} "
           f"({led['sealed_logs']} sealed), {human(led['ledger_bytes'])} of records; {snap}; {walked}; "
           f"{led['bad_lines']} damaged lines skipped; read in {led['load_s']:.2f} s")
     if "walk" in led:
