@@ -275,6 +275,7 @@ def run(files: int, reps: int, dir: str | None = None, out_dir: Path | None = No
     finally:
         shutil.rmtree(work, ignore_errors=True)
     doc["results"] = res
+    doc["loadavg_at_end"] = os.getloadavg()[0]  # the machine is shared: see machine.loadavg_at_start too
     old_pass = res["old: walk pass (steady)"]["s"]
     new_pass = res["new: pass (tail of every log), idle"]["s"]
     doc["accounting_pass_ratio_old_to_new"] = old_pass / new_pass if new_pass else None
