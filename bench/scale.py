@@ -204,6 +204,22 @@ def run(files: int, reps: int, dir: str | None = None, out_dir: Path | None = No
             other.note_write(rel, size, parent)
         t_rec, _ = timed(b.sync)
         res[f"new: pass reading {n_rec} new records"] = {"s": t_rec, "per_record_us": t_rec / n_rec * 1e6}
+        # The accounting's own cost per store, without the file I/O: a record appended and folded into
+        # the loaded index (names of files that do not exist, taken out again untimed).
+        fake = [f"{FP.hex()}/g{ATTN}/{h[:2]}/{h}.kv"
+                for h in (hashlib.sha256(f"fake{i}".encode()).hexdigest() for i in range(2000 * reps))]
+        out = []
+        for r in range(reps):
+            part = fake[r * 2000:(r + 1) * 2000]
+            out.append(per_op(lambda rel: b.note_write(rel, 384, None), part, 1))
+            for rel in part:
+                b.note_remove(rel)
+        res["new: record of a store (append + index update)"] = {"s": statistics.median(out)}
+        appender = DirBudget(top)  # a process with no index loaded (a TP>1 worker): append only
+        res["new: record of a store, append only"] = {
+            "s": per_op(lambda rel: appender.note_write(rel, 384, None), fake[:2000], reps)}
+        for rel in fake[:2000]:
+            appender.note_remove(rel)
         recon_s, drift = timed(b.reconcile)
         res["new: reconcile walk (every reconcile_interval_s, one instance)"] = {"s": recon_s}
         doc["reconcile_drift"] = drift
