@@ -9,7 +9,11 @@ scheduler and worker do. Each prompt is a chain of DEPTH attention chunks
 is the same in every instance, so instances also write the same keys.
 
 After each prompt it records its accounted usage twice around a walk of the
-directory that measures the true bytes, and prints one JSON line at the end:
+directory that measures the true bytes. A walk over a directory that others
+write and evict at the same time can see a state that never existed, so the
+instances write under a shared `flock` of START_FLAG.lock and a sample takes
+it exclusively: the others pause for the walk, and write concurrently again
+between samples. It prints one JSON line at the end:
 the samples, its final usage and the true bytes once all instances are done
 (it waits for `START_FLAG.done.*` of every instance). With --forever it
 writes until killed (SIGKILL tests).
@@ -18,6 +22,7 @@ writes until killed (SIGKILL tests).
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -87,16 +92,22 @@ def main() -> None:
         time.sleep(0.005)
     samples = []
     p = 0
+    lock = os.open(f"{flag}.lock", os.O_RDWR | os.O_CREAT, 0o600)
     while forever or p < prompts:
+        fcntl.flock(lock, fcntl.LOCK_SH)
         write_prompt(store, "shared" if p % 3 == 0 else name, p)
+        fcntl.flock(lock, fcntl.LOCK_UN)
         p += 1
         if forever:
             continue
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        time.sleep(0.1)  # evictions the last writes started (inline or in a housekeeper pass) finish
         acct.sync()
         before = acct.usage
         true = true_bytes(top)
         acct.sync()
         samples.append([before, true, acct.usage])
+        fcntl.flock(lock, fcntl.LOCK_UN)
     Path(f"{flag}.done.{name}").touch()
     others = [n for n in os.listdir(os.path.dirname(flag) or ".") if ".ready." in n]
     deadline = time.monotonic() + 120

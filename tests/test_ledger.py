@@ -108,8 +108,9 @@ def _run_instances(tmp_path: Path, n: int, prompts: int, max_bytes: int) -> tupl
 
 
 def _within(samples: list[list[int]], frac: float) -> list[tuple]:
-    """Samples whose truth (a walk) is off the accounted usage by more than
-    `frac` beyond what changed while the walk ran (usage before and after it)."""
+    """Samples whose truth (a walk, the other instances paused) is off the
+    accounted usage by more than `frac` beyond what still changed while the
+    walk ran (usage before and after it)."""
     bad = []
     for before, true, after in samples:
         if true < 1 << 20:
