@@ -144,9 +144,11 @@ def test_three_instances_under_one_budget_keep_the_directory_under_it(tmp_path):
     for o in outs:
         assert not _within(o["samples"], 0.05), (o["name"], _within(o["samples"], 0.05))
         assert abs(o["usage"] - truth) <= 0.05 * truth, o
-    # Eviction went leaf first: every chain that is left is a prefix.
+    # Eviction went leaf first: every chain that is left is a prefix. (Not asserted for the shared
+    # prompts: one instance may evict a chunk between another's "exists, skip" for it and that
+    # instance's write of the next one, the store/evict race the lookup tolerates as a failed load.)
     root = top / FP.hex()
-    for owner in ("shared", "i0", "i1", "i2"):
+    for owner in ("i0", "i1", "i2"):
         for p in range(24):
             flags = chain_present(root, owner, p)
             assert flags == sorted(flags, reverse=True), (owner, p, flags)
