@@ -74,6 +74,11 @@ class TierConfig(BaseModel):
         description="age after which a temporary file of any host is an orphan and removed (60 s to 7 days); "
         "this host's temporary files are removed at start-up as soon as their writer is gone",
     )
+    reconcile_interval_s: float = Field(
+        default=21600.0, ge=60, le=30 * 86400,
+        description="store 'fs': how often one instance walks the whole cache directory to correct the "
+        "ledger's usage accounting (60 s to 30 days; default 6 h); between walks usage comes from the ledger",
+    )
 
     @property
     def file_mode_bits(self) -> int:
@@ -103,7 +108,8 @@ class TierConfig(BaseModel):
             return CpuOptions(cpu_bytes=self.cpu_bytes)
         assert self.path is not None
         return FsOptions(path=self.path, fsync=self.fsync, max_bytes=self.max_bytes, file_mode=self.file_mode_bits,
-                         dir_mode=self.dir_mode_bits, orphan_tmp_age_s=self.orphan_tmp_age_s)
+                         dir_mode=self.dir_mode_bits, orphan_tmp_age_s=self.orphan_tmp_age_s,
+                         reconcile_interval_s=self.reconcile_interval_s)
 
     @model_validator(mode="after")
     def _tier_keys(self) -> TierConfig:

@@ -164,3 +164,19 @@ def test_tier_stack_bench_gathers_once_per_chunk(tmp_path: Path) -> None:
     assert one > 0 and per_chunk["fs"] == one == per_chunk["stack"] == per_chunk["two-connectors-shared"]
     assert per_chunk["two-connectors"] == 2 * one
     assert res["median"]["stack"]["restart_load_GBps"] > 0 and res["median"]["stack"]["promoted_load_GBps"] > 0
+
+
+def test_bench_scale_small(tmp_path: Path) -> None:
+    """bench/scale.py on 2,000 files: the files are FileStore.write's bytes, both budgets evict, and the
+    ledger's figure after the run (stores, another instance's records, evictions) is the walk's."""
+    from bench import scale
+
+    doc = scale.run(2000, 1, dir=str(tmp_path), out_dir=tmp_path, cold=False)
+    assert doc["identical_to_filestore_write"]
+    res = doc["results"]
+    assert res["evict: ledger queue, per evicted file"]["files"] > 0
+    assert res["evict: pre-ledger walk + heap rebuild, per evicted file"]["files"] > 0
+    assert doc["final_usage_accounted"] == doc["final_usage_walked"]
+    assert doc["reconcile_drift"] == {}, "nothing happened behind the ledger's back"
+    assert json.loads((tmp_path / "scale.json").read_text())["files"] == 2000
+    assert not any(p.name.startswith("kvoffload-scale-") for p in tmp_path.iterdir()), "cleaned up"

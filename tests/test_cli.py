@@ -199,3 +199,60 @@ def test_verify_verdict_passes_only_a_full_identical_restore():
     failed = RunResult([_result(600, 512, [1, 2], failed=True), _result(300, 256, [3])], "")
     assert "loads failed" in verdict(run1, [failed], 256)[0]
     assert "2 again (reset)" in verdict(run1, [good, short], 256)[0]
+
+
+# ---- stats, fsck and gc with the ledger (files written through FileStore, no engine) ------------
+
+
+def _ledger_cache(tmp_path: Path):
+    """A cache of 8 prompts (attention chains plus Mamba states) with its layout.json, and an
+    engine-like account on it that has loaded its index (as a running engine's housekeeper has)."""
+
+    from ledger_instance import FP, true_bytes, write_prompt
+    from offload.store.budget import DirBudget
+    from offload.store.fs import FileStore
+
+    top = tmp_path / "kvoffload-v1"
+    live = DirBudget(top)
+    import dataclasses
+    store = dataclasses.replace(FileStore.open(str(tmp_path), FP), account=live)
+    store.write_layout({"chunk_size": 256, "groups": [{"spec": "MambaSpec(...)"}, {"spec": "FullAttentionSpec(...)"}],
+                        "tensors": {}})
+    for p in range(8):
+        write_prompt(store, "cli", p)
+    live.ensure_loaded()
+    assert live.usage == true_bytes(top)
+    return top, live, true_bytes
+
+
+def test_gc_records_its_deletions_so_a_live_account_follows_without_a_walk(capsys, tmp_path):
+    top, live, true_bytes = _ledger_cache(tmp_path)
+    limit = true_bytes(top) // 2
+    rc, out = run_cli(capsys, "gc", str(tmp_path), "--max-bytes", str(limit))
+    assert rc == 0 and "fits" in out, out
+    assert true_bytes(top) <= limit
+    live.sync()  # reads gc's log: no walk
+    assert live.usage == true_bytes(top) and live.walks == 1
+    rc, out = run_cli(capsys, "stats", str(tmp_path), "--ledger", "--json")
+    led = json.loads(out)["ledger"]
+    assert rc == 0 and led["bytes"] == true_bytes(top) and led["logs"] >= 2 and not led["walked_to_load"]
+    rc, out = run_cli(capsys, "stats", str(tmp_path), "--json")
+    rep = json.loads(out)
+    assert rep["ledger"]["drift_bytes"] == 0 and rep["ledger"]["walk"]["bytes"] == true_bytes(top)
+    assert rep["other_entries"] == [], "ledger-v1/ is not an unknown entry"
+
+
+def test_fsck_reports_ledger_drift_and_repair_reconciles_it_for_live_accounts(capsys, tmp_path):
+    top, live, true_bytes = _ledger_cache(tmp_path)
+    rc, out = run_cli(capsys, "fsck", str(tmp_path))
+    assert rc == 0 and "clean" in out and "off by +0 bytes" in out, out
+    victim = sorted(top.glob("*/g0/*/*.kv"))[5]  # a Mamba state: no chain hole, only drift
+    size = victim.stat().st_size
+    victim.unlink()  # by hand: no record
+    rc, out = run_cli(capsys, "fsck", str(tmp_path))
+    assert f"off by +{size} bytes" in out, out
+    rc, out = run_cli(capsys, "fsck", str(tmp_path), "--repair")
+    assert "1 entries corrected; new snapshot written" in out, out
+    live.sync()
+    live.maintain()  # adopts the reconciled snapshot
+    assert live.usage == true_bytes(top) and live.walks == 1

@@ -258,7 +258,8 @@ for n, (umask, fm, dm) in enumerate({MODE_CASES!r}):
         c = tmp_path / f"c{n}"
         files = [p for p in c.rglob("*") if p.is_file()]
         dirs = [p for p in c.rglob("*") if p.is_dir()] + [c]
-        assert len(files) == 2 and len(dirs) == 5
+        # A chunk file, layout.json and this process's ledger log; ledger-v1/ among the directories.
+        assert len(files) == 3 and len(dirs) == 6 and (c / "kvoffload-v1" / "ledger-v1").is_dir()
         assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {want_f}, (umask, file_mode)
         assert {stat.S_IMODE(p.stat().st_mode) for p in dirs} == {want_d}, (umask, dir_mode)
         assert all(stat.S_IMODE(p.stat().st_mode) & 0o007 == 0 for p in files + dirs)
@@ -286,7 +287,9 @@ def test_names_are_made_of_hashes_only(tmp_path):
     import re
 
     names = [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")]
-    pat = re.compile(r"^kvoffload-v1(/[0-9a-f]{64}(/g\d+(/[0-9a-f]{2}(/[0-9a-f]{64}\.kv)?)?)?)?$")
+    # The ledger's names are a host tag, a pid and random hex (docs/format.md "Ledger").
+    pat = re.compile(r"^kvoffload-v1(/[0-9a-f]{64}(/g\d+(/[0-9a-f]{2}(/[0-9a-f]{64}\.kv)?)?)?"
+                     r"|/ledger-v1(/[0-9a-f]{8}-\d+-[0-9a-f]{8}\.log)?)?$")
     assert names and all(pat.match(n) for n in names), names
 
 
@@ -349,20 +352,20 @@ def test_budget_evicts_leaves_first_and_keeps_every_group_prefix_closed(tmp_path
            "-", 0, "only least recently used leaves", evicted_files=budget.evicted_files)
 
 
-def test_housekeeper_one_scan_feeds_usage_and_budget_and_stops(tmp_path):
-    from offload.store.housekeeper import Housekeeper, scan_groups
+def test_housekeeper_one_account_feeds_usage_and_budget_and_stops(tmp_path):
+    from offload.store.housekeeper import Housekeeper
 
     store = FileStore.open(str(tmp_path), FP)
     a = _chain(store, 0, 4)
     gdn = _chain(store, 0, 2, GDN)
     size = a[0].stat().st_size
     total = sum(p.stat().st_size for p in a + gdn)
-    # No budget: the figures of this fingerprint's groups.
+    # No budget: the figures of this fingerprint's groups, from the ledger the store appended to.
     plain = Housekeeper(store.root, num_groups=2)
     u = plain.pass_once()
     assert u.entries[ATTN] == 4 and u.entries[GDN] == 2 and sum(u.bytes) == total
-    assert scan_groups(store.root, 2) == (u.entries, u.bytes)
-    # With a budget: the same figures come out of the budget's own walk, after its eviction.
+    assert u.bytes[ATTN] == sum(p.stat().st_size for p in a)
+    # With a budget: the same figures, after its eviction.
     budget = DirBudget(tmp_path / "kvoffload-v1", max_bytes=total - size, low_water=1.0)
     keeper = Housekeeper(store.root, num_groups=2, budget=budget).start()
     deadline = time.monotonic() + 30
@@ -371,6 +374,8 @@ def test_housekeeper_one_scan_feeds_usage_and_budget_and_stops(tmp_path):
     u = keeper.latest()
     assert u is not None and budget.evicted_files >= 1
     assert sum(u.entries) == 6 - budget.evicted_files
-    assert sum(u.bytes) == budget.usage <= total - size
+    left = [p for p in a + gdn if p.exists()]
+    assert sum(u.bytes) == sum(p.stat().st_size for p in left) <= budget.usage <= total - size
     keeper.stop()
     assert not keeper._thread.is_alive(), "stopped with the connector"
+    assert not budget.loaded, "the index is dropped with the housekeeper"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,9 @@ from pathlib import Path
 from offload.planner import GroupKind
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
 from offload.store import hygiene
+from offload.store.budget import DirBudget
 from offload.store.fs import LAYOUT_VERSION_DIR
+from offload.store.ledger import LEDGER_DIR
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 CHUNK_NAME = re.compile(r"^([0-9a-f]{64})\.kv$")
@@ -95,6 +98,7 @@ class Cache:
     dirs: list[FpDir]
     other: list[tuple[Path, str]]  # entries under root that are not fingerprint directories
     other_versions: list[Path]  # kvoffload-v<N> directories of another format version (not ours to judge)
+    ledger: Path | None = None  # ledger-v1/: the usage accounting's logs and snapshots (docs/format.md)
 
 
 def find_root(path: str | Path) -> Path:
@@ -115,14 +119,66 @@ def scan(path: str | Path, verify_payloads: bool = False) -> Cache:
     root = find_root(path)
     if HEX64.match(root.name):  # a single fingerprint directory
         return Cache(root.parent, [_scan_fp(root, verify_payloads)], [], [])
-    dirs, other = [], []
+    dirs, other, ledger = [], [], None
     for e in sorted(root.iterdir()):
         if e.is_dir() and not e.is_symlink() and HEX64.match(e.name):
             dirs.append(_scan_fp(e, verify_payloads))
+        elif e.name == LEDGER_DIR and e.is_dir() and not e.is_symlink():
+            ledger = e
         else:
             other.append((e, "not a fingerprint directory (64 hex digits)"))
     versions = [d for d in sorted(root.parent.glob("kvoffload-v*")) if d.name != LAYOUT_VERSION_DIR and d.is_dir()]
-    return Cache(root, dirs, other, versions)
+    return Cache(root, dirs, other, versions, ledger)
+
+
+# ---- the ledger: usage as the connector accounts it ---------------------------------------
+
+
+def tree_bytes(root: Path) -> tuple[int, int]:
+    """(files, bytes) of every regular file under kvoffload-v1/ `root` but
+    temporary files in flight and the ledger: what the ledger accounts for,
+    measured by a walk."""
+    files = total = 0
+    for _, e in hygiene.walk(root, skip=frozenset({LEDGER_DIR})):
+        if hygiene.TMP_RE.search(e.name) or hygiene.LAYOUT_TMP_RE.match(e.name):
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            files += 1
+            total += st.st_size
+    return files, total
+
+
+def ledger_view(root: Path, walk: bool = True) -> dict:
+    """What the connector's account says about kvoffload-v1/ `root`, read
+    only: the newest snapshot and every log since (a walk only where there is
+    no snapshot), per fingerprint and group, and the time it took. With
+    `walk`, also what a walk finds and the difference (drift)."""
+    acct = DirBudget(root, read_only=True)
+    t0 = time.perf_counter()
+    acct.ensure_loaded()
+    out = acct.describe()
+    out["load_s"] = round(time.perf_counter() - t0, 3)
+    if walk:
+        files, nbytes = tree_bytes(root)
+        out["walk"] = {"files": files, "bytes": nbytes}
+        out["drift_bytes"] = out["bytes"] - nbytes
+        out["drift_files"] = out["files"] - files
+    groups: dict[str, list[dict]] = {}
+    for (fp, g), (n, b) in sorted(acct.by_group.items()):
+        groups.setdefault(fp, []).append({"group": g, "files": n, "bytes": b})
+    out["fingerprints"] = groups
+    return out
+
+
+def record_removal(acct: DirBudget, path: Path) -> None:
+    """Tell the live engines' accounts (through this tool's own log) that a file went."""
+    rel = acct.rel(path)
+    if rel is not None:
+        acct.note_remove(rel)
 
 
 def _scan_fp(d: Path, verify: bool) -> FpDir:

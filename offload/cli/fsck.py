@@ -17,9 +17,15 @@ chunk range = layout.json), and the payload CRC-32C. Also finds:
   incomplete. The lookup's binary search could step over the hole and report
   a hit whose load fails (a recompute, never wrong output, but a waste).
 
+It also compares the usage the engines account for (the ledger:
+kvoffload-v1/ledger-v1/, docs/format.md) with what the walk found, and
+prints the difference; that is not a problem by itself (writes in flight,
+and the engines correct drift at each reconcile).
+
 --repair moves corrupt files and files of unknown layout to the fingerprint
 directory's quarantine/ (as the connector does), deletes orphaned temporary
-files and deletes the chunks below a chain hole. Run it while no engine
+files and deletes the chunks below a chain hole, then reconciles the ledger
+with the files (a new snapshot, which the engines adopt). Run it while no engine
 writes to the directory, or accept that a file written meanwhile is judged
 as it was seen.
 
@@ -36,8 +42,10 @@ import sys
 import uuid
 from pathlib import Path
 
+from offload.store.budget import DirBudget
 from offload.store.fs import DEFAULT_ORPHAN_AGE_S
-from offload.cli.cache import Cache, FpDir, NotACache, chunks, is_stale_tmp, remove_empty_dirs, scan, unlink
+from offload.cli.cache import (Cache, FpDir, NotACache, chunks, human, is_stale_tmp, ledger_view, remove_empty_dirs,
+                               scan, unlink)
 
 EXIT_CLEAN, EXIT_PROBLEMS, EXIT_USAGE, EXIT_REPAIRED = 0, 1, 2, 3
 
@@ -116,6 +124,17 @@ def run(args: argparse.Namespace) -> int:
           f"{summary}; {in_flight} temporary files in flight; {quarantined} files already in quarantine")
     for p in cache.other_versions:
         print(f"note: {p} is another format version; not checked")
+    if args.repair:
+        acct = DirBudget(cache.root)
+        drift = acct.reconcile()
+        fixed = drift.get("added_files", 0) + drift.get("removed_files", 0) + drift.get("resized", 0)
+        print(f"ledger: reconciled with the files, {fixed} entries corrected; "
+              + ("new snapshot written" if acct.checkpoints else "no snapshot written: an engine holds the lease "
+                 "(it walks now; the engines correct drift themselves)"))
+    else:
+        led = ledger_view(cache.root)
+        print(f"ledger: {led['files']} files, {human(led['bytes'])} accounted; the files: {led['walk']['files']}, "
+              f"{human(led['walk']['bytes'])} (off by {led['drift_bytes']:+d} bytes; --repair reconciles)")
     if not found:
         print("clean")
         return EXIT_CLEAN

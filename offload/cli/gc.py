@@ -36,8 +36,11 @@ never). gc and fsck read headers with O_NOATIME, so they do not count as
 use. "--lru mtime" ignores atime.
 
 N accepts suffixes K, M, G, T (powers of 1024: 512M = 512 MiB) and counts
-every file under PATH. Run gc while no engine serves from PATH, or accept that
-a chunk evicted between a lookup and its load is a failed load (a recompute).
+every file under PATH but the ledger (kvoffload-v1/ledger-v1/, the usage
+accounting's records, outside the budget as in the connector). Every file gc
+deletes is recorded in its own ledger log, so the engines' usage accounting
+follows without a walk. Run gc while no engine serves from PATH, or accept that a chunk evicted
+between a lookup and its load is a failed load (a recompute).
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ import argparse
 import re
 import sys
 
+from offload.store.budget import DirBudget
 from offload.store.fs import DEFAULT_ORPHAN_AGE_S
-from offload.cli.cache import Chunk, FpDir, NotACache, chunks, human, is_stale_tmp, remove_empty_dirs, scan, unlink
+from offload.cli.cache import (Chunk, FpDir, NotACache, chunks, human, is_stale_tmp, record_removal, remove_empty_dirs,
+                               scan, unlink)
 from offload.planner import GroupKind
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -96,12 +101,14 @@ def eviction_order(fp: FpDir, by_mtime: bool) -> list[tuple[float, int, Chunk]]:
     return [(recency[k], -c.pos, c) for k, c in graph.items()]
 
 
-def evict_chunk(c: Chunk, kinds: dict[int, GroupKind], dry_run: bool) -> int:
+def evict_chunk(c: Chunk, kinds: dict[int, GroupKind], dry_run: bool, acct: DirBudget | None = None) -> int:
     """Delete a chunk's files, full attention first; returns bytes freed."""
     freed = 0
     for f in sorted(c.files, key=lambda f: kinds.get(f.group) is not GroupKind.FULL_ATTENTION):
         if dry_run or unlink(f.path):
             freed += f.size
+            if acct is not None:
+                record_removal(acct, f.path)
     return freed
 
 
@@ -112,7 +119,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvoffload gc: {e}", file=sys.stderr)
         return 2
     root = cache.root
-    total = sum(p.lstat().st_size for p in root.rglob("*") if p.is_file() or p.is_symlink())
+    acct = None if args.dry_run else DirBudget(root)  # only to record what gc deletes, in its own log
+    # Every file under PATH but the ledger (its records are accounting, outside the budget as in the connector).
+    total = sum(p.lstat().st_size for p in root.rglob("*")
+                if (p.is_file() or p.is_symlink()) and cache.ledger not in p.parents)
     start = total
     verb = "would delete" if args.dry_run else "deleted"
     # 1. What no lookup can use.
@@ -125,10 +135,12 @@ def run(args: argparse.Namespace) -> int:
             size = p.lstat().st_size
             if args.dry_run or unlink(p):
                 waste += size
+                if acct is not None:
+                    record_removal(acct, p)
         kinds[id(fp)] = fp.group_kinds()
         for c in chunks(fp).values():
             if c.orphan:
-                waste += evict_chunk(c, kinds[id(fp)], args.dry_run)
+                waste += evict_chunk(c, kinds[id(fp)], args.dry_run, acct)
     total -= waste
     print(f"gc {root}: {human(start)} in {sum(len(fp.files) for fp in cache.dirs)} chunk files; "
           f"limit {human(args.max_bytes)}; {verb} {human(waste)} of quarantined, corrupt, orphaned "
@@ -140,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     for _, _, _, c, fp in order:
         if total <= args.max_bytes:
             break
-        total -= evict_chunk(c, kinds[id(fp)], args.dry_run)
+        total -= evict_chunk(c, kinds[id(fp)], args.dry_run, acct)
         evicted += 1
         files += len(c.files)
     if not args.dry_run:

@@ -1,10 +1,16 @@
-"""`kvoffload stats PATH [--json]`: what a cache directory holds.
+"""`kvoffload stats PATH [--json] [--ledger]`: what a cache directory holds.
 `kvoffload stats --config CONFIG | --lmcache-url URL [--json]`: what an LMCache tier's Redis remote holds.
 
 One row per fingerprint directory (one model, layout and TP rank): the model,
 chunk size, dtype, per group its kind, files and bytes, the number of chunks,
 the longest stored chain, quarantined and temporary files, and the age of the
 oldest and newest file (by mtime: when it was stored). Reads headers only.
+Then the usage as the engines account it (the ledger: newest snapshot plus
+every instance's log since) next to what the walk found, and the difference.
+
+--ledger prints only the ledger's figures, per fingerprint and group, without
+walking the tree: its cost is reading the snapshot and the logs, not a stat
+per file (a walk only where the directory has no snapshot yet).
 
 With --config (a kv-transfer-config: its lmcache tier's remote_url) or
 --lmcache-url, the same per fingerprint and group for the objects in that
@@ -26,7 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from offload.cli.cache import Cache, FpDir, NotACache, age, chunks, human, scan
+from offload.store.fs import LAYOUT_VERSION_DIR
+from offload.cli.cache import Cache, FpDir, NotACache, age, chunks, find_root, human, ledger_view, scan
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=5.0, metavar="S",
                    help="bound on each Redis operation, seconds (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.add_argument("--ledger", action="store_true", help="the ledger's usage figures only, without a walk")
     p.set_defaults(func=run)
 
 
@@ -88,7 +96,27 @@ def report(cache: Cache) -> dict:
             "total_files": sum(d["files"] for d in dirs),
             "total_bytes": sum(d["bytes"] + d["quarantined_bytes"] for d in dirs),
             "other_entries": [str(p) for p, _ in cache.other],
-            "other_format_versions": [str(p) for p in cache.other_versions]}
+            "other_format_versions": [str(p) for p in cache.other_versions],
+            "ledger": ledger_view(cache.root)}
+
+
+def print_ledger(led: dict, table: bool) -> None:
+    snap = (f"snapshot {age(led['snapshot_age_s'])} old" if led["snapshot"] else "no snapshot (indexed by a walk)")
+    walked = f"last walk {age(led['last_walk_age_s'])} ago" if led["last_walk_age_s"] is not None else "never walked"
+    logs = f"{led['logs']} log{'' if led['logs'] == 1 else 's'}"
+    print(f"\nledger: {led['files']} files, {human(led['bytes'])} accounted; {logs} "
+          f"({led['sealed_logs']} sealed), {human(led['ledger_bytes'])} of records; {snap}; {walked}; "
+          f"{led['bad_lines']} damaged lines skipped; read in {led['load_s']:.2f} s")
+    if "walk" in led:
+        w = led["walk"]
+        pct = 100.0 * led["drift_bytes"] / w["bytes"] if w["bytes"] else 0.0
+        print(f"  the walk found {w['files']} files, {human(w['bytes'])}: the ledger is off by "
+              f"{led['drift_bytes']:+d} bytes ({pct:+.2f}%), {led['drift_files']:+d} files "
+              "(a live directory differs by its writes in flight; the engines correct drift at each reconcile)")
+    if table:
+        for fp, groups in led["fingerprints"].items():
+            print(f"  {fp[:16]}…  " + ", ".join(f"g{g['group']}: {g['files']} files {human(g['bytes'])}"
+                                               for g in groups))
 
 
 def print_table(rep: dict) -> None:
@@ -111,6 +139,7 @@ def print_table(rep: dict) -> None:
               f"temporary {d['tmp_files']}, unrecognised {d['unknown_entries']}")
     for p in rep["other_format_versions"]:
         print(f"\nnote: {p} is another format version; not read")
+    print_ledger(rep["ledger"], table=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,6 +153,20 @@ def run(args: argparse.Namespace) -> int:
         print("kvoffload stats: give PATH (a file tier's directory), or --config CONFIG / --lmcache-url URL "
               "for an LMCache tier's remote", file=sys.stderr)
         return 2
+    if args.ledger:
+        try:
+            root = find_root(args.path)
+        except NotACache as e:
+            print(f"kvoffload stats: {e}", file=sys.stderr)
+            return 2
+        top = root if root.name == LAYOUT_VERSION_DIR else root.parent
+        led = ledger_view(top, walk=False)
+        if args.json:
+            print(json.dumps({"root": str(top), "ledger": led}, indent=2))
+        else:
+            print(f"cache {top}")
+            print_ledger(led, table=True)
+        return 0
     try:
         cache = scan(args.path)
     except NotACache as e:

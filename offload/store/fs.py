@@ -25,11 +25,12 @@ import torch
 
 from offload import copier
 from offload.keys import ChunkKey, Fingerprint
+from offload.planner import GroupKind
 from offload.store import hygiene
 from offload.store.base import (Backed, ChunkMiss, HostChunk, MissReason, OptionError, Placement, TierData,
                                 TierIndex, TierSpec, TierUsage)
 from offload.store.buffers import BufferPool, probe_o_direct
-from offload.store.budget import DirBudget, budget_for
+from offload.store.budget import DEFAULT_RECONCILE_S, DirBudget, account_for
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
 from offload.store.housekeeper import Housekeeper
 
@@ -59,6 +60,7 @@ class FsOptions:
     file_mode: int = FILE_MODE
     dir_mode: int = DIR_MODE
     orphan_tmp_age_s: float = DEFAULT_ORPHAN_AGE_S
+    reconcile_interval_s: float = DEFAULT_RECONCILE_S
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class FileStore:
     # realpath of `root`: nothing is read or written where a path resolves outside it.
     real_root: str = field(default="", compare=False, repr=False)
     _safe_dirs: set = field(default_factory=set, compare=False, repr=False)
+    # The directory's usage account (the ledger this process appends to); `budget` is it when max_bytes is set.
+    account: DirBudget | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def open(cls, path: str, fp: Fingerprint, fsync: bool = False, options: FsOptions | None = None) -> FileStore:
@@ -90,13 +94,14 @@ class FileStore:
                     f"could plant, replace or link cache files; run 'chmod o-w {d}' or choose another path "
                     f"(dir_mode sets the mode of directories the connector creates)")
         root = base / LAYOUT_VERSION_DIR / fp.hex()
-        budget = None
-        if cfg is not None and cfg.max_bytes is not None:
-            budget = budget_for(Path(os.path.realpath(base / LAYOUT_VERSION_DIR)), cfg.max_bytes)
+        account = account_for(base / LAYOUT_VERSION_DIR, cfg.max_bytes if cfg is not None else None,
+                              cfg.reconcile_interval_s if cfg is not None else DEFAULT_RECONCILE_S,
+                              cfg.file_mode if cfg is not None else FILE_MODE,
+                              cfg.dir_mode if cfg is not None else DIR_MODE)
         store = cls(root, fp, fsync or (cfg is not None and cfg.fsync),
                     cfg.file_mode if cfg is not None else FILE_MODE,
                     cfg.dir_mode if cfg is not None else DIR_MODE,
-                    budget, os.path.realpath(root))
+                    account if account.max_bytes else None, os.path.realpath(root), account=account)
         store._tidy_once(cfg.orphan_tmp_age_s if cfg is not None else DEFAULT_ORPHAN_AGE_S)
         return store
 
@@ -154,15 +159,21 @@ class FileStore:
         """`<final name>.tmp.<pid>.<8 hex>.<host tag>` (see offload/store/hygiene.py)."""
         return final.with_name(f"{final.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}.{hygiene.HOST_TAG}")
 
-    def written(self, final: Path, nbytes: int) -> None:
-        """After a file appeared under its final name: exact mode, budget."""
+    def rel(self, path: Path) -> str:
+        """`path` (inside root) as the ledger names it: relative to kvoffload-v1/."""
+        return str(path)[len(str(self.root.parent)) + 1:]
+
+    def written(self, final: Path, nbytes: int, parent: bytes | None = None) -> None:
+        """After a file appeared under its final name: exact mode, and a ledger
+        record (the budget evicts at once if this write took it over)."""
         if _UMASK is None or self.file_mode & _UMASK:
             try:
                 os.chmod(final, self.file_mode)
             except OSError:
                 pass  # evicted or replaced meanwhile
-        if self.budget is not None:
-            self.budget.note_write(final, nbytes)
+        if self.account is not None:
+            self.account.note_write(self.rel(final), nbytes,
+                                    None if not parent or parent == bytes(8) else int.from_bytes(parent, "big"))
 
     # ---- files ----------------------------------------------------------------------
 
@@ -198,6 +209,7 @@ class FileStore:
         with os.fdopen(fd, "w") as f:
             f.write(doc)
         os.replace(tmp, target)
+        self.written(target, len(doc.encode()))
 
     def write(self, header: ChunkHeader, payload: torch.Tensor) -> bool:
         """Write one chunk file from a bare payload (tools, tests). False if it existed."""
@@ -225,7 +237,8 @@ class FileStore:
         chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(full.pack()), dtype=torch.uint8))
         used = copier.write_file_direct(str(self.tmp_path(final)), str(final), chunk.buf, HEADER_LEN + n,
                                         self.fsync, self.file_mode, direct=direct)
-        self.written(final, HEADER_LEN + n)
+        # A Mamba state stands alone: no parent, whatever its header carries.
+        self.written(final, HEADER_LEN + n, None if header.kind is GroupKind.MAMBA else header.parent)
         return True, used
 
     def read_into(self, expected: ChunkHeader, out: torch.Tensor) -> None:
@@ -280,9 +293,17 @@ class FileStore:
                 raise OSError(errno.ELOOP, "quarantine is a symbolic link", str(qdir))
             if not qdir.exists():
                 self.prepare_dir(qdir / "x")
-            os.replace(path, qdir / f"{path.name}.{uuid.uuid4().hex[:8]}")
+            moved = qdir / f"{path.name}.{uuid.uuid4().hex[:8]}"
+            os.replace(path, moved)
         except OSError as e:  # another reader moved it first, or read-only dir
             logger.debug("quarantine of %s skipped: %s", path, e)
+            return
+        if self.account is not None:  # the bytes moved: the ledger says so (they stay within the budget)
+            self.account.note_remove(self.rel(path))
+            try:
+                self.account.note_write(self.rel(moved), os.lstat(moved).st_size)
+            except OSError:
+                pass
 
 
 class FsIndex(TierIndex):
@@ -295,7 +316,7 @@ class FsIndex(TierIndex):
 
     def __init__(self, store: FileStore, num_groups: int = 0) -> None:
         self.store = store
-        self.housekeeper = Housekeeper(store.root, num_groups, store.budget).start() if num_groups else None
+        self.housekeeper = Housekeeper(store.root, num_groups, store.account).start() if num_groups else None
 
     def contains(self, group: int, key: ChunkKey) -> bool:
         return self.store.contains(group, key)

@@ -1,0 +1,413 @@
+"""Append-only ledgers of a cache directory: what files exist and their sizes,
+kept without walking the tree (format: docs/format.md, "Ledger").
+
+Every process that writes or evicts under `<path>/kvoffload-v1/` appends one
+line per file it adds (`+`) or removes (`-`) to its own log in
+`kvoffload-v1/ledger-v1/`. A process that needs the directory's usage reads
+the newest snapshot (a full listing, written now and then) and then tails
+every log from the offsets the snapshot folded in. A line is self-checking
+(CRC-32), so a line torn by a crash, or half-visible on another NFS client,
+is skipped or waited for, never misread.
+
+This module is the format and its I/O only; `offload.store.budget.DirBudget`
+folds the records into an index and decides what to evict.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from offload.store import hygiene
+
+logger = logging.getLogger(__name__)
+
+LEDGER_DIR = "ledger-v1"
+LEDGER_VERSION = 1
+MAGIC = "kvoffload-ledger"
+# A log past this size is sealed and a new one started, so that a long-lived
+# instance's records become foldable (and removable) by the next snapshot.
+MAX_LOG_BYTES = 64 << 20
+LOG_NAME = re.compile(r"^(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}\.log$")
+SNAPSHOT_NAME = re.compile(r"^snapshot-(?P<ms>\d{13})-[0-9a-f]{8}\.snap$")
+SNAPSHOT_TMP = re.compile(r"^\.snapshot-\d{13}-[0-9a-f]{8}\.tmp$")
+LEASE = "lease"
+# What a record may name, relative to kvoffload-v1/: nothing else is ever
+# unlinked through a ledger (a forged line cannot reach outside the cache).
+CHUNK_REL = re.compile(r"^[0-9a-f]{64}/g\d{1,5}/[0-9a-f]{2}/[0-9a-f]{64}\.kv$")
+OTHER_REL = re.compile(r"^[0-9a-f]{64}/(?:layout\.json|quarantine/[^/\s]+)$")
+
+Record = tuple  # (op "+" | "-", time, size, parent int | None, rel)
+
+
+def valid_rel(rel: str) -> bool:
+    return bool(CHUNK_REL.match(rel) or (OTHER_REL.match(rel) and not rel.endswith(("/.", "/.."))))
+
+
+def _crc(body: str) -> str:
+    return f"{zlib.crc32(body.encode()):08x}"
+
+
+def put_line(rel: str, size: int, t: float, parent: int | None) -> str:
+    body = f"+ {t:.3f} {size} {'-' if parent is None else format(parent, '016x')} {rel}"
+    return f"{body} {_crc(body)}\n"
+
+
+def drop_line(rel: str, t: float) -> str:
+    body = f"- {t:.3f} 0 - {rel}"
+    return f"{body} {_crc(body)}\n"
+
+
+def end_line(n: float) -> str:
+    body = f"end {n:.3f}" if isinstance(n, float) else f"end {n}"
+    return f"{body} {_crc(body)}\n"
+
+
+def offset_line(name: str, offset: int) -> str:
+    body = f"@ {name} {offset}"
+    return f"{body} {_crc(body)}\n"
+
+
+def header_line(kind: str, extra: str = "") -> str:
+    return f"{MAGIC} {LEDGER_VERSION} {kind} {hygiene.HOST_TAG} {os.getpid()} {time.time():.3f}{extra}\n"
+
+
+def parse(line: str) -> Record | tuple | None:
+    """A record `(op, t, size, parent, rel)`, `("end", n)`, `("@", name, offset)`,
+    or None for a line that fails its CRC or names something a record may not."""
+    if len(line) < 12 or line[-9] != " ":
+        return None
+    body = line[:-9]
+    if _crc(body) != line[-8:]:
+        return None
+    f = body.split(" ")
+    try:
+        if f[0] in ("+", "-") and len(f) == 5:
+            rel = f[4]
+            if not valid_rel(rel):
+                return None
+            return f[0], float(f[1]), int(f[2]), None if f[3] == "-" else int(f[3], 16), rel
+        if f[0] == "end" and len(f) == 2:
+            return "end", float(f[1])
+        if f[0] == "@" and len(f) == 3 and LOG_NAME.match(f[1]):
+            return "@", f[1], int(f[2])
+    except ValueError:
+        pass
+    return None
+
+
+def parse_header(line: str) -> dict | None:
+    """Fields of a first line, or None if the file is not a ledger of this version."""
+    f = line.rstrip("\n").split(" ")
+    if len(f) < 6 or f[0] != MAGIC or f[1] != str(LEDGER_VERSION) or f[2] not in ("log", "snapshot"):
+        return None
+    try:
+        h = {"kind": f[2], "host": f[3], "pid": int(f[4]), "created": float(f[5])}
+        for kv in f[6:]:
+            k, _, v = kv.partition("=")
+            h[k] = float(v)
+    except ValueError:
+        return None
+    return h
+
+
+def read_lines(path: Path | str, offset: int) -> tuple[list[str], int, int]:
+    """Complete lines of `path` from byte `offset`: (lines, offset after the
+    last complete line, file size; -1 if the file is gone). A trailing
+    fragment without its newline (a write in progress, or torn by a crash)
+    is left for a later call."""
+    try:
+        fd = os.open(path, os.O_RDONLY)  # a fresh open revalidates NFS attributes (close-to-open)
+    except FileNotFoundError:
+        return [], offset, -1
+    try:
+        size = os.fstat(fd).st_size
+        if size <= offset:
+            return [], offset, size
+        chunks = []
+        pos = offset
+        while pos < size:
+            b = os.pread(fd, min(size - pos, 8 << 20), pos)
+            if not b:
+                break
+            chunks.append(b)
+            pos += len(b)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    end = data.rfind(b"\n") + 1
+    if end == 0:
+        return [], offset, size
+    return data[:end].decode("utf-8", "replace").splitlines(), offset + end, size
+
+
+class LedgerWriter:
+    """This process's log in one ledger directory. Lines are appended with
+    one write each (O_APPEND); the file is opened on the first record, so a
+    process that only reads leaves no file behind."""
+
+    def __init__(self, d: Path, file_mode: int = 0o640, dir_mode: int = 0o750, network: bool = False) -> None:
+        self.dir = d
+        self.file_mode = file_mode
+        self.dir_mode = dir_mode
+        self.network = network
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._pid = 0
+        self.name: str | None = None
+        self.size = 0
+        self.bytes_written = 0
+        self._dirty = False
+        self._flushed_at = 0.0
+        self.failed = 0
+
+    def _open(self) -> None:
+        if not self.dir.is_dir():
+            try:
+                os.makedirs(self.dir, self.dir_mode, exist_ok=True)
+                os.chmod(self.dir, self.dir_mode)
+            except OSError:
+                pass
+        if os.path.islink(self.dir):
+            raise OSError(errno.ELOOP, "ledger directory is a symbolic link", str(self.dir))
+        self._pid = os.getpid()
+        self.name = f"{hygiene.HOST_TAG}-{self._pid}-{uuid.uuid4().hex[:8]}.log"
+        fd = os.open(self.dir / self.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW,
+                     self.file_mode)
+        os.fchmod(fd, self.file_mode)
+        head = header_line("log").encode()
+        os.write(fd, head)
+        self._fd, self.size = fd, len(head)
+        self.bytes_written += len(head)
+
+    def append(self, text: str) -> bool:
+        """Append whole lines; False (and nothing raised) if the ledger cannot be written."""
+        data = text.encode()
+        with self._lock:
+            try:
+                if self._fd is not None and (self._pid != os.getpid() or self.size >= MAX_LOG_BYTES):
+                    self._seal_locked()  # forked child: its own log; or rotation
+                if self._fd is None:
+                    self._open()
+                n = os.write(self._fd, data)
+                self.size += n
+                self.bytes_written += n
+                if n != len(data):  # a torn line: readers skip it; start a clean log
+                    self._abandon_locked()
+                    return False
+                self._dirty = True
+                if self.network and time.monotonic() - self._flushed_at > 0.5:
+                    self._flush_locked()
+                return True
+            except OSError as e:
+                self.failed += 1
+                if self.failed in (1, 100, 10000):
+                    logger.warning("kvoffload: cannot append to the ledger in %s (%s); usage accounting "
+                                   "drifts until the next reconcile", self.dir, e)
+                self._abandon_locked()
+                return False
+
+    def put(self, rel: str, size: int, t: float, parent: int | None) -> bool:
+        return self.append(put_line(rel, size, t, parent))
+
+    def drop(self, rel: str, t: float) -> bool:
+        return self.append(drop_line(rel, t))
+
+    def flush(self) -> None:
+        """Make appended lines visible to other NFS clients (a no-op on a local filesystem)."""
+        with self._lock:
+            if self.network:
+                self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        if self._fd is not None and self._dirty:
+            try:
+                os.fdatasync(self._fd)
+            except OSError:
+                pass
+            self._dirty = False
+        self._flushed_at = time.monotonic()
+
+    def seal(self) -> None:
+        """End this log: a sealed log is never appended to again (the next
+        record opens a new one), so a snapshot that folded it lets it go."""
+        with self._lock:
+            self._seal_locked()
+
+    def _seal_locked(self) -> None:
+        if self._fd is None:
+            return
+        if self._pid == os.getpid():
+            try:
+                os.write(self._fd, end_line(time.time()).encode())
+                self._flush_locked()
+            except OSError:
+                pass
+        self._abandon_locked()
+
+    def _abandon_locked(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._fd, self.name, self.size, self._dirty = None, None, 0, False
+
+
+@dataclass
+class Snapshot:
+    name: str
+    created: float
+    walked: float  # when the walk behind it started (a checkpoint carries its base's)
+    offsets: dict[str, int]
+    other: int = 0  # bytes of files no record can name (found by the walk)
+    entries: list[Record] = field(default_factory=list)
+    complete: bool = False
+
+
+def read_snapshot(path: Path, head_only: bool = False) -> Snapshot | None:
+    """A snapshot's header and offsets (and, unless `head_only`, its entries);
+    None if it is not a complete snapshot of this version."""
+    try:
+        f = open(path, encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    with f:
+        h = parse_header(f.readline())
+        if h is None or h["kind"] != "snapshot" or "walked" not in h:
+            return None
+        snap = Snapshot(path.name, h["created"], h["walked"], {}, int(h.get("other", 0)))
+        for line in f:
+            r = parse(line.rstrip("\n"))
+            if r is None:
+                return None  # written through a temporary name, so a bad line is damage, not a tear
+            if r[0] == "@":
+                snap.offsets[r[1]] = r[2]
+            elif r[0] == "end":
+                snap.complete = int(r[1]) == len(snap.entries) or head_only
+                return snap if snap.complete else None
+            elif head_only:
+                snap.complete = True
+                return snap
+            else:
+                snap.entries.append(r)
+    return None
+
+
+def write_snapshot(d: Path, entries, offsets: dict[str, int], walked: float, file_mode: int,
+                   other: int = 0) -> tuple[str, int]:
+    """Write a snapshot of `entries` ((rel, size, time, parent) each) atomically
+    (temporary name, then rename); returns (name, bytes)."""
+    ms = int(time.time() * 1000)
+    tag = uuid.uuid4().hex[:8]
+    tmp = d / f".snapshot-{ms:013d}-{tag}.tmp"
+    name = f"snapshot-{ms:013d}-{tag}.snap"
+    n = 0
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, file_mode)
+    try:
+        os.fchmod(fd, file_mode)
+        with os.fdopen(fd, "w", encoding="utf-8", buffering=1 << 20) as f:
+            f.write(header_line("snapshot", f" walked={walked:.3f} other={other}"))
+            for log, off in sorted(offsets.items()):
+                f.write(offset_line(log, off))
+            for rel, size, t, parent in entries:
+                f.write(put_line(rel, size, t, parent))
+                n += 1
+            f.write(end_line(n))
+            f.flush()
+            os.fdatasync(f.fileno())
+        os.replace(tmp, d / name)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return name, (d / name).stat().st_size
+
+
+def writer_gone(name: str, mtime: float, now: float, other_host_age_s: float) -> bool:
+    """Whether the process that wrote log `name` will append no more: this
+    host's and not alive (or a reused pid), or another host's and idle for
+    `other_host_age_s`."""
+    m = LOG_NAME.match(name)
+    if m is None:
+        return True
+    if m.group("host") == hygiene.HOST_TAG:
+        started = hygiene.pid_started_at(int(m.group("pid")))
+        return started is None or (started > 0 and started > mtime + 1.0)
+    return now - mtime >= other_host_age_s
+
+
+class Lease:
+    """At most one instance at a time walks the tree or writes a snapshot:
+    `ledger-v1/lease`, created exclusively. A holder refreshes its mtime while
+    it works; a lease older than `stale_s`, or this host's with its process
+    gone, is taken over (two holders after a race only duplicate work)."""
+
+    def __init__(self, d: Path, stale_s: float = 600.0) -> None:
+        self.path = d / LEASE
+        self.stale_s = stale_s
+        self.held = False
+        self._touched = 0.0
+
+    def acquire(self) -> bool:
+        if self.held:
+            return True
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o640)
+            except FileExistsError:
+                if not self._stale():
+                    return False
+                try:  # move the stale lease aside first, so that only one taker removes it
+                    aside = self.path.with_name(f".lease.stale.{uuid.uuid4().hex[:8]}")
+                    os.replace(self.path, aside)
+                    os.unlink(aside)
+                except OSError:
+                    return False
+                continue
+            except OSError:
+                return False
+            with os.fdopen(fd, "w") as f:
+                f.write(f"{hygiene.HOST_TAG} {os.getpid()} {time.time():.3f}\n")
+            self.held, self._touched = True, time.monotonic()
+            return True
+        return False
+
+    def _stale(self) -> bool:
+        try:
+            st = os.stat(self.path)
+            host, pid, _ = self.path.read_text().split()
+        except (OSError, ValueError):
+            return True
+        if time.time() - st.st_mtime > self.stale_s:
+            return True
+        if host == hygiene.HOST_TAG:
+            started = hygiene.pid_started_at(int(pid))
+            return started is None or (started > 0 and started > st.st_mtime + 1.0)
+        return False
+
+    def refresh(self) -> None:
+        if self.held and time.monotonic() - self._touched > self.stale_s / 10:
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass
+            self._touched = time.monotonic()
+
+    def release(self) -> None:
+        if self.held:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            self.held = False
