@@ -5,9 +5,12 @@ The forward path pays only one gather per finished (chunk, group) entry into
 host memory (a memcpy; a D2H copy on GPUs): into the host tier's slot when the
 stack has one, else into a pooled buffer. Every other tier is written from that
 host copy on the I/O threads (write-through). Loads run entirely on the I/O
-threads: a request waits for its load in WAITING_FOR_REMOTE_KVS, so its
-destination blocks are ours alone; the bytes read from a slower tier are put
-into the faster tiers the scheduler reserved (promotion), from the same read.
+threads, one task per file, so a request's files are read at once: a request
+waits for its load in WAITING_FOR_REMOTE_KVS, so its destination blocks are
+ours alone; the bytes read from a slower tier are put into the faster tiers
+the scheduler reserved (promotion), from the same read. A request is a hit only
+if every file was restored; all its files are read regardless, so every bad
+one is found (and quarantined) in the same pass.
 """
 
 from __future__ import annotations
