@@ -51,7 +51,7 @@ from offload import _copier, copier
 from offload.keys import Fingerprint
 from offload.store.base import HostChunk, Placement
 from offload.store.buffers import BufferPool, probe_o_direct
-from offload.store.format import ChunkHeader
+from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.fs import FileStore, FsData
 from offload.config import parse_config
 from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, TierSlot
@@ -62,6 +62,26 @@ from bench.tier_stack import planner_for
 FP = Fingerprint(bytes(range(32)))
 RAW_IO = 16 << 20
 RAW_STREAMS = (1, 4, 16)  # the fastest is the device's raw bandwidth
+
+
+_RAW_BUFS: dict[int, list[mmap.mmap]] = {}
+
+
+def _raw_buffer(size: int) -> mmap.mmap:
+    """A prefaulted, page-aligned buffer of `size` bytes, reused across calls
+    (give it back with `_raw_done`): a fresh mapping would fault its pages
+    in during the O_DIRECT transfer, which measures page faults, not the
+    device. vLLM's I/O below also reads into a long-lived buffer."""
+    free = _RAW_BUFS.setdefault(size, [])
+    if free:
+        return free.pop()
+    buf = mmap.mmap(-1, size)
+    buf.write(os.urandom(4096) * (size // 4096))
+    return buf
+
+
+def _raw_done(buf: mmap.mmap) -> None:
+    _RAW_BUFS.setdefault(len(buf), []).append(buf)
 
 
 def _timed(fn) -> tuple[float, float]:
@@ -76,9 +96,7 @@ def _raw_write(paths: list[str], nbytes: int, direct: bool) -> None:
     per = -(-nbytes // len(paths) // 4096) * 4096  # each stream's share, 4 KiB aligned
     io = min(RAW_IO, per)
 
-    def one(p: str) -> None:
-        buf = mmap.mmap(-1, io)
-        buf.write(os.urandom(4096) * (io // 4096))
+    def one(p: str, buf: mmap.mmap) -> None:
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
         try:
             left = per
@@ -89,60 +107,76 @@ def _raw_write(paths: list[str], nbytes: int, direct: bool) -> None:
             os.fdatasync(fd)
         finally:
             os.close(fd)
+    bufs = [_raw_buffer(io) for _ in paths]
     with ThreadPoolExecutor(len(paths)) as ex:
-        list(ex.map(one, paths))
+        list(ex.map(one, paths, bufs))
+    for b in bufs:
+        _raw_done(b)
+
 
 
 def _raw_read(paths: list[str], direct: bool) -> None:
     flag = os.O_DIRECT if direct else 0
 
-    def one(p: str) -> None:
-        buf = mmap.mmap(-1, RAW_IO)
+    def one(p: str, buf: mmap.mmap) -> None:
         fd = os.open(p, os.O_RDONLY | flag)
         try:
             while os.readv(fd, [buf]) > 0:
                 pass
         finally:
             os.close(fd)
+    bufs = [_raw_buffer(RAW_IO) for _ in paths]
     with ThreadPoolExecutor(len(paths)) as ex:
-        list(ex.map(one, paths))
+        list(ex.map(one, paths, bufs))
+    for b in bufs:
+        _raw_done(b)
 
 
 def _raw_files_write(paths: list[str], sizes: list[int], threads: int) -> None:
     """One O_DIRECT write per file, of the chunk files' sizes (4 KiB rounded),
     `threads` at a time: the device at the queue depth a file tier gives it."""
-    big = max(sizes)
-    bufs = threading.local()
+    big = -(-max(sizes) // 4096) * 4096
+    free = [_raw_buffer(big) for _ in range(threads)]
+    lock = threading.Lock()
 
     def one(ps) -> None:
         p, n = ps
-        if not hasattr(bufs, "b"):
-            bufs.b = mmap.mmap(-1, -(-big // 4096) * 4096)
+        with lock:
+            buf = free.pop()
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
         try:
-            os.write(fd, memoryview(bufs.b)[:-(-n // 4096) * 4096])
+            os.write(fd, memoryview(buf)[:-(-n // 4096) * 4096])
         finally:
             os.close(fd)
+            with lock:
+                free.append(buf)
     with ThreadPoolExecutor(threads) as ex:
         list(ex.map(one, zip(paths, sizes)))
+    for b in free:
+        _raw_done(b)
     os.sync()
 
 
 def _raw_files_read(paths: list[str], sizes: list[int], threads: int) -> None:
-    big = max(sizes)
-    bufs = threading.local()
+    big = -(-max(sizes) // 4096) * 4096
+    free = [_raw_buffer(big) for _ in range(threads)]
+    lock = threading.Lock()
 
     def one(ps) -> None:
         p, n = ps
-        if not hasattr(bufs, "b"):
-            bufs.b = mmap.mmap(-1, -(-big // 4096) * 4096)
+        with lock:
+            buf = free.pop()
         fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
         try:
-            os.readv(fd, [memoryview(bufs.b)[:-(-n // 4096) * 4096]])
+            os.readv(fd, [memoryview(buf)[:-(-n // 4096) * 4096]])
         finally:
             os.close(fd)
+            with lock:
+                free.append(buf)
     with ThreadPoolExecutor(threads) as ex:
         list(ex.map(one, zip(paths, sizes)))
+    for b in free:
+        _raw_done(b)
 
 
 # ------------------------------------------------------------------ ours
@@ -151,14 +185,30 @@ def _header(kv: HybridKV, c: int, g) -> ChunkHeader:
                        token_end=(c + 1) * CHUNK, num_pages=len(g.ids[c]), page_bytes=g.pages.page_bytes)
 
 
+# Staging and load buffers, as a worker that has run a while holds them:
+# allocated and touched once (`warm_buffers`), then reused by every store and
+# load of the run. Fresh buffers would put page faults into the figures (see
+# docs/performance.md, section 3), and vLLM's rows use one long-lived buffer.
+BUFFERS = BufferPool(max_free_bytes=1 << 30)
+
+
+def warm_buffers(kv: HybridKV, count: int) -> None:
+    """`count` faulted-in buffers of each file size in `BUFFERS`."""
+    for g in kv.groups:
+        bufs = [BUFFERS.get(HEADER_LEN + g.payload) for _ in range(count)]
+        for b in bufs:
+            b.fill_(0)
+        for b in bufs:
+            BUFFERS.put(b)
+
+
 def ours_store(kv: HybridKV, data: FsData, threads: int) -> None:
     """Stage on this thread, commit on `threads` I/O threads, at most
     `2 * threads` stores staged and not yet written: the device is the
     bottleneck, so a bounded queue (the worker's `max_pending_store_bytes`)
     is full in steady state and its buffers cycle through the pool."""
     slots = threading.BoundedSemaphore(2 * threads)
-
-    buffers = BufferPool()
+    buffers = BUFFERS
 
     def commit(h, staged: HostChunk) -> bool:
         try:
@@ -182,7 +232,7 @@ def ours_store(kv: HybridKV, data: FsData, threads: int) -> None:
 def ours_load_sequential(kv: HybridKV, data: FsData) -> None:
     """One request's files one after another on one thread: the worker's
     load path before it read a request's files in parallel."""
-    buffers = BufferPool()
+    buffers = BUFFERS
     for c, g in kv.files():
         h = _header(kv, c, g)
         chunk = data.get(h, Placement(), buffers)
@@ -199,6 +249,7 @@ def load_worker(kv: HybridKV, data: FsData, threads: int) -> WorkerSide:
     worker = WorkerSide(cfg, planner_for(kv), FP, lambda d: [data], [[], []], [Recorder("fs")])
     worker.pages = [g.pages for g in kv.groups]
     worker.tiers = [data]
+    worker.buffers = BUFFERS  # a long-running worker's pool holds buffers of these sizes
     return worker
 
 
@@ -300,6 +351,7 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
     except ImportError:
         have_vllm = False
     vp = VllmPages(kv) if have_vllm else None
+    warm_buffers(kv, 2 * 16 + 2)  # the most staged at once: 16 store threads, 2 x threads queued
     rows: dict[str, list[tuple[float, float]]] = {}
     cache_method = "?"
     verified: set[str] = set()
