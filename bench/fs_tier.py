@@ -7,12 +7,18 @@ Per repetition, on the same filesystem:
   and one O_DIRECT write (read) per file of the chunk files' sizes, 16 at a
   time. The device's limit is the fastest write (read) of any path that only
   moves bytes: these, and vLLM's file I/O below.
-- ours: `FsData.stage` (gather of scattered block pages into a pooled buffer,
-  on the calling thread, as on the forward path) and `FsData.commit` (CRC-32C,
+- ours, stores: a gather of scattered block pages into a pooled buffer (on
+  the calling thread, as on the forward path), then `FsData.put` (CRC-32C,
   O_DIRECT write, rename) on 4 I/O threads, as the worker runs them, with at
-  most 8 stores queued; then `FsData.load` (read, verify, scatter into the KV
-  blocks) from a cold page cache on 4 threads (several requests), and on 1
-  (one request: the worker loads a request's files one after another).
+  most 8 stores queued; also with buffered writes, and on 16 threads.
+- ours, loads, each cold (`drop_caches`) from files stored right before it
+  (as vLLM's loads below), the whole cache as ONE request (every
+  (chunk, group) file): "sequential" reads,
+  verifies and scatters one file after another on one thread (the worker
+  before it loaded a request's files in parallel); "ours load" is the
+  connector's load path (`WorkerSide.start_load_kv`, 4 load threads, the
+  request's files read at once); "O_DIRECT" the same with the tier's
+  `direct_reads` option. Their order rotates between repetitions.
 - vLLM: `vllm.v1.kv_offload.tiering.fs.io.batch_store_block` /
   `batch_load_block` (its C extension, O_DIRECT when its probe allows), one call
   per (chunk, group) file from / into a host buffer that holds the same pages
@@ -34,23 +40,48 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
 from bench.common import GB, cpu_seconds, drop_page_cache, filesystem_of, median, table, write_results
 from bench.kvsynth import CHUNK, TINY, HybridKV, Shape
-from offload import copier
+from offload import _copier, copier
 from offload.keys import Fingerprint
 from offload.store.base import HostChunk, Placement
 from offload.store.buffers import BufferPool, probe_o_direct
-from offload.store.format import ChunkHeader
+from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.fs import FileStore, FsData
+from offload.config import parse_config
+from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, TierSlot
+from offload.connector.worker import WorkerSide
+from offload.metrics import Recorder
+from bench.tier_stack import planner_for
 
 FP = Fingerprint(bytes(range(32)))
 RAW_IO = 16 << 20
 RAW_STREAMS = (1, 4, 16)  # the fastest is the device's raw bandwidth
+
+
+_RAW_BUFS: dict[int, list[mmap.mmap]] = {}
+
+
+def _raw_buffer(size: int) -> mmap.mmap:
+    """A prefaulted, page-aligned buffer of `size` bytes, reused across calls
+    (give it back with `_raw_done`): a fresh mapping would fault its pages
+    in during the O_DIRECT transfer, which measures page faults, not the
+    device. vLLM's I/O below also reads into a long-lived buffer."""
+    free = _RAW_BUFS.setdefault(size, [])
+    if free:
+        return free.pop()
+    buf = mmap.mmap(-1, size)
+    buf.write(os.urandom(4096) * (size // 4096))
+    return buf
+
+
+def _raw_done(buf: mmap.mmap) -> None:
+    _RAW_BUFS.setdefault(len(buf), []).append(buf)
 
 
 def _timed(fn) -> tuple[float, float]:
@@ -65,9 +96,7 @@ def _raw_write(paths: list[str], nbytes: int, direct: bool) -> None:
     per = -(-nbytes // len(paths) // 4096) * 4096  # each stream's share, 4 KiB aligned
     io = min(RAW_IO, per)
 
-    def one(p: str) -> None:
-        buf = mmap.mmap(-1, io)
-        buf.write(os.urandom(4096) * (io // 4096))
+    def one(p: str, buf: mmap.mmap) -> None:
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o600)
         try:
             left = per
@@ -78,60 +107,76 @@ def _raw_write(paths: list[str], nbytes: int, direct: bool) -> None:
             os.fdatasync(fd)
         finally:
             os.close(fd)
+    bufs = [_raw_buffer(io) for _ in paths]
     with ThreadPoolExecutor(len(paths)) as ex:
-        list(ex.map(one, paths))
+        list(ex.map(one, paths, bufs))
+    for b in bufs:
+        _raw_done(b)
+
 
 
 def _raw_read(paths: list[str], direct: bool) -> None:
     flag = os.O_DIRECT if direct else 0
 
-    def one(p: str) -> None:
-        buf = mmap.mmap(-1, RAW_IO)
+    def one(p: str, buf: mmap.mmap) -> None:
         fd = os.open(p, os.O_RDONLY | flag)
         try:
             while os.readv(fd, [buf]) > 0:
                 pass
         finally:
             os.close(fd)
+    bufs = [_raw_buffer(RAW_IO) for _ in paths]
     with ThreadPoolExecutor(len(paths)) as ex:
-        list(ex.map(one, paths))
+        list(ex.map(one, paths, bufs))
+    for b in bufs:
+        _raw_done(b)
 
 
 def _raw_files_write(paths: list[str], sizes: list[int], threads: int) -> None:
     """One O_DIRECT write per file, of the chunk files' sizes (4 KiB rounded),
     `threads` at a time: the device at the queue depth a file tier gives it."""
-    big = max(sizes)
-    bufs = threading.local()
+    big = -(-max(sizes) // 4096) * 4096
+    free = [_raw_buffer(big) for _ in range(threads)]
+    lock = threading.Lock()
 
     def one(ps) -> None:
         p, n = ps
-        if not hasattr(bufs, "b"):
-            bufs.b = mmap.mmap(-1, -(-big // 4096) * 4096)
+        with lock:
+            buf = free.pop()
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
         try:
-            os.write(fd, memoryview(bufs.b)[:-(-n // 4096) * 4096])
+            os.write(fd, memoryview(buf)[:-(-n // 4096) * 4096])
         finally:
             os.close(fd)
+            with lock:
+                free.append(buf)
     with ThreadPoolExecutor(threads) as ex:
         list(ex.map(one, zip(paths, sizes)))
+    for b in free:
+        _raw_done(b)
     os.sync()
 
 
 def _raw_files_read(paths: list[str], sizes: list[int], threads: int) -> None:
-    big = max(sizes)
-    bufs = threading.local()
+    big = -(-max(sizes) // 4096) * 4096
+    free = [_raw_buffer(big) for _ in range(threads)]
+    lock = threading.Lock()
 
     def one(ps) -> None:
         p, n = ps
-        if not hasattr(bufs, "b"):
-            bufs.b = mmap.mmap(-1, -(-big // 4096) * 4096)
+        with lock:
+            buf = free.pop()
         fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
         try:
-            os.readv(fd, [memoryview(bufs.b)[:-(-n // 4096) * 4096]])
+            os.readv(fd, [memoryview(buf)[:-(-n // 4096) * 4096]])
         finally:
             os.close(fd)
+            with lock:
+                free.append(buf)
     with ThreadPoolExecutor(threads) as ex:
         list(ex.map(one, zip(paths, sizes)))
+    for b in free:
+        _raw_done(b)
 
 
 # ------------------------------------------------------------------ ours
@@ -140,14 +185,30 @@ def _header(kv: HybridKV, c: int, g) -> ChunkHeader:
                        token_end=(c + 1) * CHUNK, num_pages=len(g.ids[c]), page_bytes=g.pages.page_bytes)
 
 
+# Staging and load buffers, as a worker that has run a while holds them:
+# allocated and touched once (`warm_buffers`), then reused by every store and
+# load of the run. Fresh buffers would put page faults into the figures (see
+# docs/performance.md, section 3), and vLLM's rows use one long-lived buffer.
+BUFFERS = BufferPool(max_free_bytes=1 << 30)
+
+
+def warm_buffers(kv: HybridKV, count: int) -> None:
+    """`count` faulted-in buffers of each file size in `BUFFERS`."""
+    for g in kv.groups:
+        bufs = [BUFFERS.get(HEADER_LEN + g.payload) for _ in range(count)]
+        for b in bufs:
+            b.fill_(0)
+        for b in bufs:
+            BUFFERS.put(b)
+
+
 def ours_store(kv: HybridKV, data: FsData, threads: int) -> None:
     """Stage on this thread, commit on `threads` I/O threads, at most
     `2 * threads` stores staged and not yet written: the device is the
     bottleneck, so a bounded queue (the worker's `max_pending_store_bytes`)
     is full in steady state and its buffers cycle through the pool."""
     slots = threading.BoundedSemaphore(2 * threads)
-
-    buffers = BufferPool()
+    buffers = BUFFERS
 
     def commit(h, staged: HostChunk) -> bool:
         try:
@@ -168,20 +229,41 @@ def ours_store(kv: HybridKV, data: FsData, threads: int) -> None:
     os.sync()
 
 
-def ours_load(kv: HybridKV, data: FsData, threads: int) -> None:
-    buffers = BufferPool()
-
-    def one(cg) -> int:
-        c, g = cg
+def ours_load_sequential(kv: HybridKV, data: FsData) -> None:
+    """One request's files one after another on one thread: the worker's
+    load path before it read a request's files in parallel."""
+    buffers = BUFFERS
+    for c, g in kv.files():
         h = _header(kv, c, g)
         chunk = data.get(h, Placement(), buffers)
         try:
             g.pages.scatter(chunk.payload, h.num_pages, list(enumerate(g.ids[c])))
         finally:
             chunk.release()
-        return h.payload_len
-    with ThreadPoolExecutor(threads) as pool:
-        assert sum(pool.map(one, kv.files())) == kv.total_bytes
+
+
+def load_worker(kv: HybridKV, data: FsData, threads: int) -> WorkerSide:
+    """The connector's worker half over one file tier (`data`), on the
+    synthetic KV cache: loads go through `WorkerSide.start_load_kv`."""
+    cfg = parse_config({"store": "fs", "path": str(data.store.root), "io_threads": threads})
+    worker = WorkerSide(cfg, planner_for(kv), FP, lambda d: [data], [[], []], [Recorder("fs")])
+    worker.pages = [g.pages for g in kv.groups]
+    worker.tiers = [data]
+    worker.buffers = BUFFERS  # a long-running worker's pool holds buffers of these sizes
+    return worker
+
+
+def ours_load_parallel(kv: HybridKV, worker: WorkerSide) -> None:
+    """The whole cache as ONE request's load job (every (chunk, group) file):
+    its files are read, verified and scattered `io_threads` at a time."""
+    files = [FileRef(g.index, g.kind, kv.keys[c], c * CHUNK, (c + 1) * CHUNK, len(g.ids[c]))
+             for c, g in kv.files()]
+    pages = [tuple(enumerate(g.ids[c])) for c, g in kv.files()]
+    job = LoadJob("bench", tuple(files), tuple(pages), tuple(TierSlot(0) for _ in files))
+    worker.start_load_kv(OffloadMetadata(loads=[job]))
+    wait(list(worker._loads.values()))  # blocks without polling: no CPU of ours counted
+    r = worker.get_transfer_results()
+    assert r.finished_recving == {"bench"} and not r.failed_recving, r
 
 
 def _fingerprint_kv(kv: HybridKV) -> list[int]:
@@ -269,9 +351,11 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
     except ImportError:
         have_vllm = False
     vp = VllmPages(kv) if have_vllm else None
+    warm_buffers(kv, 2 * 16 + 2)  # the most staged at once: 16 store threads, 2 x threads queued
     rows: dict[str, list[tuple[float, float]]] = {}
     cache_method = "?"
-    verified = False
+    verified: set[str] = set()
+    direct_read_files = 0
     for r in range(reps):
         def add(name, wall_cpu):
             rows.setdefault(name, []).append(wall_cpu)
@@ -291,28 +375,43 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
             cache_method = drop_page_cache(paths)
             add("raw files read x16", _timed(lambda: _raw_files_read(paths, sizes, 16)))
             shutil.rmtree(work / f"rawf{r}")
-        # ours
-        for variant, direct, nthreads in (("ours", None, threads), ("ours, buffered writes", False, threads),
-                                          ("ours, 16 I/O threads", None, 16)):
+        # ours: store variants without a load after them
+        for v, (variant, direct, nthreads) in enumerate((("ours, buffered writes", False, threads),
+                                                         ("ours, 16 I/O threads", None, 16))):
             if direct is False and not direct_ok:
                 continue
-            store = FileStore.open(str(work / f"ours{r}"), FP)
-            data = FsData(store, direct=direct)
-            want = _fingerprint_kv(kv) if not verified else None
+            data = FsData(FileStore.open(str(work / f"ours{r}.{v}"), FP), direct=direct)
             add(f"{variant} store", _timed(lambda: ours_store(kv, data, nthreads)))
-            files = [str(store.file_path(g.index, kv.keys[c])) for c, g in kv.files()]
+            shutil.rmtree(work / f"ours{r}.{v}")
+        # ours: each load variant reads files stored (with the connector's
+        # defaults) right before it, from a cold page cache, as every vLLM
+        # load below does: the virtual disk's host may cache recent writes,
+        # which drop_caches cannot reach. Their order rotates between repetitions.
+        loads = [("ours load, sequential", lambda d: ours_load_sequential(kv, d), False),
+                 ("ours load", None, False), ("ours load, O_DIRECT", None, True)]
+        loads = loads[r % len(loads):] + loads[:r % len(loads)]
+        for v, (name, fn, direct_reads) in enumerate(loads):
+            stored = FileStore.open(str(work / f"load{r}.{v}"), FP)
+            add("ours store", _timed(lambda: ours_store(kv, FsData(stored), threads)))
+            files = [str(stored.file_path(g.index, kv.keys[c])) for c, g in kv.files()]
             assert sum(os.path.getsize(f) for f in files) == total + 128 * len(files)
+            data = FsData(stored, direct_reads=direct_reads)
+            worker = load_worker(kv, data, threads) if fn is None else None
+            want = _fingerprint_kv(kv) if name not in verified else None
             cache_method = drop_page_cache(files)
             if want is not None:
                 kv.zero()
-            add(f"{variant} load", _timed(lambda: ours_load(kv, data, nthreads)))
+            if worker is not None:
+                add(name, _timed(lambda: ours_load_parallel(kv, worker)))
+                worker.shutdown()
+            else:
+                add(name, _timed(lambda: fn(data)))
             if want is not None:
-                assert _fingerprint_kv(kv) == want, "restored pages differ from the stored ones"
-                verified = True
-            if variant == "ours":  # one request: the worker loads its files one after another
-                drop_page_cache(files)
-                add("ours load, 1 thread", _timed(lambda: ours_load(kv, data, 1)))
-            shutil.rmtree(work / f"ours{r}")
+                assert _fingerprint_kv(kv) == want, f"{name}: restored pages differ from the stored ones"
+                verified.add(name)
+            if direct_reads:
+                direct_read_files = data.direct_read_count
+            shutil.rmtree(work / f"load{r}.{v}")
         # vLLM
         if vp is not None:
             for t in vllm_threads:
@@ -336,7 +435,8 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
 
     med = {k: {"wall_s": median(w for w, _ in v), "cpu_s": median(c for _, c in v),
                "gb_s": total / median(w for w, _ in v) / GB, "runs_wall_s": [w for w, _ in v],
-               "runs_cpu_s": [c for _, c in v]} for k, v in rows.items()}
+               "runs_cpu_s": [c for _, c in v], "runs_gb_s": [total / w / GB for w, _ in v],
+               "cpu_s_per_gb": median(c for _, c in v) / (total / GB)} for k, v in rows.items()}
     # The device's limit, as measured in this run: the fastest path that only moves bytes
     # (our raw writers/readers, and vLLM's file I/O, which does nothing else).
     def pure_io(k: str, op: str) -> bool:
@@ -348,38 +448,55 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
                 "device_read": max((k for k in med if pure_io(k, "read")), key=lambda k: med[k]["gb_s"])}
     doc = {"bytes": total, "chunks": kv.chunks, "files": 2 * kv.chunks, "reps": reps,
            "file_bytes": {g.kind.value: g.payload + 128 for g in kv.groups}, "filesystem": fs_desc,
-           "o_direct": direct_ok, "cold_cache_method": cache_method, "io_threads": threads,
+           "o_direct": direct_ok, "o_direct_reads_used": direct_read_files == 2 * kv.chunks,
+           "cold_cache_method": cache_method, "io_threads": threads, "crc32c": _copier.crc32c_implementation(),
            "raw_write_gb_s": raw_w, "raw_read_gb_s": raw_r, "baseline_rows": doc_base, "results": med}
+
+    def is_write(k: str) -> bool:
+        return k.endswith("store") or (k.startswith("raw") and "write" in k)
     table_rows = []
     for k, v in med.items():
-        base = raw_w if k.endswith("store") or "write" in k else raw_r
-        table_rows.append([k, f"{v['gb_s']:.2f}", f"{v['gb_s'] / base:.0%}", f"{v['cpu_s']:.2f}",
-                           f"{v['cpu_s'] / (total / GB):.2f}"])
+        base = raw_w if is_write(k) else raw_r
+        runs = v["runs_gb_s"]
+        table_rows.append([k, f"{v['gb_s']:.2f}", f"{min(runs):.2f}-{max(runs):.2f}", f"{v['gb_s'] / base:.0%}",
+                           f"{v['cpu_s']:.2f}", f"{v['cpu_s_per_gb']:.2f}"])
     if vp is not None:
         for op in ("store", "load"):
             best = max((k for k in med if k.startswith("vLLM") and k.endswith(op) and "CPU-tier" not in k),
                        key=lambda k: med[k]["gb_s"])
             doc[f"vs_vllm_{op}"] = {"vllm_variant": best, "throughput_ratio": med[f"ours {op}"]["gb_s"] / med[best]["gb_s"],
                                     "cpu_ratio": med[f"ours {op}"]["cpu_s"] / med[best]["cpu_s"]}
-    if vp is not None:
-        for op in ("store", "load"):
             full = next(k for k in med if "CPU-tier" in k and k.endswith(op))
             doc[f"vs_vllm_full_{op}"] = {"vllm_variant": full,
                                          "throughput_ratio": med[f"ours {op}"]["gb_s"] / med[full]["gb_s"],
                                          "cpu_ratio": med[f"ours {op}"]["cpu_s"] / med[full]["cpu_s"]}
     doc["ratio_store_to_raw"] = med["ours store"]["gb_s"] / raw_w
     doc["ratio_load_to_raw"] = med["ours load"]["gb_s"] / raw_r
+    # The loads side by side: throughput against the device limit, CPU per GB
+    # against vLLM's bare file I/O (its fastest load row) and its full path.
+    bare = doc["vs_vllm_load"]["vllm_variant"] if vp is not None else None
+    full = doc["vs_vllm_full_load"]["vllm_variant"] if vp is not None else None
+    doc["loads"] = {k: {"gb_s": med[k]["gb_s"], "gb_s_range": [min(med[k]["runs_gb_s"]), max(med[k]["runs_gb_s"])],
+                        "of_device": med[k]["gb_s"] / raw_r, "cpu_s_per_gb": med[k]["cpu_s_per_gb"],
+                        "cpu_per_gb_vs_vllm_bare": med[k]["cpu_s_per_gb"] / med[bare]["cpu_s_per_gb"] if bare else None,
+                        "cpu_per_gb_vs_vllm_full": med[k]["cpu_s_per_gb"] / med[full]["cpu_s_per_gb"] if full else None}
+                    for k in med if k.startswith("ours load")}
     print(f"{total / 2**30:.2f} GiB in {2 * kv.chunks} files on {fs_desc}; O_DIRECT {'on' if direct_ok else 'refused'}; "
-          f"cold reads via {cache_method}; median of {reps}")
+          f"cold reads via {cache_method}; CRC-32C path {doc['crc32c']}; median of {reps} (range: min-max)")
     print(f"device limit (fastest pure I/O in this run): write {raw_w:.2f} GB/s ({doc_base['device_write']}), "
           f"read {raw_r:.2f} GB/s ({doc_base['device_read']})")
-    print(table(["path", "GB/s", "of device", "CPU s", "CPU s/GB"], table_rows))
+    print(table(["path", "GB/s", "range", "of device", "CPU s", "CPU s/GB"], table_rows))
     for op in ("store", "load"):
         for key in (f"vs_vllm_{op}", f"vs_vllm_full_{op}"):
             if key in doc:
                 d = doc[key]
                 print(f"{op}: ours / {d['vllm_variant']} = {d['throughput_ratio']:.2f}x throughput, "
                       f"{d['cpu_ratio']:.2f}x CPU time")
+    for k, d in doc["loads"].items():
+        vs = (f"; CPU/GB {d['cpu_per_gb_vs_vllm_bare']:.2f}x {bare}, {d['cpu_per_gb_vs_vllm_full']:.2f}x {full}"
+              if bare else "")
+        print(f"{k}: {d['gb_s']:.2f} GB/s = {d['of_device']:.0%} of the device limit, "
+              f"{d['cpu_s_per_gb']:.2f} CPU-s/GB{vs}")
     print(f"wrote {write_results('fs_tier', doc, out_dir)}")
     return doc
 

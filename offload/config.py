@@ -51,6 +51,10 @@ class TierConfig(BaseModel):
         description="bound on one LMCache remote operation for store 'lmcache' (seconds, up to 60); "
         "beyond it the lookup or load is a miss")
     fsync: bool = Field(default=False, description="fsync each file and its directory before it becomes visible")
+    direct_reads: bool = Field(
+        default=False,
+        description="store 'fs': read files with O_DIRECT (no page-cache copy: less CPU per load, but no page "
+        "cache either); a filesystem that refuses O_DIRECT gets buffered reads")
     name: str | None = Field(
         default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
         description="this tier's name in per-request results and logs (default: the store kind)")
@@ -109,7 +113,8 @@ class TierConfig(BaseModel):
         assert self.path is not None
         return FsOptions(path=self.path, fsync=self.fsync, max_bytes=self.max_bytes, file_mode=self.file_mode_bits,
                          dir_mode=self.dir_mode_bits, orphan_tmp_age_s=self.orphan_tmp_age_s,
-                         reconcile_interval_s=self.reconcile_interval_s)
+                         reconcile_interval_s=self.reconcile_interval_s,
+                         direct_reads=self.direct_reads)
 
     @model_validator(mode="after")
     def _tier_keys(self) -> TierConfig:
@@ -124,6 +129,9 @@ class TierConfig(BaseModel):
                              "(the file tier's budget is max_bytes)")
         if self.store == "cpu" and self.max_bytes is not None:
             raise ValueError("max_bytes: only for store 'fs'; the host-memory budget is cpu_bytes")
+        if self.store != "fs" and "direct_reads" in self.model_fields_set:
+            raise ValueError(f"direct_reads: only for store 'fs' (files); store '{self.store}' reads no files, "
+                             "remove it")
         if self.store == "lmcache":
             if self.local_cpu_bytes is None:
                 raise ValueError("local_cpu_bytes: required for store 'lmcache' (LMCache's local CPU pool in "

@@ -231,6 +231,22 @@ def read_file(path: str | os.PathLike, header_len: int, out: torch.Tensor) -> tu
     return _copier.read_file(os.fspath(path), header_len, out.data_ptr(), out.numel())
 
 
+def read_file_direct(path: str | os.PathLike, header_len: int, buf: torch.Tensor,
+                     payload_len: int) -> tuple[bytes, int, bool]:
+    """Read a whole file of exactly ``header_len + payload_len`` bytes into the
+    front of ``buf``; returns (header, crc32c(payload), O_DIRECT used).
+
+    With O_DIRECT when ``buf`` starts on a ``DIRECT_ALIGN`` boundary and holds
+    the file's length rounded up to it (the tail past the file is scratch), and
+    the filesystem accepts O_DIRECT; otherwise a buffered read of the same
+    bytes. Sizes and errors as in :func:`read_file`.
+    """
+    _check_cpu_u8(buf, "buf")
+    if header_len + payload_len > buf.numel():
+        raise ValueError(f"buf has {buf.numel()} bytes, the file needs {header_len + payload_len}")
+    return _copier.read_file_direct(os.fspath(path), header_len, buf.data_ptr(), buf.numel(), payload_len)
+
+
 def read_header(path: str | os.PathLike, header_len: int) -> bytes:
     """First ``header_len`` bytes of ``path`` (ValueError if shorter)."""
     return _copier.read_header(os.fspath(path), header_len)

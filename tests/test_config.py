@@ -48,6 +48,9 @@ BAD = [
     ("chunk-bool", {**GOOD, "hybrid_chunk_size": True}, "hybrid_chunk_size", ["True"]),
     ("fsync-yes", {**GOOD, "fsync": "yes"}, "fsync", ["'yes'", "boolean"]),
     ("fsync-1", {**GOOD, "fsync": 1}, "fsync", ["boolean"]),
+    ("direct-reads-yes", {**GOOD, "direct_reads": "yes"}, "direct_reads", ["'yes'", "boolean", "O_DIRECT"]),
+    ("direct-reads-on-cpu", {"store": "cpu", "cpu_bytes": 1 << 30, "direct_reads": False}, "direct_reads",
+     ["only for store 'fs'"]),
     ("io-threads-0", {**GOOD, "io_threads": 0}, "io_threads", ["=0", "greater than or equal to 1"]),
     ("io-threads-1000", {**GOOD, "io_threads": 1000}, "io_threads", ["=1000", "less than or equal to 64"]),
     ("io-threads-str", {**GOOD, "io_threads": "4"}, "io_threads", ["'4'"]),
@@ -104,6 +107,7 @@ def test_good_config_defaults():
     assert tier.path == "/var/cache/kvoffload"
     assert cfg.hybrid_chunk_size is None
     assert tier.fsync is False
+    assert tier.direct_reads is False and tier.options().direct_reads is False
     assert cfg.io_threads == 4
     assert cfg.max_pending_store_bytes == 1 << 30
     assert cfg.shutdown_timeout_s == 60.0
@@ -126,6 +130,7 @@ def test_good_config_all_keys_from_json():
                        "model_id": "qwen3-next"})
     cfg = parse_config(json.loads(text))
     assert (cfg.hybrid_chunk_size, cfg.tiers[0].fsync, cfg.io_threads) == (512, True, 64)
+    assert parse_config({**GOOD, "direct_reads": True}).tiers[0].options().direct_reads is True
     assert cfg.max_pending_store_bytes == 1 << 20
     assert cfg.shutdown_timeout_s == 0.0 and cfg.model_id == "qwen3-next"
     assert parse_config({**GOOD, "io_threads": 1}).io_threads == 1

@@ -62,6 +62,27 @@ def test_crc32c_hardware_and_software_agree():
     assert copier.crc32c(chunk) == crc32c_ref(chunk)
 
 
+@pytest.mark.parametrize("variant", ["crc32", "clmul"])
+def test_crc32c_variants_agree_with_the_table_path(variant):
+    """Each CPU path against slice-by-8 at every alignment, around the folding
+    path's thresholds (256 bytes, 64-byte steps, 16-byte tail) and at file sizes."""
+    try:
+        _copier.crc32c_variant(0, 0, 0, variant)
+    except ValueError:
+        pytest.skip(f"{variant} is not available on this CPU")
+    rng = random.Random(7)
+    big = torch.randint(0, 256, (7 << 20,), dtype=torch.uint8)
+    base = big.data_ptr()
+    sizes = [*range(240, 340), 1023, 1024, 1025, 4096 + 128, 65536 + 17, 4194304, 6946816, 7 << 20]
+    for size in sizes:
+        start = rng.randrange(0, 64) if size < (7 << 20) else 0
+        size = min(size, big.numel() - start)
+        seed = rng.getrandbits(32)
+        want = _copier.crc32c_variant(base + start, size, seed, "table")
+        assert _copier.crc32c_variant(base + start, size, seed, variant) == want, (variant, start, size)
+    assert _copier.crc32c_implementation() in ("clmul", "crc32", "table")
+
+
 def test_crc32c_seed_chaining():
     rng = random.Random(1)
     a = bytes(rng.getrandbits(8) for _ in range(1234))
@@ -283,6 +304,43 @@ def test_read_file_size_checks(tmp_path):
         copier.read_header(final, 109)
     with pytest.raises(ValueError):
         copier.read_file(final, 8, torch.empty(100, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("n", [0, 1, 4096 - 128, 4096, 100_003, 1 << 20])
+def test_read_file_direct_reads_header_and_payload_into_an_aligned_buffer(tmp_path, n):
+    from offload.store.buffers import BufferPool, probe_o_direct
+
+    payload = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    header = bytes(range(128))
+    final = tmp_path / "x.bin"
+    copier.write_file(tmp_path / "x.tmp", final, header, payload, fsync=False)
+    buf = BufferPool().get(128 + n)  # aligned, rounded up: the O_DIRECT path
+    got, crc, used = copier.read_file_direct(final, 128, buf, n)
+    assert got == header and torch.equal(buf[128:128 + n], payload) and crc == copier.crc32c(payload)
+    assert used == probe_o_direct(tmp_path)  # O_DIRECT wherever this filesystem takes it
+    # A buffer that is not aligned, or too short for the rounded-up read: the same bytes, buffered.
+    raw = torch.zeros(128 + n + 4096 + 1, dtype=torch.uint8)
+    off = 1 if raw.data_ptr() % 4096 else 0
+    unaligned = raw[off + 1:off + 1 + 128 + n]
+    got, crc, used = copier.read_file_direct(final, 128, unaligned, n)
+    assert (got, crc, used) == (header, copier.crc32c(payload), False)
+    assert torch.equal(unaligned[128:], payload)
+
+
+def test_read_file_direct_size_and_missing_checks(tmp_path):
+    from offload.store.buffers import BufferPool
+
+    final = tmp_path / "x.bin"
+    copier.write_file(tmp_path / "x.tmp", final, b"h" * 128, torch.zeros(5000, dtype=torch.uint8), False)
+    buf = BufferPool().get(128 + 4999).fill_(7)
+    with pytest.raises(ValueError, match="5128"):
+        copier.read_file_direct(final, 128, buf, 4999)
+    assert (buf == 7).all()  # nothing read from a wrong-size file
+    with pytest.raises(ValueError):
+        copier.read_file_direct(final, 128, torch.empty(100, dtype=torch.uint8), 5000)  # buffer too small
+    with pytest.raises(OSError) as ei:
+        copier.read_file_direct(tmp_path / "nope", 128, BufferPool().get(5128), 5000)
+    assert ei.value.errno == errno.ENOENT
 
 
 def test_missing_file_and_bad_dir(tmp_path):

@@ -22,6 +22,8 @@ import torch
 
 from offload.planner import GroupKind
 from offload.store.format import HEADER_LEN, MAGIC, ChunkHeader, FormatError
+from offload.store.base import HostChunk
+from offload.store.buffers import BufferPool
 from offload.store.fs import ChunkMiss, FileStore
 
 PAGE = 4096
@@ -390,15 +392,34 @@ CORRUPTIONS = [_flip_payload, _flip_last_payload_byte, _flip_header(0), _flip_he
                _other_fingerprint_file, _other_tokens_file, _directory]
 
 
+def _reader(kind: str):
+    """`read_into` (buffered, into a bare payload) or `read_framed` (the whole
+    file into a pooled buffer, O_DIRECT where the filesystem takes it): the
+    same verification, so the same outcome for every kind of damage."""
+    def read(store: FileStore, h: ChunkHeader, out: torch.Tensor) -> None:
+        if kind == "read_into":
+            store.read_into(h, out)
+            return
+        chunk = HostChunk.pooled(BufferPool(), h.payload_len)
+        try:
+            store.read_framed(h, chunk)
+            out.copy_(chunk.payload)
+        finally:
+            chunk.release()
+    return read
+
+
+@pytest.mark.parametrize("reader", ["read_into", "read_framed"])
 @pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__.lstrip("_"))
-def test_corrupt_file_is_a_miss_and_quarantined(store, corrupt):
+def test_corrupt_file_is_a_miss_and_quarantined(store, corrupt, reader):
+    read = _reader(reader)
     h, data = header(), payload(1)
     assert store.write(h, data)
     path = store.file_path(h.group, h.key)
     corrupt(path, store)
     out = torch.zeros(NPAGES * PAGE, dtype=torch.uint8)
     with pytest.raises(ChunkMiss) as ei:
-        store.read_into(h, out)
+        read(store, h, out)
     assert ei.value.reason == "corrupt"
     assert not store.contains(h.group, h.key)
     assert not path.exists()
@@ -406,10 +427,10 @@ def test_corrupt_file_is_a_miss_and_quarantined(store, corrupt):
     assert len(q) == 1 and q[0].name.startswith(path.name)
     # A later read is a plain miss, and a fresh write works again.
     with pytest.raises(ChunkMiss) as ei:
-        store.read_into(h, out)
+        read(store, h, out)
     assert ei.value.reason == "missing"
     assert store.write(h, data) is True
-    store.read_into(h, out)
+    read(store, h, out)
     assert torch.equal(out, data)
 
 

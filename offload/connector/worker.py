@@ -5,9 +5,12 @@ The forward path pays only one gather per finished (chunk, group) entry into
 host memory (a memcpy; a D2H copy on GPUs): into the host tier's slot when the
 stack has one, else into a pooled buffer. Every other tier is written from that
 host copy on the I/O threads (write-through). Loads run entirely on the I/O
-threads: a request waits for its load in WAITING_FOR_REMOTE_KVS, so its
-destination blocks are ours alone; the bytes read from a slower tier are put
-into the faster tiers the scheduler reserved (promotion), from the same read.
+threads, one task per file, so a request's files are read at once: a request
+waits for its load in WAITING_FOR_REMOTE_KVS, so its destination blocks are
+ours alone; the bytes read from a slower tier are put into the faster tiers
+the scheduler reserved (promotion), from the same read. A request is a hit only
+if every file was restored; all its files are read regardless, so every bad
+one is found (and quarantined) in the same pass.
 """
 
 from __future__ import annotations
@@ -68,6 +71,29 @@ def _describe(name: str, t: torch.Tensor, num_blocks: int) -> str:
     their strides (one segment's bytes)."""
     d = list(t.shape).index(num_blocks)
     return f"{name}:{t.dtype}:pre{tuple(t.shape[:d])}:post{tuple(t.shape[d + 1:])}/{tuple(t.stride()[d + 1:])}"
+
+
+# A failed request's reason when several of its files failed: the gravest
+# first (a bug, then a file that is bad for good, then one that may be fine).
+_GRAVITY = (MissReason.ERROR, MissReason.UNSAFE, MissReason.CORRUPT, MissReason.IO_ERROR, MissReason.MISSING,
+            MissReason.ALLOCATION_MISMATCH)
+
+
+@dataclass
+class _LoadRun:
+    """One request's load in flight: its files are read in parallel, and the
+    last one to finish resolves `result` (None, or the request's MissReason)."""
+
+    job: LoadJob
+    result: Future[MissReason | None] = field(default_factory=Future)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    left: int = 0
+    t0: float | None = None
+    failures: dict[int, tuple[int, MissReason]] = field(default_factory=dict)  # file index -> (tier, reason)
+    moved: list[tuple[int, str, int]] = field(default_factory=list)  # (tier, group kind, bytes) scattered
+
+    def __post_init__(self) -> None:
+        self.left = len(self.job.files)
 
 
 class GatherShare:
@@ -188,36 +214,92 @@ class WorkerSide:
                 d = getattr(c, field_name)
                 d[key] = d.get(key, 0) + n
 
-    def _load(self, job: LoadJob) -> tuple[int, MissReason] | None:
-        """Restore one request; returns (tier, failure reason) or None."""
+    def start_load_kv(self, meta: OffloadMetadata) -> None:
+        for job in meta.loads:
+            run = _LoadRun(job)
+            self._loads[job.req_id] = run.result
+            if job.fail_reason is not None or not job.files:
+                self._finish(run)
+                continue
+            # One task per file, all on the load pool: a request's files are
+            # read at once (up to io_threads), and no task ever waits for
+            # another, so the pool cannot deadlock. Files of earlier requests
+            # are queued first.
+            for i in range(len(job.files)):
+                self.load_pool.submit(self._load_file, run, i)
+
+    def _load_file(self, run: _LoadRun, i: int) -> None:
+        """Read, verify and scatter file `i` of a load; the last file of the
+        request to finish decides the request's result."""
+        with run.lock:
+            if run.t0 is None:
+                run.t0 = time.perf_counter()
+        try:
+            failed = self._read_and_scatter(run, i)
+        except Exception as e:  # a load must never take the engine down
+            logger.exception("kvoffload: load of request %s failed (%s)", run.job.req_id, type(e).__name__)
+            failed = (run.job.sources[i].tier, MissReason.ERROR)
+        with run.lock:
+            if failed is not None:
+                run.failures[i] = failed
+            run.left -= 1
+            last = run.left == 0
+        if last:
+            self._finish(run)
+
+    def _read_and_scatter(self, run: _LoadRun, i: int) -> tuple[int, MissReason] | None:
+        job = run.job
+        ref, pairs, src = job.files[i], job.pages[i], job.sources[i]
+        ups = job.promote[i] if job.promote else ()
+        header = self._header(ref)
+        try:
+            chunk = self._queued(src.tier, header) or self.tiers[src.tier].get(header, Placement(src.slot),
+                                                                               self.buffers)
+        except ChunkMiss as e:
+            self._count(src.tier, "chunk_misses", key=e.reason.value)
+            self.recorders[src.tier].inc("kvoffload_chunk_misses", reason=e.reason.value)
+            if e.reason is MissReason.CORRUPT:
+                self.recorders[src.tier].inc("kvoffload_checksum_failures", group_kind=ref.kind.value)
+            logger.warning("kvoffload: load of request %s is a miss (%s); it will be recomputed", job.req_id, e)
+            return src.tier, e.reason
+        try:
+            # Once another file of the request failed, the request is
+            # recomputed: its pages are not worth a copy. The verified bytes
+            # still fill the slots reserved for them in faster tiers.
+            if not run.failures:
+                self.pages[ref.group].scatter(chunk.payload, ref.num_pages, pairs)
+                with run.lock:
+                    run.moved.append((src.tier, ref.kind.value, len(pairs) * self.pages[ref.group].page_bytes))
+            for up in ups:
+                self._promote(up, header, chunk)
+        finally:
+            chunk.release()
+        return None
+
+    def _finish(self, run: _LoadRun) -> None:
+        """A request's load is done: a hit only if every file was restored."""
+        job = run.job
         if job.fail_reason is not None:
             logger.info("kvoffload: load of request %s is a miss (%s: %s); it will be recomputed",
                         job.req_id, job.fail_reason.value, job.fail_detail)
-            return (job.sources[-1].tier if job.sources else 0), job.fail_reason
-        promote = job.promote or ((),) * len(job.files)
-        for ref, pairs, src, ups in zip(job.files, job.pages, job.sources, promote):
-            header = self._header(ref)
-            tier = self.tiers[src.tier]
-            try:
-                chunk = self._queued(src.tier, header) or tier.get(header, Placement(src.slot), self.buffers)
-            except ChunkMiss as e:
-                self._count(src.tier, "chunk_misses", key=e.reason.value)
-                self.recorders[src.tier].inc("kvoffload_chunk_misses", reason=e.reason.value)
-                if e.reason is MissReason.CORRUPT:
-                    self.recorders[src.tier].inc("kvoffload_checksum_failures", group_kind=ref.kind.value)
-                logger.warning("kvoffload: load of request %s is a miss (%s); it will be recomputed",
-                               job.req_id, e)
-                return src.tier, e.reason
-            try:
-                self.pages[ref.group].scatter(chunk.payload, ref.num_pages, pairs)
-                for up in ups:
-                    self._promote(up, header, chunk)
-            finally:
-                chunk.release()
-            moved = len(pairs) * self.pages[ref.group].page_bytes
-            self._count(src.tier, "bytes_read", moved)
-            self.recorders[src.tier].inc("kvoffload_restored_bytes", moved, group_kind=ref.kind.value)
-        return None
+            failed: tuple[int, MissReason] | None = ((job.sources[-1].tier if job.sources else 0), job.fail_reason)
+        elif run.failures:
+            # Every file was read, so every bad one was found (and counted,
+            # and quarantined) in this pass; the request's reason is the
+            # gravest of them, whatever the order the files finished in.
+            failed = min(run.failures.values(), key=lambda f: _GRAVITY.index(f[1]))
+        else:
+            failed = None
+            for tier, kind, moved in run.moved:
+                self._count(tier, "bytes_read", moved)
+                self.recorders[tier].inc("kvoffload_restored_bytes", moved, group_kind=kind)
+            elapsed = time.perf_counter() - (run.t0 if run.t0 is not None else time.perf_counter())
+            for t in {s.tier for s in job.sources} or {0}:
+                self.recorders[t].observe("kvoffload_load_seconds", elapsed)
+        if failed is not None:
+            tier, reason = failed
+            self.recorders[tier].inc("kvoffload_failed_loads", reason=reason.value)
+        run.result.set_result(failed[1] if failed is not None else None)
 
     def _queued(self, tier: int, header: ChunkHeader) -> HostChunk | None:
         """The entry's bytes while its write to `tier` is still queued (held), else None."""
@@ -235,26 +317,6 @@ class WorkerSide:
         except Exception as e:
             logger.warning("kvoffload: promotion of %s dropped: %s", header.key.hex()[:16], e)
             self._drop(up.tier, "error")
-
-    def start_load_kv(self, meta: OffloadMetadata) -> None:
-        for job in meta.loads:
-            self._loads[job.req_id] = self.load_pool.submit(self._load_guarded, job)
-
-    def _load_guarded(self, job: LoadJob) -> MissReason | None:
-        t0 = time.perf_counter()
-        try:
-            failed = self._load(job)
-        except Exception as e:  # a load must never take the engine down
-            logger.exception("kvoffload: load of request %s failed (%s)", job.req_id, type(e).__name__)
-            failed = (0, MissReason.ERROR)
-        if failed is None:
-            tiers = {s.tier for s in job.sources} or {0}
-            for t in tiers:
-                self.recorders[t].observe("kvoffload_load_seconds", time.perf_counter() - t0)
-            return None
-        tier, reason = failed
-        self.recorders[tier].inc("kvoffload_failed_loads", reason=reason.value)
-        return reason
 
     # ---- stores -----------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import os
 import stat
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,7 @@ class FsOptions:
     dir_mode: int = DIR_MODE
     orphan_tmp_age_s: float = DEFAULT_ORPHAN_AGE_S
     reconcile_interval_s: float = DEFAULT_RECONCILE_S
+    direct_reads: bool = False  # O_DIRECT reads, falling back to buffered where refused
 
 
 @dataclass(frozen=True)
@@ -253,6 +255,26 @@ class FileStore:
             # good file is not reported corrupt and quarantined.
             raise ValueError(f"out must be a contiguous uint8 CPU tensor of {expected.payload_len} bytes, "
                              f"got {out.numel()} x {out.dtype} on {out.device}")
+        self._read(expected, lambda path: copier.read_file(path, HEADER_LEN, out))
+
+    def read_framed(self, expected: ChunkHeader, chunk: HostChunk) -> bool:
+        """Read the whole file into `chunk` (a pooled buffer: header room, then
+        the payload), with O_DIRECT where the filesystem allows it, and verify
+        it as `read_into` does. Returns whether O_DIRECT was used."""
+        if chunk.buf is None or chunk.payload.numel() != expected.payload_len:
+            raise ValueError(f"chunk must be a pooled buffer with a payload of {expected.payload_len} bytes")
+        used = [False]
+
+        def direct(path: str) -> tuple[bytes, int]:
+            raw, crc, used[0] = copier.read_file_direct(path, HEADER_LEN, chunk.buf, expected.payload_len)
+            return raw, crc
+        self._read(expected, direct)
+        return used[0]
+
+    def _read(self, expected: ChunkHeader, read: Callable[[str], tuple[bytes, int]]) -> None:
+        """Run `read(path)` -> (header bytes, payload CRC) on the chunk's file
+        and verify the result; every way it can fail is a ChunkMiss, and a
+        file that is bad for good goes to quarantine."""
         path = self.file_path(expected.group, expected.key)
         if not self._dir_ok(path.parent):
             raise ChunkMiss(MissReason.UNSAFE, f"{path.parent} resolves outside the cache directory")
@@ -260,7 +282,7 @@ class FileStore:
             if stat.S_ISLNK(os.lstat(path).st_mode):
                 self.quarantine(path)  # moves the link itself, never its target
                 raise ChunkMiss(MissReason.UNSAFE, f"{path} is a symbolic link")
-            raw, crc = copier.read_file(str(path), HEADER_LEN, out)
+            raw, crc = read(str(path))
         except FileNotFoundError:
             raise ChunkMiss(MissReason.MISSING, str(path)) from None
         except OSError as e:
@@ -341,12 +363,17 @@ class FsData(TierData):
     `get` reads into a pooled buffer and verifies it. Both run on the
     worker's I/O threads."""
 
-    def __init__(self, store: FileStore, direct: bool | None = None) -> None:
+    def __init__(self, store: FileStore, direct: bool | None = None, direct_reads: bool = False) -> None:
         self.store = store
         # None: probe on the first write. False: buffered writes only.
         self.direct = direct
         self.direct_writes = 0
         self.buffered_writes = 0
+        # O_DIRECT reads (the `direct_reads` option); no probe: the first read
+        # the filesystem refuses falls back, and the rest are buffered.
+        self.direct_reads = direct_reads
+        self.direct_read_count = 0
+        self.buffered_read_count = 0
 
     def record_layout(self, description: dict) -> None:
         self.store.write_layout(description)
@@ -376,7 +403,17 @@ class FsData(TierData):
     def get(self, header: ChunkHeader, placement: Placement, pool: BufferPool) -> HostChunk:
         chunk = HostChunk.pooled(pool, header.payload_len)
         try:
-            self.store.read_into(header, chunk.payload)
+            if self.direct_reads:
+                if self.store.read_framed(header, chunk):
+                    self.direct_read_count += 1
+                else:
+                    self.direct_reads = False
+                    self.buffered_read_count += 1
+                    logger.info("kvoffload: O_DIRECT reads refused in %s; buffered reads from now on",
+                                self.store.root)
+            else:
+                self.store.read_into(header, chunk.payload)
+                self.buffered_read_count += 1
         except BaseException:
             chunk.release()
             raise
@@ -420,4 +457,5 @@ class FsTier(TierSpec[FsOptions]):
         return FsIndex(store, num_groups=len(self.ctx.planner.groups))
 
     def data(self, device: torch.device) -> FsData:
-        return FsData(FileStore.open(self.options.path, self.ctx.fingerprint, options=self.options))
+        return FsData(FileStore.open(self.options.path, self.ctx.fingerprint, options=self.options),
+                      direct_reads=self.options.direct_reads)
