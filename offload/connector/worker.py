@@ -48,6 +48,8 @@ class WorkerCounters:
     files_existing: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
+    read_s: float = 0.0  # loads: reading entries from the tier (verify included)
+    scatter_s: float = 0.0  # loads: copying them into the KV cache
     stores_dropped: dict[str, int] = field(default_factory=dict)
 
 
@@ -107,7 +109,8 @@ class WorkerSide:
                 rec.declare("kvoffload_failed_loads", reason=reason.value)
             for kind in set(self._kinds):
                 for name in ("kvoffload_checksum_failures", "kvoffload_restored_bytes", "kvoffload_stored_bytes",
-                             "kvoffload_stored_tokens", "kvoffload_stores_deduplicated"):
+                             "kvoffload_stored_tokens", "kvoffload_stores_deduplicated",
+                             "kvoffload_load_read_seconds", "kvoffload_load_scatter_seconds"):
                     rec.declare(name, group_kind=kind)
         self.planner = planner
         self.fingerprint = fingerprint
@@ -194,6 +197,8 @@ class WorkerSide:
         for ref, pairs, src, ups in zip(job.files, job.pages, job.sources, promote):
             header = self._header(ref)
             tier = self.tiers[src.tier]
+            kind = ref.kind.value
+            t0 = time.perf_counter()
             try:
                 chunk = tier.get(header, Placement(src.slot), self.buffers)
             except ChunkMiss as e:
@@ -204,15 +209,22 @@ class WorkerSide:
                 logger.warning("kvoffload: load of request %s is a miss (%s); it will be recomputed",
                                job.req_id, e)
                 return src.tier, e.reason
+            t1 = time.perf_counter()
             try:
                 self.pages[ref.group].scatter(chunk.payload, ref.num_pages, pairs)
+                t2 = time.perf_counter()
+                # Where a restore's time goes, per group kind (read vs scatter; promotion is neither).
+                self._count(src.tier, "read_s", t1 - t0)
+                self._count(src.tier, "scatter_s", t2 - t1)
+                self.recorders[src.tier].inc("kvoffload_load_read_seconds", t1 - t0, group_kind=kind)
+                self.recorders[src.tier].inc("kvoffload_load_scatter_seconds", t2 - t1, group_kind=kind)
                 for up in ups:
                     self._promote(up, header, chunk)
             finally:
                 chunk.release()
             moved = len(pairs) * self.pages[ref.group].page_bytes
             self._count(src.tier, "bytes_read", moved)
-            self.recorders[src.tier].inc("kvoffload_restored_bytes", moved, group_kind=ref.kind.value)
+            self.recorders[src.tier].inc("kvoffload_restored_bytes", moved, group_kind=kind)
         return None
 
     def _promote(self, up: TierSlot, header: ChunkHeader, chunk: HostChunk) -> None:
