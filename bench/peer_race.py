@@ -473,6 +473,8 @@ def summarize(doc: dict) -> dict:
         for a, b in (("ours", "vllm"), ("ours", "none"), ("vllm", "none")):
             q = [r[a]["ttft"][i]["ttft_s"] / r[b]["ttft"][i]["ttft_s"] for r in rounds]
             row[f"ttft_{a}_over_{b}"] = {"median": _med(q), "spread": _spread(q)}
+        q = [r["none"]["ttft"][i]["ttft_s"] / r["ours"]["ttft"][i]["ttft_s"] for r in rounds]
+        row["speedup_ours_vs_recompute"] = {"median": _med(q), "spread": _spread(q)}
         ours = [r["ours"]["ttft"][i] for r in rounds]
         row["ours_restore"] = {
             "restored_bytes": ours[0]["restored_bytes"],
@@ -480,6 +482,9 @@ def summarize(doc: dict) -> dict:
             "scatter_s": {k: _med([o["scatter_s"].get(k, 0) for o in ours]) for k in ours[0]["scatter_s"]},
             "load_s": _med([o["load_s"] for o in ours]),
             "ttft_s": _med([o["ttft_s"] for o in ours])}
+        vl = [r["vllm"]["ttft"][i] for r in rounds]
+        row["vllm_restore"] = {"load_bytes": _med([v.get("vllm_load_bytes", 0) for v in vl]),
+                               "load_time_s": _med([v.get("vllm_load_time_s", 0) for v in vl])}
         ref = [r["none"]["ttft"][i]["first_token"] for r in rounds]
         row["identical_first_token"] = {c: all(r[c]["ttft"][i]["first_token"] == t for r, t in zip(rounds, ref))
                                         for c in ("ours", "vllm")}
@@ -514,20 +519,21 @@ def print_tables(doc: dict) -> None:
         rows.append([doc["label"], f"TTFT {n} tok", f"{row['ours']['median_ttft_s']:.3g} s",
                      f"{row['vllm']['median_ttft_s']:.3g} s", f"{row['none']['median_ttft_s']:.3g} s",
                      _fmt_ratio(row["ttft_ours_over_vllm"]), _fmt_ratio(row["ttft_ours_over_none"]),
+                     _fmt_ratio(row["speedup_ours_vs_recompute"]),
                      f"{_med(row['ours']['restored_tokens']):.0f} / {_med(row['vllm']['restored_tokens']):.0f}"])
     ld = s["load"]
     rows.append([doc["label"], "load tok/s", f"{ld['ours']['total_token_throughput']:.0f}",
                  f"{ld['vllm']['total_token_throughput']:.0f}", f"{ld['none']['total_token_throughput']:.0f}",
-                 _fmt_ratio(ld["throughput_ours_over_vllm"]), _fmt_ratio(ld["throughput_ours_over_none"]),
+                 _fmt_ratio(ld["throughput_ours_over_vllm"]), _fmt_ratio(ld["throughput_ours_over_none"]), "",
                  f"{ld['ours']['external_tokens']:.0f} / {ld['vllm']['external_tokens']:.0f}"])
     rows.append([doc["label"], "CPU ms / 1k load tok", f"{ld['ours']['cpu_s_per_1k_tokens'] * 1e3:.0f}",
                  f"{ld['vllm']['cpu_s_per_1k_tokens'] * 1e3:.0f}", f"{ld['none']['cpu_s_per_1k_tokens'] * 1e3:.0f}",
-                 "", "", ""])
+                 "", "", "", ""])
     bw = s["bytes_written_per_stored_token"]
     rows.append([doc["label"], "B written / stored tok", f"{bw['ours'] or 0:.0f}", f"{bw['vllm'] or 0:.0f}", "-",
-                 f"{(bw['ours'] or 0) / (bw['vllm'] or 1):.2f}x", "", ""])
+                 f"{(bw['ours'] or 0) / (bw['vllm'] or 1):.2f}x", "", "", ""])
     print(table(["model", "measure (median)", "ours", "vLLM tiering", "recompute", "ours / vLLM",
-                 "ours / recompute", "restored tok ours / vLLM"], rows))
+                 "ours / recompute", "recompute / ours", "restored tok ours / vLLM"], rows))
     for n, row in s["per_length"].items():
         o = row["ours_restore"]
         rb = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in o["restored_bytes"].items())
@@ -536,7 +542,8 @@ def print_tables(doc: dict) -> None:
         print(f"  {doc['label']} {n} tok, ours restored {rb}: TTFT {o['ttft_s'] * 1e3:.0f} ms = read {rd * 1e3:.0f} ms"
               f" (" + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in o["read_s"].items()) + ")"
               f" + scatter {sc * 1e3:.0f} ms + rest {(o['ttft_s'] - rd - sc) * 1e3:.0f} ms;"
-              f" first token identical: {row['identical_first_token']}")
+              f" first token identical: {row['identical_first_token']};"
+              f" vLLM's connector loaded {row['vllm_restore']['load_bytes'] / 1e6:.1f} MB")
 
 
 # ---------------------------------------------------------------- driver
@@ -601,15 +608,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="parent of the cache directories (default: $TMPDIR)")
     ap.add_argument("--out-dir", type=Path, default=None)
     ap.add_argument("--name", default="peer_race")
+    ap.add_argument("--parallel", action="store_true",
+                    help="a round's servers side by side: a correctness check, timings mean nothing")
+    ap.add_argument("--load-on-ttft-server", action="store_true",
+                    help="no separate load server (no KV cache override: nothing is evicted)")
     a = ap.parse_args(argv)
     models = REPO / ".models"
     presets = {
-        # 80B-A3B per-layer geometry: 640-token blocks on this CPU; 4 GDN-state chunks of prefixes
-        # exceed the KV cache below, the connectors' 1 GiB of host memory holds them.
+        # 80B-A3B per-layer geometry (640-token blocks on this CPU). Its prefill runs at tens of
+        # tokens per second here, so the load is small: 3 one-chunk prefixes, 9 requests.
         "hybrid": ModelRun("qwen3-next-80b-geometry", str(models / "qwen3-next-80b-geometry"),
                            [int(x) for x in a.hybrid_tokens.split(",")],
-                           {"num_prompts": 12, "num_prefixes": 4, "prefix_len": 1280, "suffix_len": 64,
-                            "output_len": 16, "concurrency": 2}, blocks=None, rounds=a.rounds),
+                           {"num_prompts": 9, "num_prefixes": 3, "prefix_len": 640, "suffix_len": 64,
+                            "output_len": 8, "concurrency": 2}, rounds=a.rounds),
         "llama": ModelRun("llama-3.1-8b-geometry", str(models / "llama-3.1-8b-geometry"),
                           [int(x) for x in a.llama_tokens.split(",")],
                           {"num_prompts": 64, "num_prefixes": 16, "prefix_len": 2048, "suffix_len": 128,
@@ -627,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
             r.load = {**r.load, **json.loads(a.load)}
         if a.blocks:
             r.blocks = a.blocks
-    run(runs, a.dir, a.out_dir, a.name)
+    run(runs, a.dir, a.out_dir, a.name, a.parallel, not a.load_on_ttft_server)
     return 0
 
 
