@@ -322,12 +322,13 @@ def stored_tokens(name: str, path: Path, metrics: Samples, attention_groups: int
 
 def load_blocks(plan: Any, load: dict, max_len: int) -> int:
     """vLLM KV cache blocks for the load's server: room for the requests in flight (every group
-    of each, at max_len) plus half the prefixes' blocks (every group holds a block, or a
-    Mamba/GDN state, per block of a cached prefix), so that prefixes are evicted and come back
-    from a connector's host memory, or are computed again without one."""
-    running = load["concurrency"] * sum(-(-max_len // g.block_size) + 1 for g in plan.groups)
+    of each) plus a third of the prefixes' blocks (every group holds a block, or a Mamba/GDN
+    state, per block of a cached prefix), so that prefixes are evicted and come back from a
+    connector's host memory, or are computed again without one."""
+    n = load["prefix_len"] + load["suffix_len"] + load["output_len"]
+    running = load["concurrency"] * sum(-(-n // g.block_size) for g in plan.groups)
     prefixes = load["num_prefixes"] * sum(load["prefix_len"] // g.block_size for g in plan.groups)
-    return running + prefixes // 2
+    return running + prefixes // 3
 
 
 def worker_counters(log: str) -> list[str]:
@@ -601,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="hybrid,llama", help="comma-separated: hybrid, llama, hybrid-tiny, llama-tiny")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hybrid-tokens", default="4096,8192,16384", help="long prompts on the hybrid (item 2)")
-    ap.add_argument("--llama-tokens", default="8192")
+    ap.add_argument("--llama-tokens", default="8000,8192",
+                    help="8000: both restore 7936 tokens; 8192: a chunk-aligned prompt, where ours stops a chunk short")
     ap.add_argument("--load", default=None, help="JSON overriding the load of every model "
                     "(num_prompts, num_prefixes, prefix_len, suffix_len, output_len, concurrency)")
     ap.add_argument("--blocks", type=int, default=None, help="--num-gpu-blocks-override for every model")
@@ -626,10 +628,10 @@ def main(argv: list[str] | None = None) -> int:
                           {"num_prompts": 64, "num_prefixes": 16, "prefix_len": 2048, "suffix_len": 128,
                            "output_len": 32, "concurrency": 4}, blocks=None, rounds=a.rounds),
         "hybrid-tiny": ModelRun("qwen3-next-tiny", str(models / "qwen3-next-tiny"), [1024],
-                                {"num_prompts": 8, "num_prefixes": 4, "prefix_len": 256, "suffix_len": 32,
+                                {"num_prompts": 16, "num_prefixes": 4, "prefix_len": 256, "suffix_len": 32,
                                  "output_len": 4, "concurrency": 2}, rounds=a.rounds),
         "llama-tiny": ModelRun("llama-tiny", str(models / "llama-tiny"), [1024],
-                               {"num_prompts": 8, "num_prefixes": 4, "prefix_len": 256, "suffix_len": 32,
+                               {"num_prompts": 16, "num_prefixes": 4, "prefix_len": 256, "suffix_len": 32,
                                 "output_len": 4, "concurrency": 2}, rounds=a.rounds),
     }
     runs = [presets[m] for m in a.models.split(",")]
