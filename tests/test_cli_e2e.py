@@ -98,7 +98,8 @@ def restorable(cache: Path, prompt: list[int]) -> int:
 
 
 def dir_bytes(cache: Path) -> int:
-    return sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
+    """What a byte budget counts: everything but the ledger (gc appends its own records there)."""
+    return sum(p.stat().st_size for p in cache.rglob("*") if p.is_file() and "ledger-v1" not in p.parts)
 
 
 # ---- warmup --verify -------------------------------------------------------------------
