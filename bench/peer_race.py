@@ -46,6 +46,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import statistics
 import subprocess
 import sys
@@ -283,9 +284,19 @@ def bench_serve(s: Server, model: str, load: dict, result_dir: Path, seed: int) 
 
 
 def _dir_state(path: Path) -> tuple[int, int, bool]:
-    files = [p for p in path.rglob("*") if p.is_file()]
-    busy = any(".tmp" in p.name for p in files)
-    return sum(p.stat().st_size for p in files), len(files), busy
+    """Bytes, files and whether a temporary file is present, on a tree that writers are changing:
+    a temporary file renamed or removed between the listing and its stat counts as busy."""
+    size, n, busy = 0, 0, False
+    for root, _dirs, names in os.walk(path):  # os.walk skips a directory that vanishes mid-walk
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except FileNotFoundError:
+                busy = True
+                continue
+            if stat.S_ISREG(st.st_mode):
+                size, n, busy = size + st.st_size, n + 1, busy or ".tmp" in name
+    return size, n, busy
 
 
 def wait_quiet(path: Path, timeout_s: float = 600, still_s: float = 3) -> tuple[int, int]:

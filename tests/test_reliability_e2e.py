@@ -254,7 +254,9 @@ def test_no_request_data_in_paths_and_default_modes(bad_files):
     cache = bad_files["cache"]
     names = [p.relative_to(cache).as_posix() for p in cache.rglob("*")]
     pat = re.compile(r"^kvoffload-v1(/[0-9a-f]{64}(/layout\.json|/g\d+(/[0-9a-f]{2}(/[0-9a-f]{64}\.kv)?)?"
-                     r"|/quarantine(/[0-9a-f]{64}\.kv\.[0-9a-f]{8})?)?)?$")
+                     r"|/quarantine(/[0-9a-f]{64}\.kv\.[0-9a-f]{8})?)?"
+                     # ledgers are named by host tag, pid and a random tag: nothing from a request
+                     r"|/ledger-v1(/[0-9a-f]{8}-\d+-[0-9a-f]{8}\.log|/snapshot-\d{13}-[0-9a-f]{8}\.snap|/lease)?)?$")
     bad = [n for n in names if not pat.match(n)]
     assert not bad, bad[:5]
     modes = {(p.is_dir(), oct(p.stat().st_mode & 0o777)) for p in cache.rglob("*")}
