@@ -18,6 +18,7 @@ attention pages and the Mamba state at the hit boundary.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -539,3 +540,36 @@ def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make,
     assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
     wait_for_files(tmp_path / "cache", HIT // CHUNK)  # the held writes still land
     assert_scheduler_empty(eng.scheduler)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_drain_runs_idle_priority_stores_at_normal_priority_then_yields_again(make, monkeypatch):
+    """Store threads run at SCHED_IDLE so they never take a core from the model; a
+    busy host can starve them indefinitely (measured in CI: a shutdown's 60 s ran
+    out with an LMCache write still queued). Whoever drains waits on them, so the
+    drain lifts them to normal priority until they land."""
+    from offload.store.fs import FsData
+
+    eng = make("fs")
+    release, seen, real_put = threading.Event(), [], FsData.put
+
+    def held_put(self, *args, **kwargs):
+        seen.append(("queued", os.sched_getscheduler(0)))
+        assert release.wait(30), "write held for 30 s"
+        seen.append(("draining", os.sched_getscheduler(0)))
+        return real_put(self, *args, **kwargs)
+
+    monkeypatch.setattr(FsData, "put", held_put)
+    a = create_request("a", prompt(11), max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(a)
+    eng.run_to_completion()
+    worker = eng.worker.connector._worker
+    deadline = time.monotonic() + 10
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    before = list(seen)
+    assert before and {p for _, p in before} == {os.SCHED_IDLE}, before
+    threading.Timer(0.3, release.set).start()  # the drain below is waiting by then
+    assert worker.drain(30) == 0
+    assert {p for k, p in seen if k == "draining"} == {os.SCHED_OTHER}, seen
+    assert {os.sched_getscheduler(t) for t in worker._store_tids} == {os.SCHED_IDLE}, "yields again after the drain"

@@ -152,7 +152,8 @@ def test_two_engines_share_a_redis_remote_and_survive_its_kill(models_dir, tmp_p
         stats_b = engine_stats(b.log)
         # Engine C: P3, stored into the restarted server by B, restores from it.
         c = run(models_dir, kv, [[4]], prompts)
-        assert c.results[0].restored_by_tier == {"lmcache": hit(P3)}
+        why = [ln for ln in b.log.splitlines() if "dropped" in ln or "Put task failed" in ln][-5:]
+        assert c.results[0].restored_by_tier == {"lmcache": hit(P3)}, (stats_b, why)
         assert c.results[0].output_ids == r_p3.output_ids
         print(f"remote: B restored {[r.restored_tokens for r in b.results]} (P1, F1, P2, F2, P3); "
               f"lookup miss tokens {misses:.0f}, failed loads {failed:.0f}, failed requests 0; "

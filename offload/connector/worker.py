@@ -56,15 +56,21 @@ class WorkerCounters:
     stores_dropped: dict[str, int] = field(default_factory=dict)
 
 
-def _background_priority() -> None:
+def _set_policy(tid: int, policy: int) -> None:
+    try:
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or not permitted: the policy stays as it is
+        pass
+
+
+def _background_priority(tids: list[int]) -> None:
     """Store threads yield the CPU to the model: on a small CPU machine an
     I/O thread that preempts one of vLLM's OpenMP threads stalls the whole
     step. SCHED_IDLE (Linux) runs them only on otherwise idle cores; they
-    still finish between steps, and overflow is dropped by policy."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux, or not permitted: normal priority
-        pass
+    still finish between steps, and overflow is dropped by policy. Each
+    thread records its id so a drain can lift it (`WorkerSide.drain`)."""
+    tids.append(threading.get_native_id())
+    _set_policy(0, getattr(os, "SCHED_IDLE", 5))
 
 
 def _describe(name: str, t: torch.Tensor, num_blocks: int) -> str:
@@ -149,9 +155,10 @@ class WorkerSide:
         # Loads get their own threads, so they never queue behind a burst of
         # stores; stores get half as many, and overflow is dropped by policy
         # (max_pending_store_bytes) rather than queued without bound.
+        self._store_tids: list[int] = []
         self.load_pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvoffload-load")
         self.store_pool = ThreadPoolExecutor(max(1, cfg.io_threads // 2), thread_name_prefix="kvoffload-store",
-                                             initializer=_background_priority)
+                                             initializer=_background_priority, initargs=(self._store_tids,))
         self.counters = [WorkerCounters() for _ in recorders]
         self._lock = threading.Lock()
         self._loads: dict[str, Future[MissReason | None]] = {}
@@ -507,7 +514,19 @@ class WorkerSide:
         """Wait (at most `timeout_s`) for the stores queued so far; returns how many are still pending."""
         with self._lock:
             pending = set(self._stores)
-        _, not_done = wait(pending, timeout=timeout_s)
+        if not pending:
+            return 0
+        # Someone now waits on these stores (shutdown, or a caller between passes): idle
+        # priority would let a busy host starve them past the timeout, so they run at normal
+        # priority until they land, then yield again.
+        for tid in list(self._store_tids):
+            _set_policy(tid, getattr(os, "SCHED_OTHER", 0))
+        try:
+            _, not_done = wait(pending, timeout=timeout_s)
+        finally:
+            if not self._closed:
+                for tid in list(self._store_tids):
+                    _set_policy(tid, getattr(os, "SCHED_IDLE", 5))
         return len(not_done)
 
     def shutdown(self) -> None:
