@@ -1,12 +1,15 @@
 PY := .venv/bin/python
 
-.PHONY: setup test test-fast demo clean
+.PHONY: setup test test-long test-fast demo clean
 
 setup:  ## venv, torch + vLLM, this package with its C++ copier, tiny models
 	bash scripts/setup.sh
 
-test:  ## the whole suite, real vLLM engines included
-	$(PY) -m pytest -q -p no:cacheprovider
+test:  ## the default suite, real vLLM engines included (README, Tests)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
+
+test-long:  ## the long runs: reliability and chaos on real engines, real geometries, peers (README, Tests)
+	$(PY) -m pytest -q -p no:cacheprovider -m long --durations=25
 
 test-fast:  ## unit tests only (no engines)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e"

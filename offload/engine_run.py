@@ -132,8 +132,10 @@ class EngineRun:
         self.results_path, self.log_path = self.dir / "results.jsonl", self.dir / "engine.log"
         (self.dir / "spec.json").write_text(json.dumps(asdict(spec)))
         self.results_path.write_text("")
-        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                    **(env or {})}
+        # The engine's metrics are its own: a Prometheus multiprocess directory inherited from the
+        # caller would be shared with every other engine it starts.
+        full_env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+        full_env.update({"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})})
         with open(self.log_path, "w") as lf:
             # A session of its own: kill() takes the engine core and workers with it.
             self.proc = subprocess.Popen([sys.executable, "-m", "offload.engine_run", str(self.dir)], env=full_env,

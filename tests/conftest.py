@@ -8,7 +8,7 @@ import random
 import subprocess
 import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -124,11 +124,14 @@ def side_by_side(*calls):
 
 
 # Engine work that no other test's work depends on (runs on their own cache directory) can also run
-# ahead, on one background lane that starts with the session: a test marked
-# `@pytest.mark.prefetch.with_args(fn)` takes the result of `fn(models_dir, a fresh directory)` from the
-# `prefetched` fixture. The lane runs the marked functions of the collected tests one after the
-# other, in the tests' order, while the tests before them run; a function the lane has not started
-# when its test asks for it runs then, in the test.
+# ahead, on background lanes (LANES threads, `KVOFFLOAD_TEST_LANES`, default 2) that start with the
+# session: a test marked `@pytest.mark.prefetch.with_args(fn)` takes the result of `fn(models_dir, a
+# fresh directory)` from the `prefetched` fixture. Each lane runs its share of the marked functions
+# of the collected tests one after the other, in the tests' order, while the tests before them run; a
+# function no lane has started when its test asks for it runs then, in the test.
+
+
+LANES = int(os.environ.get("KVOFFLOAD_TEST_LANES", "2"))
 
 
 class Lane:
@@ -145,8 +148,8 @@ class Lane:
             jobs = [(fn, Future()) for fn in fns if fn not in self.futures]
             self.futures.update(jobs)
 
-        def run_all():
-            for fn, fut in jobs:
+        def run_all(share):
+            for fn, fut in share:
                 if not fut.set_running_or_notify_cancel():  # cancelled: a test ran it itself
                     continue
                 try:
@@ -154,7 +157,10 @@ class Lane:
                 except BaseException as e:  # noqa: BLE001 - re-raised by the test that asks
                     fut.set_exception(e)
 
-        threading.Thread(target=run_all, daemon=True).start()
+        # LANES threads take the jobs round-robin: an engine start is mostly one core importing
+        # torch and vLLM, so two starts overlap well on two cores.
+        for i in range(LANES):
+            threading.Thread(target=run_all, args=(jobs[i::LANES],), daemon=True).start()
 
     def get(self, fn):
         with self._lock:

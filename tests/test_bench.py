@@ -144,6 +144,7 @@ def _bench_e2e_small(models_dir: Path, tmp_path: Path) -> dict:
 
 
 @pytest.mark.e2e
+@pytest.mark.long  # `make test` stays within 12 minutes (README, Tests); `make bench` runs it at size
 @pytest.mark.prefetch.with_args(_bench_e2e_small)
 def test_bench_e2e_small(prefetched) -> None:
     """Items 5 and 6 on the tiny Llama: one engine pair (no connector; the
@@ -198,6 +199,7 @@ def _bench_peer_race_small(models_dir: Path, tmp_path: Path) -> dict:
 
 
 @pytest.mark.e2e
+@pytest.mark.long  # `make test` stays within 12 minutes (README, Tests); `make bench` runs it at size
 @pytest.mark.prefetch.with_args(_bench_peer_race_small)
 def test_bench_peer_race_small(prefetched) -> None:
     """Issue 13 items 1-2 at a small size: after a restart both connectors restore from their file

@@ -71,7 +71,7 @@ from offload.store.format import HEADER_LEN, ChunkHeader
 from loadgen import LoadReport, Request, Result, by_label, run_load, scrape, total
 from serving import api_server
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (README, Tests)
 
 MODEL = "qwen3-next-tiny"
 # 11 blocks (128 tokens each on this model): one request of up to MAX_MODEL_LEN tokens, so two long

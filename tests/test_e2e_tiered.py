@@ -61,17 +61,28 @@ def files_written(run, tier: str) -> float:
     return run.metric("kvoffload_stored_bytes_total", tier=tier)
 
 
-@pytest.fixture(scope="module")
-def runs(models_dir, tmp_path_factory):
-    cache = tmp_path_factory.mktemp("tiered")
+# The engine runs go on the session's background lane (tests/conftest.py, PREFETCH): they overlap
+# the unit tests instead of following them.
+
+
+def _runs(models_dir, tmp_path):
+    cache, other = tmp_path / "tiered", tmp_path / "w"
+    cache.mkdir()
+    other.mkdir()
     cold = serve(models_dir, tiered(cache))
     # The restart, and the weighted MultiConnector on a directory of its own, side by side.
     restart, weighted_run = side_by_side(lambda: serve(models_dir, tiered(cache)),
                                          # idle 10 s: the file child's writes land, so both children hold the prefixes
-                                         lambda: serve(models_dir, weighted(tmp_path_factory.mktemp("w"), 2.0), 10.0))
+                                         lambda: serve(models_dir, weighted(other, 2.0), 10.0))
     return {"cold": cold, "restart": restart, "weighted": weighted_run}
 
 
+@pytest.fixture(scope="module")
+def runs(prefetched):
+    return prefetched(_runs)
+
+
+@pytest.mark.prefetch.with_args(_runs)
 def test_cpu_tier_after_reset_disk_after_restart_then_promoted_to_cpu(runs):
     _, ref, cold_again = runs["cold"]
     assert all(r.restored_tokens == 0 for r in ref), "pass 1 of a cold process restores nothing"
@@ -89,6 +100,7 @@ def test_cpu_tier_after_reset_disk_after_restart_then_promoted_to_cpu(runs):
         assert not any(r.load_failed for r in results)
 
 
+@pytest.mark.prefetch.with_args(_runs)
 def test_weights_favour_the_filesystem_child_on_a_tie(runs):
     _, ref, _ = runs["cold"]
     _, first, second = runs["weighted"]
@@ -98,17 +110,30 @@ def test_weights_favour_the_filesystem_child_on_a_tie(runs):
     assert [r.output_ids for r in second] == [r.output_ids for r in first]
 
 
-def test_llama_restart_restores_from_disk_then_from_promoted_cpu(models_dir, tmp_path):
+def _llama(models_dir, tmp_path):
     llama = str(models_dir / "llama-tiny")
     cold = run_engine(RunSpec(llama, PROMPTS, tiered(tmp_path), 12, engine_args(False)))
-    assert cold.restored_tokens == 0
     warm = run_engine(RunSpec(llama, PROMPTS, tiered(tmp_path), 12, engine_args(False), passes=2))
+    return cold, warm
+
+
+@pytest.mark.prefetch.with_args(_llama)
+def test_llama_restart_restores_from_disk_then_from_promoted_cpu(prefetched):
+    cold, warm = prefetched(_llama)
+    assert cold.restored_tokens == 0
     first, second = warm.results[:3], warm.results[3:]
     assert by_tier(first, "fs") == LLAMA_HITS and by_tier(second, "cpu") == LLAMA_HITS
     assert [r.output_ids for r in first] == cold.outputs() == [r.output_ids for r in second]
 
 
-def test_host_memory_too_small_files_serve_the_rest(models_dir, tmp_path):
+def _too_small(models_dir, tmp_path):
+    spec = RunSpec(str(models_dir / "qwen3-next-tiny"), PROMPTS, tiered(tmp_path, cpu_bytes=4 << 20), 12,
+                   engine_args(True), order=[[0, 1, 2], [2, 1, 0]])
+    return run_engine(spec)
+
+
+@pytest.mark.prefetch.with_args(_too_small)
+def test_host_memory_too_small_files_serve_the_rest(prefetched):
     """4 MiB of host memory holds 14 of the 20 chunks: after a reset the hit
     comes from both tiers, and every prompt restores its whole prefix. The
     second pass runs newest first, once the files of the last prompt have
@@ -116,9 +141,7 @@ def test_host_memory_too_small_files_serve_the_rest(models_dir, tmp_path):
     which it never evicts, so it has no room for more). In the first order,
     each promotion would evict the next prompt's chain: LRU under a cyclic
     working set larger than the cache."""
-    spec = RunSpec(str(models_dir / "qwen3-next-tiny"), PROMPTS, tiered(tmp_path, cpu_bytes=4 << 20), 12,
-                   engine_args(True), order=[[0, 1, 2], [2, 1, 0]])
-    run = run_engine(spec)
+    run = prefetched(_too_small)
     ref, again = run.results[:3], run.results[3:][::-1]
     assert all(r.restored_tokens == 0 for r in ref), "pass 1 of a cold process restores nothing"
     assert [r.restored_tokens for r in again] == HITS

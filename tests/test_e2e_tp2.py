@@ -18,7 +18,7 @@ from conftest import fs_kv_config, random_prompt
 from offload.engine_run import RunSpec, run_engine
 from offload.keys import rank_fingerprint
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (README, Tests)
 
 TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 

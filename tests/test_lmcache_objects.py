@@ -244,3 +244,16 @@ def test_remote_shared_killed_and_restarted(redis_server):
     # A third process (C) reads what B wrote after the restart, from Redis.
     c = peer("read", redis_server.url, [("B/after", 31, 300_000), ("B/cont", 32, 999), ("B/during", 30, 2048)])
     assert c["equal"] == [True, True, False], c  # B/during was written while the server was down
+
+
+def test_opening_leaves_no_shared_prometheus_directory_in_the_environment(monkeypatch):
+    """LMCache's PrometheusLogger sets PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus in the
+    process; inherited by an API server, that host-wide directory made its /metrics sum the
+    counters of every engine on the host (tests/test_prometheus.py saw 20,352 restored tokens
+    for 1,280). Opening a storage engine must leave the environment as it found it."""
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    with LMCacheObjects.open(1 << 20):
+        assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/operator-chosen")
+    with LMCacheObjects.open(1 << 20):
+        assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == "/tmp/operator-chosen"

@@ -78,6 +78,7 @@ def _scraped(models_dir, tmp):
                 post(base, "/reset_prefix_cache")
             time.sleep(4)  # a few scrapes after the last request
             exported = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+            (tmp / "metrics.txt").write_text(exported)  # kept for a failure's diagnosis
             results = {(title, expr): query(prom, expr) for title, expr in panel_queries()}
             up = query(prom, 'up{job="vllm"}')
     return {"results": results, "exported": exported, "up": up, "usage": usage, "tmp": tmp}

@@ -36,7 +36,7 @@ from offload.copier import crc32c
 from offload.engine_run import EngineRun, RunResult, RunSpec, start_engine
 from offload.keys import chunk_keys, request_root
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (README, Tests)
 
 GDN, ATTN = 0, 1
 MODEL = "qwen3-next-tiny"

@@ -175,7 +175,19 @@ class LMCacheObjects:
             model_name=MODEL_NAME, world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
             kv_dtype=torch.uint8, kv_shape=(1, 1, _CHUNK_SIZE, 1, 1), role="worker",
         )
-        manager = StorageManager(config, metadata, EventManager())
+        # LMCache's PrometheusLogger sets PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus in this
+        # process's environment: every process it then starts (an API server, vLLM's workers)
+        # would share that host-wide directory, and a server's /metrics would sum the counters
+        # of every other engine on the host. Its own metrics do not need it (prometheus_client
+        # chose its value class when vLLM imported it), so the environment is put back.
+        before = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        try:
+            manager = StorageManager(config, metadata, EventManager())
+        finally:
+            if before is None:
+                os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            else:
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = before
         if remote_url and len(manager.storage_backends) < 2:
             manager.close()
             raise RuntimeError(f"LMCache did not create a remote backend for {remote_url!r}")
