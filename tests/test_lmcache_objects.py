@@ -257,3 +257,21 @@ def test_opening_leaves_no_shared_prometheus_directory_in_the_environment(monkey
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/operator-chosen")
     with LMCacheObjects.open(1 << 20):
         assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == "/tmp/operator-chosen"
+
+
+def test_a_remote_write_that_failed_is_tried_again_from_the_local_copy(redis_server):
+    """A write-behind can fail on a transient fault (measured in CI: socket timeouts to a
+    just-restarted Redis on a busy host lost the last chunk another engine then missed). The
+    failed write is tried again from the local pool's copy on the next put or flush, so it
+    lands once the server answers, and another instance reads the exact bytes."""
+    with LMCacheObjects.open(16 << 20, redis_server.url, timeout_s=TIMEOUT_S) as w:
+        redis_server.kill()
+        assert w.put("R/1", payload(40, 70_000))  # lands locally; its remote write fails
+        time.sleep(TIMEOUT_S)  # connection refused: the first attempt has failed by now
+        redis_server.start()
+        assert w.flush(10)
+        assert w.stats.remote_put_retries >= 1 and w.stats.remote_put_failures == 0, w.stats
+    with LMCacheObjects.open(16 << 20, redis_server.url, timeout_s=TIMEOUT_S) as r:
+        out = torch.empty(70_000, dtype=torch.uint8)
+        assert r.get_into("R/1", out) and torch.equal(out, payload(40, 70_000))
+        assert r.stats.remote_hits == 1

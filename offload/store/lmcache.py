@@ -95,8 +95,8 @@ def release_objects(options: LMCacheOptions) -> None:
     st = objs.stats
     # One line per engine: what the storage engine answered (tests and operators read it).
     logger.info("kvoffload: LMCache storage engine stats: puts=%d put_failures=%d remote_put_failures=%d "
-                "local_hits=%d remote_hits=%d misses=%d errors=%d", st.puts, st.put_failures,
-                st.remote_put_failures, st.local_hits, st.remote_hits, st.misses, st.errors)
+                "remote_put_retries=%d local_hits=%d remote_hits=%d misses=%d errors=%d", st.puts, st.put_failures,
+                st.remote_put_failures, st.remote_put_retries, st.local_hits, st.remote_hits, st.misses, st.errors)
 
 
 def _name(header_or_fp, group: int, key: ChunkKey) -> str:

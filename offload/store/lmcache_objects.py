@@ -35,6 +35,7 @@ import hashlib
 import math
 import os
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -114,7 +115,8 @@ def remote_url_with_timeouts(url: str, timeout_s: float) -> str:
 class ObjectStats:
     puts: int = 0
     put_failures: int = 0  # no room in the local pool (nothing evictable), or an error
-    remote_put_failures: int = 0  # write-behind to the remote failed (counted when it completes)
+    remote_put_failures: int = 0  # write-behind to the remote failed for good (every attempt, or evicted first)
+    remote_put_retries: int = 0  # failed remote writes tried again from the local copy
     local_hits: int = 0
     remote_hits: int = 0
     misses: int = 0
@@ -124,6 +126,10 @@ class ObjectStats:
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             setattr(self, name, getattr(self, name) + n)
+
+
+# A remote write is tried this many times in all before it counts as failed.
+REMOTE_PUT_ATTEMPTS = 3
 
 
 class LMCacheObjects:
@@ -138,6 +144,7 @@ class LMCacheObjects:
         self._local = manager.storage_backends["LocalCPUBackend"]
         self._remotes = [b for n, b in manager.storage_backends.items() if n != "LocalCPUBackend"]
         self._pending: set[Future] = set()
+        self._retry: dict[tuple[str, int], int] = {}  # (name, remote index) -> attempts made
         self._lock = threading.Lock()
         self._closed = False
 
@@ -224,40 +231,85 @@ class LMCacheObjects:
             try:
                 obj.tensor.view(-1).copy_(flat)
                 self._local.submit_put_task(key, obj)
-                for remote in self._remotes:
+                for i, remote in enumerate(self._remotes):
                     fut = remote.submit_put_task(key, obj)
                     if fut is not None:
-                        self._track(fut)
+                        self._track(fut, name, i, 1)
             finally:
                 obj.ref_count_down()
             self.stats.add("puts")
-            return True
         except Exception:
             self.stats.add("put_failures")
             self.stats.add("errors")
             return False
+        self._retry_failed()
+        return True
 
-    def _track(self, fut: Future) -> None:
+    def _track(self, fut: Future, name: str, remote: int, attempt: int) -> None:
         with self._lock:
             self._pending.add(fut)
 
         def done(f: Future) -> None:
+            failed = f.cancelled() or f.exception() is not None
             with self._lock:
                 self._pending.discard(f)
-            if f.cancelled() or f.exception() is not None:
+                retry = failed and attempt < REMOTE_PUT_ATTEMPTS and not self._closed
+                if retry:
+                    self._retry[(name, remote)] = attempt
+            if failed and not retry:
                 self.stats.add("remote_put_failures")
 
         fut.add_done_callback(done)
 
-    def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait for the remote writes submitted so far; True if all finished in time
-        (finished includes failed: see `stats.remote_put_failures`)."""
+    def _retry_failed(self) -> None:
+        """Submit again the remote writes that failed, from the local pool's copy: a remote
+        write fails on a transient fault too (a socket timeout on a busy host, a connection
+        that a server restart broke), and a lost write-behind is a lost hit for every other
+        instance. Called from `put` and `flush`, so no thread of its own waits to retry."""
         with self._lock:
-            pending = list(self._pending)
-        if not pending:
-            return True
-        _, not_done = wait_futures(pending, timeout=timeout_s)
-        return not not_done
+            if not self._retry:
+                return
+            todo, self._retry = self._retry, {}
+        for (name, i), attempt in todo.items():
+            key = lmcache_key(name)
+            try:
+                obj = self._local.get_blocking(key)
+            except Exception:
+                obj = None
+            if obj is None:  # evicted from the local pool meanwhile: nothing left to write
+                self.stats.add("remote_put_failures")
+                continue
+            try:
+                fut = self._remotes[i].submit_put_task(key, obj)
+                self.stats.add("remote_put_retries")
+                if fut is not None:
+                    self._track(fut, name, i, attempt + 1)
+            except Exception:
+                self.stats.add("remote_put_failures")
+                self.stats.add("errors")
+            finally:
+                obj.ref_count_down()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait for the remote writes submitted so far, failed ones tried again (up to
+        REMOTE_PUT_ATTEMPTS in all); True if all finished in time (finished includes
+        failed for good: see `stats.remote_put_failures`)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self._retry_failed()
+            with self._lock:
+                pending, retry = list(self._pending), bool(self._retry)
+            if not pending and not retry:
+                return True
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            if pending:
+                _, not_done = wait_futures(pending, timeout=left)
+                if not_done:
+                    return False
+            else:  # a completed write's callback has not run yet
+                time.sleep(0.001)
 
     # ---- reads ---------------------------------------------------------------------
 
