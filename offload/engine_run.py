@@ -66,7 +66,8 @@ class RunSpec:
     # queued stores to land, where its worker runs in this process
     # (VLLM_ENABLE_V1_MULTIPROCESSING=0); False: the next pass races them.
     land_stores: bool = True
-    # Each pass after the first starts when the parent releases it (EngineRun.release).
+    # Each pass after the first starts when the parent releases it (EngineRun.release);
+    # with land_stores, a gated pass's stores land before it reports itself done.
     gated: bool = False
     # After the last pass, stay up until killed (stores may still be in flight).
     hold: bool = False
@@ -285,6 +286,10 @@ def _serve(spec: RunSpec, workdir: Path) -> None:
                 assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
             for i in indices:
                 _write_line(out, {"pass": p, "index": i, "result": asdict(_serve_one(llm, spec.prompts[i], params))})
+            if spec.gated and spec.land_stores:
+                # The parent acts between gated passes (fills or frees a disk, damages files, starts
+                # a peer): the pass's stores must have landed, not wait on idle threads of a busy host.
+                land_stores()
             _write_line(out, {"pass_done": p})
     (workdir / "metrics.json").write_text(json.dumps(_metrics()))
     while spec.hold:
