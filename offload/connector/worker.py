@@ -56,6 +56,10 @@ class WorkerCounters:
     stores_dropped: dict[str, int] = field(default_factory=dict)
 
 
+# Linux scheduling policies (os has them only on Linux; _set_policy ignores them elsewhere).
+_IDLE, _NORMAL = getattr(os, "SCHED_IDLE", 5), getattr(os, "SCHED_OTHER", 0)
+
+
 def _set_policy(tid: int, policy: int) -> None:
     try:
         os.sched_setscheduler(tid, policy, os.sched_param(0))
@@ -70,7 +74,7 @@ def _background_priority(tids: list[int]) -> None:
     still finish between steps, and overflow is dropped by policy. Each
     thread records its id so a drain can lift it (`WorkerSide.drain`)."""
     tids.append(threading.get_native_id())
-    _set_policy(0, getattr(os, "SCHED_IDLE", 5))
+    _set_policy(0, _IDLE)
 
 
 def _describe(name: str, t: torch.Tensor, num_blocks: int) -> str:
@@ -520,13 +524,13 @@ class WorkerSide:
         # priority would let a busy host starve them past the timeout, so they run at normal
         # priority until they land, then yield again.
         for tid in list(self._store_tids):
-            _set_policy(tid, getattr(os, "SCHED_OTHER", 0))
+            _set_policy(tid, _NORMAL)
         try:
             _, not_done = wait(pending, timeout=timeout_s)
         finally:
             if not self._closed:
                 for tid in list(self._store_tids):
-                    _set_policy(tid, getattr(os, "SCHED_IDLE", 5))
+                    _set_policy(tid, _IDLE)
         return len(not_done)
 
     def shutdown(self) -> None:
