@@ -21,7 +21,7 @@ clean:
 	rm -rf build *.egg-info offload/*.so .cache/demo
 
 .PHONY: bench
-bench:  ## issue 6 and 13 benchmarks at full size (hours with peer_race on 2 cores; best on an idle machine); JSON in bench/results/
+bench:  ## issue 6 and 13 benchmarks at full size (hours with peer_race on 2 cores; best on an idle machine); JSON in bench/results/ (docs/performance.md)
 	mkdir -p $(or $(BENCH_DIR),$(CURDIR)/.cache)
 	$(PY) bench/build_model.py .models
 	$(PY) -m bench.cpu_tier $(BENCH_ARGS)
@@ -29,6 +29,7 @@ bench:  ## issue 6 and 13 benchmarks at full size (hours with peer_race on 2 cor
 	$(PY) -m bench.lookup --dir $(or $(BENCH_DIR),$(CURDIR)/.cache)
 	$(PY) -m bench.e2e --cache-dir $(or $(BENCH_DIR),$(CURDIR)/.cache)
 	$(PY) -m bench.peer_race --dir $(or $(BENCH_DIR),$(CURDIR)/.cache) $(RACE_ARGS)
+	$(MAKE) bench-scale
 
 .PHONY: bench-scale
 bench-scale:  ## issue 13: 1M chunk files, pre-ledger walk vs ledger (~35 min on 2 shared cores; ~4 GB, 1M inodes, deleted after)

@@ -160,7 +160,9 @@ class Server:
 
 @contextmanager
 def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: int, log: Path,
-           blocks: int | None = None, start_s: float = 1800) -> Iterator[Server]:
+           blocks: int | None = None, start_s: float = 1800, bind: str | None = None) -> Iterator[Server]:
+    """`bind`: VLLM_CPU_OMP_THREADS_BIND for the model's threads (two servers side by side on
+    cores of their own); vLLM's automatic binding otherwise."""
     port = _free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
@@ -174,6 +176,8 @@ def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: in
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
+    if bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
@@ -357,6 +361,7 @@ class ModelRun:
     blocks: int | None = None
     rounds: int = 3
     seed: int = 13
+    with_load: bool = True  # False: TTFT only (a model whose prefill is too slow here for the load)
     results: dict[str, Any] = field(default_factory=dict)
 
 
@@ -373,9 +378,11 @@ def _each(configs: tuple[str, ...], fn: Any, parallel: bool) -> dict[str, Any]:
 
 
 def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool = False,
-              separate_load: bool = True, checkpoint: Any = None) -> dict:
+              separate_load: bool = True, checkpoint: Any = None, parallel_store: bool = False) -> dict:
     """`separate_load=False` runs the load on the TTFT server (its max_model_len, no block
-    override): fewer engine starts, for the smoke test."""
+    override): fewer engine starts, for the smoke test. `parallel_store`: the two connectors'
+    store servers side by side, each model on a core of its own (their store-phase TTFTs are not
+    reported; bytes written are per server process tree either way)."""
     vocab = json.loads(Path(mr.model, "config.json").read_text()).get("vocab_size", 1000)
     rng = random.Random(mr.seed)
     long_p = [_rand(rng, n, vocab) for n in mr.prompt_tokens]
@@ -388,7 +395,8 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
     doc: dict[str, Any] = {"model": mr.model, "label": mr.label, "plan": plan.to_json(), "serve_args": args,
                            "max_model_len": max_len, "load_max_model_len": load_len if separate_load else max_len,
                            "load_num_gpu_blocks_override": blocks, "parallel": parallel,
-                           "prompt_tokens": mr.prompt_tokens, "load": mr.load, "store": {}, "rounds": []}
+                           "prompt_tokens": mr.prompt_tokens, "load": mr.load if mr.with_load else None,
+                           "store": {}, "rounds": []}
     pristine = {c: work / mr.label / c / "store" for c in CONFIGS if c != "none"}
 
     def store(c: str) -> dict:
@@ -397,7 +405,8 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         d.mkdir(parents=True)
         log = log_dir / f"{mr.label}-store-{c}.log"
         print(f"[{mr.label}] store: {c}", flush=True)
-        with server(mr.model, kv_config(c, d), args, max_len, log) as s:
+        bind = str(("ours", "vllm").index(c) % (os.cpu_count() or 1)) if parallel_store else None
+        with server(mr.model, kv_config(c, d), args, max_len, log, bind=bind) as s:
             s.complete(warm)
             t0 = s.tree()
             rows = serve_long(s, long_p, flush)
@@ -428,10 +437,12 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
             start_s = time.perf_counter() - w0
             s.complete(warm)
             rows = serve_long(s, long_p, flush)
-            if not separate_load:
+            if mr.with_load and not separate_load:
                 load = bench_serve(s, mr.model, mr.load, log_dir, mr.seed + 1)
         out = {"ttft": rows, "start_s": start_s, "page_cache": method,
                "worker_counters": worker_counters(log.read_text(errors="replace"))}
+        if not mr.with_load:
+            return out
         if separate_load:
             # A server of its own: a KV cache too small for the load's prefixes needs the load's
             # max_model_len, not the long prompts'.
@@ -443,7 +454,7 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         out["load"] = load
         return out
 
-    doc["store"] = _each(("ours", "vllm"), store, parallel)
+    doc["store"] = _each(("ours", "vllm"), store, parallel or parallel_store)
     for r in range(mr.rounds):
         order = CONFIGS[r % 3:] + CONFIGS[:r % 3]  # rotated: drift falls on every configuration
         if parallel:
@@ -501,7 +512,7 @@ def summarize(doc: dict) -> dict:
         row["identical_first_token"] = {c: all(r[c]["ttft"][i]["first_token"] == t for r, t in zip(rounds, ref))
                                         for c in ("ours", "vllm")}
         out["per_length"][str(n)] = row
-    for c in CONFIGS:
+    for c in CONFIGS if doc["load"] else ():
         ld = [r[c]["load"] for r in rounds]
         out["load"][c] = {k: _med([x[k] for x in ld]) for k in
                           ("total_token_throughput", "request_throughput", "mean_ttft_ms", "external_tokens",
@@ -509,7 +520,7 @@ def summarize(doc: dict) -> dict:
         out["load"][c]["total_token_throughput_runs"] = [x["total_token_throughput"] for x in ld]
         out["load"][c]["cpu_s_per_1k_tokens"] = _med(
             [x["cpu_s"] / max(1, x["total_input_tokens"] + x["total_output_tokens"]) * 1e3 for x in ld])
-    for a, b in (("ours", "vllm"), ("ours", "none"), ("vllm", "none")):
+    for a, b in (("ours", "vllm"), ("ours", "none"), ("vllm", "none")) if doc["load"] else ():
         q = [r[a]["load"]["total_token_throughput"] / r[b]["load"]["total_token_throughput"] for r in rounds]
         out["load"][f"throughput_{a}_over_{b}"] = {"median": _med(q), "spread": _spread(q)}
     st = doc["store"]
@@ -524,6 +535,16 @@ def _fmt_ratio(d: dict) -> str:
     return f"{d['median']:.2f}x" + (f" ({sp[0]:.2f}-{sp[1]:.2f})" if sp else "")
 
 
+def _load_rows(label: str, ld: dict) -> list[list[str]]:
+    return [[label, "load tok/s", f"{ld['ours']['total_token_throughput']:.0f}",
+             f"{ld['vllm']['total_token_throughput']:.0f}", f"{ld['none']['total_token_throughput']:.0f}",
+             _fmt_ratio(ld["throughput_ours_over_vllm"]), _fmt_ratio(ld["throughput_ours_over_none"]), "",
+             f"{ld['ours']['external_tokens']:.0f} / {ld['vllm']['external_tokens']:.0f}"],
+            [label, "CPU ms / 1k load tok", f"{ld['ours']['cpu_s_per_1k_tokens'] * 1e3:.0f}",
+             f"{ld['vllm']['cpu_s_per_1k_tokens'] * 1e3:.0f}", f"{ld['none']['cpu_s_per_1k_tokens'] * 1e3:.0f}",
+             "", "", "", ""]]
+
+
 def print_tables(doc: dict) -> None:
     s = doc["summary"]
     rows = []
@@ -533,14 +554,8 @@ def print_tables(doc: dict) -> None:
                      _fmt_ratio(row["ttft_ours_over_vllm"]), _fmt_ratio(row["ttft_ours_over_none"]),
                      _fmt_ratio(row["speedup_ours_vs_recompute"]),
                      f"{_med(row['ours']['restored_tokens']):.0f} / {_med(row['vllm']['restored_tokens']):.0f}"])
-    ld = s["load"]
-    rows.append([doc["label"], "load tok/s", f"{ld['ours']['total_token_throughput']:.0f}",
-                 f"{ld['vllm']['total_token_throughput']:.0f}", f"{ld['none']['total_token_throughput']:.0f}",
-                 _fmt_ratio(ld["throughput_ours_over_vllm"]), _fmt_ratio(ld["throughput_ours_over_none"]), "",
-                 f"{ld['ours']['external_tokens']:.0f} / {ld['vllm']['external_tokens']:.0f}"])
-    rows.append([doc["label"], "CPU ms / 1k load tok", f"{ld['ours']['cpu_s_per_1k_tokens'] * 1e3:.0f}",
-                 f"{ld['vllm']['cpu_s_per_1k_tokens'] * 1e3:.0f}", f"{ld['none']['cpu_s_per_1k_tokens'] * 1e3:.0f}",
-                 "", "", "", ""])
+    if s["load"]:
+        rows += _load_rows(doc["label"], s["load"])
     bw = s["bytes_written_per_stored_token"]
     rows.append([doc["label"], "B written / stored tok", f"{bw['ours'] or 0:.0f}", f"{bw['vllm'] or 0:.0f}", "-",
                  f"{(bw['ours'] or 0) / (bw['vllm'] or 1):.2f}x", "", "", ""])
@@ -571,9 +586,12 @@ def _vllm_bench_serve(argv: list[str]) -> int:
 
 
 def run(runs: list[ModelRun], work_dir: str | None = None, out_dir: Path | None = None,
-        name: str = "peer_race", parallel: bool = False, separate_load: bool = True) -> dict:
+        name: str = "peer_race", parallel: bool = False, separate_load: bool = True,
+        parallel_store: bool = False) -> dict:
     from offload.plan import plan_for_models
 
+    if work_dir:
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvoffload-race-", dir=work_dir))
     log_dir = work / "logs"
     plans = plan_for_models([r.model for r in runs])
@@ -588,7 +606,8 @@ def run(runs: list[ModelRun], work_dir: str | None = None, out_dir: Path | None 
             t0 = time.monotonic()
             done = list(doc["models"])
             m = run_model(mr, work, plan, log_dir, parallel, separate_load,
-                          lambda part: write_results(name + ".partial", {**doc, "models": done + [part]}, out_dir))
+                          lambda part: write_results(name + ".partial", {**doc, "models": done + [part]}, out_dir),
+                          parallel_store)
             m["wall_s"] = time.monotonic() - t0
             doc["models"].append(m)
             print_tables(m)
@@ -625,6 +644,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="peer_race")
     ap.add_argument("--parallel", action="store_true",
                     help="a round's servers side by side: a correctness check, timings mean nothing")
+    ap.add_argument("--parallel-store", action="store_true",
+                    help="the two connectors' store phases side by side, each model on its own core")
+    ap.add_argument("--no-load", action="store_true",
+                    help="TTFT only: no prefix-heavy load (the hybrid's prefill runs at ~15 tok/s on a Zen 1 core)")
     ap.add_argument("--load-on-ttft-server", action="store_true",
                     help="no separate load server (no KV cache override: nothing is evicted)")
     a = ap.parse_args(argv)
@@ -659,7 +682,8 @@ def main(argv: list[str] | None = None) -> int:
             r.load = {**r.load, **json.loads(a.load)}
         if a.blocks:
             r.blocks = a.blocks
-    run(runs, a.dir, a.out_dir, a.name, a.parallel, not a.load_on_ttft_server)
+        r.with_load = not a.no_load
+    run(runs, a.dir, a.out_dir, a.name, a.parallel, not a.load_on_ttft_server, a.parallel_store)
     return 0
 
 
