@@ -221,3 +221,19 @@ def test_bench_peer_race_small(prefetched) -> None:
     for c in ("ours", "vllm", "none"):
         assert rnd[c]["load"]["completed"] == 4 and rnd[c]["load"]["failed"] == 0, c
     assert m["summary"]["per_length"]["1024"]["identical_first_token"] == {"ours": True, "vllm": True}
+
+
+@pytest.mark.parametrize("name", ["peer_race_hybrid", "peer_race_llama8b", "peer_race_llama"])
+def test_peer_race_summary_is_recomputed_from_the_committed_rounds(name: str, capsys) -> None:
+    """The tables in docs/performance.md come from `summarize` over the committed rounds: it gives
+    the committed summary again (with and without the prefix-heavy load), and the tables print."""
+    from bench import peer_race
+
+    doc = json.loads((Path(__file__).parents[1] / "bench" / "results" / f"{name}.json").read_text())
+    for m in doc["models"]:
+        assert len(m["rounds"]) >= 3 and [r["order"] for r in m["rounds"]][:3] == [
+            ["ours", "vllm", "none"], ["vllm", "none", "ours"], ["none", "ours", "vllm"]]
+        assert json.loads(json.dumps(peer_race.summarize(m))) == m["summary"]
+        assert bool(m["summary"]["load"]) == (m["load"] is not None)
+        peer_race.print_tables(m)
+        assert "TTFT" in capsys.readouterr().out
