@@ -157,13 +157,8 @@ class Lane:
                 except BaseException as e:  # noqa: BLE001 - re-raised by the test that asks
                     fut.set_exception(e)
 
-        # A job marked `own_thread` (one that mostly waits on its own child processes) starts at once
-        # on a thread of its own. LANES threads take the other jobs round-robin: an engine start is
-        # mostly one core importing torch and vLLM, so two starts overlap well on two cores.
-        for job in jobs:
-            if getattr(job[0], "own_thread", False):
-                threading.Thread(target=run_all, args=([job],), daemon=True).start()
-        jobs = [job for job in jobs if not getattr(job[0], "own_thread", False)]
+        # LANES threads take the jobs round-robin: an engine start is mostly one core importing
+        # torch and vLLM, so two starts overlap well on two cores.
         for i in range(LANES):
             threading.Thread(target=run_all, args=(jobs[i::LANES],), daemon=True).start()
 

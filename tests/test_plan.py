@@ -125,43 +125,27 @@ def expected_page(layout: dict, kind: str) -> int:
 # ---- fixtures: one batch child for all models, the TP-2 CLI beside it ----------------------------
 
 
-def _geometry_models(models_dir: Path) -> Path:
+@pytest.fixture(scope="module")
+def geometry_models(models_dir) -> Path:
     if not all((models_dir / m / "config.json").exists() for m in MODELS):
         subprocess.run([sys.executable, str(REPO / "tools" / "tiny_models.py"), str(models_dir)], check=True)
     return models_dir
 
 
-def _plan_all(models_dir: Path, _tmp: Path) -> tuple[dict, tuple[int, str, str]]:
-    """(plans by model, the TP-2 CLI's (returncode, stdout, stderr)): the CLI starts first and runs
-    beside the batch. Both child processes start with the session (conftest `prefetch`, on a thread
-    of their own): under the engine lanes' load they take minutes, which the other tests overlap."""
-    models = _geometry_models(models_dir)
+@pytest.fixture(scope="module")
+def planned(geometry_models):
+    """(plans by model, the running TP-2 CLI process): the CLI starts first and runs beside the batch."""
     cli = subprocess.Popen(
-        [sys.executable, "-m", "offload.cli", "plan", "--model", str(models / TP2_MODEL),
+        [sys.executable, "-m", "offload.cli", "plan", "--model", str(geometry_models / TP2_MODEL),
          "--tensor-parallel-size", "2", "--max-model-len", "4096", "--json"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        results = plan_for_models([models / m for m in MODELS] + [models / "no-such-model"])
-        out, err = cli.communicate(timeout=1200)
+        results = plan_for_models([geometry_models / m for m in MODELS] + [geometry_models / "no-such-model"])
+        yield dict(zip(MODELS + ["no-such-model"], results)), cli
     finally:
         if cli.poll() is None:
             cli.kill()
-            cli.communicate()
-    return dict(zip(MODELS + ["no-such-model"], results)), (cli.returncode, out, err)
-
-
-_plan_all.own_thread = True
-pytestmark = pytest.mark.prefetch.with_args(_plan_all)
-
-
-@pytest.fixture(scope="module")
-def geometry_models(models_dir) -> Path:
-    return _geometry_models(models_dir)
-
-
-@pytest.fixture(scope="module")
-def planned(prefetched):
-    return prefetched(_plan_all)
+        cli.communicate()
 
 
 @pytest.fixture(scope="module")
@@ -303,8 +287,9 @@ def test_explicit_chunk_size_on_a_hybrid_must_be_the_block_lcm():
 
 def test_cli_json_tensor_parallel_2(planned, geometry_models):
     """Two gloo ranks on the meta device: per-rank pages are half of TP 1's, the blocks stay."""
-    _, (returncode, out, err) = planned
-    assert returncode == 0, err[-3000:]
+    _, cli = planned
+    out, err = cli.communicate(timeout=600)
+    assert cli.returncode == 0, err[-3000:]
     doc = json.loads(out)  # stdout is one JSON object, nothing else
     assert "asking vLLM" in err
     exp = expected_layout(config(geometry_models, TP2_MODEL), tp=2)
