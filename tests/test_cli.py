@@ -17,8 +17,9 @@ import pytest
 from offload import cli
 from offload.cli.gc import parse_size
 from offload.cli.prompts import PromptFileError, load, token_ids
-from offload.cli.warmup import verdict
+from offload.cli.warmup import expected, verdict
 from offload.engine_run import PromptResult, RunResult
+from offload.planner import GroupKind, GroupSpec, HybridOffloadPlanner
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -189,16 +190,32 @@ def _result(n_tokens: int, cached: int, out: list[int], failed: bool = False) ->
 
 
 def test_verify_verdict_passes_only_a_full_identical_restore():
+    attn = HybridOffloadPlanner([GroupSpec(GroupKind.FULL_ATTENTION, 128, 4096, 2)], 256)
     run1 = RunResult([_result(600, 0, [1, 2]), _result(300, 0, [3])], "")
     good = RunResult([_result(600, 512, [1, 2]), _result(300, 256, [3])], "")
-    assert verdict(run1, [good], 256) == []
+    assert verdict(run1, [good], attn) == []
     short = RunResult([_result(600, 256, [1, 2]), _result(300, 256, [3])], "")
-    assert "1 prompts below" in verdict(run1, [short], 256)[0]
+    assert "1 prompts below" in verdict(run1, [short], attn)[0]
     differs = RunResult([_result(600, 512, [1, 9]), _result(300, 256, [3])], "")
-    assert "outputs differ" in verdict(run1, [differs], 256)[0]
+    assert "outputs differ" in verdict(run1, [differs], attn)[0]
     failed = RunResult([_result(600, 512, [1, 2], failed=True), _result(300, 256, [3])], "")
-    assert "loads failed" in verdict(run1, [failed], 256)[0]
-    assert "2 again (reset)" in verdict(run1, [good, short], 256)[0]
+    assert "loads failed" in verdict(run1, [failed], attn)[0]
+    assert "2 again (reset)" in verdict(run1, [good, short], attn)[0]
+
+
+def test_verify_expects_a_chunk_aligned_prompt_whole_on_attention_only_models():
+    """512 tokens in 256-token chunks: attention only restores both chunks
+    (vLLM reports 511 cached, computing the last token again); a hybrid
+    stops a chunk short (its state at 512 includes the last token)."""
+    attn = HybridOffloadPlanner([GroupSpec(GroupKind.FULL_ATTENTION, 128, 4096, 2)], 256)
+    hybrid = HybridOffloadPlanner([GroupSpec(GroupKind.FULL_ATTENTION, 256, 4096, 1),
+                                   GroupSpec(GroupKind.MAMBA, 256, 4096, 3)], 256)
+    assert expected(512, attn) == 511 and expected(513, attn) == 512 and expected(511, attn) == 256
+    assert expected(512, hybrid) == 256 and expected(513, hybrid) == 512
+    run1 = RunResult([_result(512, 0, [1])], "")
+    assert verdict(run1, [RunResult([_result(512, 256, [1])], "")], hybrid) == []
+    assert "1 prompts below" in verdict(run1, [RunResult([_result(512, 256, [1])], "")], attn)[0]
+    assert verdict(run1, [RunResult([_result(512, 511, [1])], "")], attn) == []
 
 
 # ---- stats, fsck and gc with the ledger (files written through FileStore, no engine) ------------

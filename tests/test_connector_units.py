@@ -184,6 +184,41 @@ def test_store_then_hit_restores_the_exact_bytes(make, tmp_path, store):
     assert_scheduler_empty(eng.scheduler)
 
 
+def test_chunk_aligned_prompt_hits_whole_and_vllm_computes_its_last_token_again(make, tmp_path):
+    """Attention only: a 512-token prompt (two whole chunks) is restored
+    whole. vLLM's scheduler steps back one token after a load that covers
+    the prompt and computes it again over the restored KV, which rewrites
+    that slot with the same values; nothing else is recomputed."""
+    eng = make("cpu")
+    tokens = prompt(7, HIT)
+    stored = store_prompt(eng, "a", tokens, tmp_path)
+    b = create_request("b", tokens, max_tokens=3, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()
+    assert eng.status("b") == WAITING_FOR_KV
+    dest = table(eng, "b")[:HIT // BS]
+    eng.run_to_completion()
+    assert eng.scheduled["b"] == 1 + 2  # the last prompt token again, then two decode steps
+    # Every slot but the last token's is the load's; the harness writes a
+    # recomputed slot with a value that depends on the step split (a model
+    # would rewrite it with the same KV up to rounding).
+    got = eng.worker.blocks_bytes(dest)
+    last = [bytearray(x) for x in stored]
+    for layer, g in enumerate(got):  # a block is [K/V, BS tokens, heads x dims]: the last token's two slots
+        block = len(g) // len(dest)
+        slot = block // (2 * BS)
+        for half in (0, 1):
+            at = (len(dest) - 1) * block + half * block // 2 + (BS - 1) * slot
+            assert g[at:at + slot] != b"\x5a" * slot, "the last token was computed again"
+            last[layer][at:at + slot] = g[at:at + slot]
+    assert_same_bytes(got, [bytes(x) for x in last], "restored blocks")
+    assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
+    t = eng.totals()
+    assert t.get("stored_tokens") == HIT and t.get("lookup_hit_tokens") == HIT  # the replay stores nothing again
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+
+
 # ---- the same on a hybrid KV cache: attention pages and the Mamba state at the boundary ------------
 
 

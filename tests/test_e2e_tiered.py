@@ -22,7 +22,10 @@ pytestmark = pytest.mark.e2e
 rng = random.Random(5)
 PROMPTS = [random_prompt(rng, n) for n in (700, 900, 1100)]
 HITS = [(len(p) - 1) // CHUNK * CHUNK for p in PROMPTS]
-LLAMA_HITS = [(len(p) - 1) // 256 * 256 for p in PROMPTS]  # attention only: 256-token chunks by default
+# Attention only: 256-token chunks by default, and a chunk-aligned prompt hits
+# whole (vLLM computes its last token again on top of the restored KV).
+LLAMA_PROMPTS = PROMPTS + [random_prompt(rng, 768)]
+LLAMA_HITS = [len(p) // 256 * 256 for p in LLAMA_PROMPTS]
 
 
 def tiered(path, cpu_bytes: int | None = None) -> dict:
@@ -112,17 +115,21 @@ def test_weights_favour_the_filesystem_child_on_a_tie(runs):
 
 def _llama(models_dir, tmp_path):
     llama = str(models_dir / "llama-tiny")
-    cold = run_engine(RunSpec(llama, PROMPTS, tiered(tmp_path), 12, engine_args(False)))
-    warm = run_engine(RunSpec(llama, PROMPTS, tiered(tmp_path), 12, engine_args(False), passes=2))
+    cold = run_engine(RunSpec(llama, LLAMA_PROMPTS, tiered(tmp_path), 12, engine_args(False)))
+    warm = run_engine(RunSpec(llama, LLAMA_PROMPTS, tiered(tmp_path), 12, engine_args(False), passes=2))
     return cold, warm
 
 
 @pytest.mark.prefetch.with_args(_llama)
 def test_llama_restart_restores_from_disk_then_from_promoted_cpu(prefetched):
+    """The 768-token prompt is restored whole: vLLM counts 767 tokens cached
+    and computes the last one again."""
     cold, warm = prefetched(_llama)
     assert cold.restored_tokens == 0
-    first, second = warm.results[:3], warm.results[3:]
+    n = len(LLAMA_PROMPTS)
+    first, second = warm.results[:n], warm.results[n:]
     assert by_tier(first, "fs") == LLAMA_HITS and by_tier(second, "cpu") == LLAMA_HITS
+    assert [r.cached_tokens for r in first] == [min(h, len(p) - 1) for h, p in zip(LLAMA_HITS, LLAMA_PROMPTS)]
     assert [r.output_ids for r in first] == cold.outputs() == [r.output_ids for r in second]
 
 

@@ -75,14 +75,38 @@ def test_invalid_chunk_size_names_sizes_and_a_valid_value():
             HybridOffloadPlanner(pure_attention(), chunk_size=bad)
 
 
-@pytest.mark.parametrize("name", list(ALL_SHAPES))
-def test_full_presence_hits_largest_aligned_prefix_below_last_token(name):
-    p = HybridOffloadPlanner(ALL_SHAPES[name])
+def llama4_like(bs: int = 16) -> list[GroupSpec]:
+    return [GroupSpec(CL, bs, 3 * 8192, 3, window=256), GroupSpec(FULL, bs, 8192, 1)]
+
+
+@pytest.mark.parametrize("name", [*ALL_SHAPES, "llama4"])
+def test_full_presence_hits_largest_aligned_prefix(name):
+    """With a Mamba, chunked-local or sliding-window group a hit stops below
+    the last token (planner.full_prompt_hits says why). Full attention only:
+    a chunk-aligned prompt hits whole and vLLM computes its last token again."""
+    p = HybridOffloadPlanner(ALL_SHAPES[name] if name in ALL_SHAPES else llama4_like())
     c = p.chunk_size
+    stops_short = name != "llama"
+    assert p.full_prompt_hits is not stops_short
     for num_tokens in (1, c, c + 1, 5 * c, 5 * c + 1, 5 * c + 7):
         n = p.lookup(num_tokens, lambda g, ch: True).chunks
-        assert n * c <= num_tokens - 1
-        assert n == (num_tokens - 1) // c
+        if stops_short:
+            assert n * c <= num_tokens - 1
+            assert n == (num_tokens - 1) // c
+        else:
+            assert n == num_tokens // c
+
+
+@pytest.mark.parametrize("name", list(ALL_SHAPES))
+def test_hits_never_pass_the_prompt(name):
+    """A request resumed after preemption has sampled tokens past its prompt;
+    only prompt chunks are stored, so the hit stays within the prompt."""
+    p = HybridOffloadPlanner(ALL_SHAPES[name])
+    c = p.chunk_size
+    for prompt in (c - 1, c, 3 * c, 3 * c + 5):
+        for extra in (1, 2, c):
+            n = p.lookup(prompt + extra, lambda g, ch: True, prompt_tokens=prompt).chunks
+            assert n == prompt // c, (prompt, extra)
 
 
 def test_qwen35_hit_needs_every_mamba_group_at_exact_boundary():

@@ -14,8 +14,10 @@ computed, the hit rate and load failures.
 --verify serves the set twice, in two engine processes (a restart: empty
 vLLM prefix cache and host memory, another PYTHONHASHSEED), and reports the
 cross-restart hit rate of run 2. It passes (exit 0) only if, in run 2, every
-prompt had at least its chunk-aligned prefix cached ((len - 1) // chunk *
-chunk tokens, what run 1 stored), no load failed, and every output is
+prompt had at least its chunk-aligned prefix cached (what run 1 stored:
+len // chunk * chunk tokens when every group is full attention, else
+(len - 1) // chunk * chunk; never the last token, which vLLM computes again), no load
+failed, and every output is
 token-identical to run 1; otherwise it exits 1.
 
 With --url, prompts go to a running OpenAI-compatible server's
@@ -46,6 +48,7 @@ from offload.cli.prompts import Prompt, PromptFileError, load, token_ids
 from offload.config import connector_extras, tier_dicts
 from offload.engine_run import RunResult, RunSpec, run_engine
 from offload.plan import ModelPlan, PlanError, plan_for_model
+from offload.planner import HybridOffloadPlanner
 
 
 
@@ -111,9 +114,11 @@ def run_engine_with_progress(spec: RunSpec, label: str, seed: str, timeout_s: fl
 # ---- report --------------------------------------------------------------------------
 
 
-def expected(prompt_len: int, chunk: int) -> int:
-    """What a restart can restore of a prompt stored whole: its chunk-aligned prefix."""
-    return (prompt_len - 1) // chunk * chunk
+def expected(prompt_len: int, planner: HybridOffloadPlanner) -> int:
+    """Cached tokens vLLM reports after a restart for a prompt stored whole: its
+    chunk-aligned prefix, less the last token when that prefix is the whole
+    prompt (vLLM computes that token again to sample the next)."""
+    return min(prompt_len - 1, planner.max_hit_chunks(prompt_len) * planner.chunk_size)
 
 
 def width(tier: str) -> int:
@@ -142,12 +147,12 @@ def same(a: RunResult, b: RunResult) -> tuple[bool, str]:
     return ok, f"{'yes' if ok else 'NO'} ({n}/{len(a.results)})"
 
 
-def verdict(run1: RunResult, run2: list[RunResult], chunk: int) -> list[str]:
+def verdict(run1: RunResult, run2: list[RunResult], planner: HybridOffloadPlanner) -> list[str]:
     """Why run 2 (each of its passes) fails --verify; empty if it passes."""
     problems = []
     for label, r in zip(("2 after restart", "2 again (reset)"), run2):
         ok, s = same(r, run1)
-        short = sum(x.cached_tokens < expected(x.prompt_tokens, chunk) for x in r.results)
+        short = sum(x.cached_tokens < expected(x.prompt_tokens, planner) for x in r.results)
         failed = sum(x.load_failed for x in r.results)
         problems += [f"{label}: {short} prompts below their chunk-aligned prefix"] if short else []
         problems += [f"{label}: {failed} loads failed"] if failed else []
@@ -199,7 +204,7 @@ def warm_engine(args: argparse.Namespace, kv: dict, ids: list[list[int]]) -> int
     max_tokens = args.max_tokens or (16 if args.verify else 1)
     eng = engine_args(plan, args.max_num_batched_tokens, args.max_model_len)
     total = sum(map(len, ids))
-    exp = sum(expected(len(p), chunk) for p in ids) / max(1, total)
+    exp = sum(expected(len(p), plan.planner()) for p in ids) / max(1, total)
     print(f"kvoffload warmup: {len(ids)} prompts, {total} tokens, model {args.model}, "
           f"hybrid_chunk_size {chunk}, tiers {', '.join(names) or '-'}", flush=True)
 
@@ -227,7 +232,7 @@ def warm_engine(args: argparse.Namespace, kv: dict, ids: list[list[int]]) -> int
         return 0
     for label, r in zip(("2 after restart", "2 again (reset)"), run2):
         print(row(label, r, names, exp, same(r, run1)[1]))
-    problems = verdict(run1, run2, chunk)
+    problems = verdict(run1, run2, plan.planner())
     r2 = run2[0]
     print(f"\ncross-restart hit rate {r2.hit_rate:.1%} (expected at least {exp:.1%}); run 2 restored "
           f"{r2.restored_tokens} of {r2.prompt_tokens} prompt tokens from its tiers; median TTFT "

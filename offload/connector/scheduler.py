@@ -125,15 +125,17 @@ class SchedulerSide:
         st = self._state(request)
         if st is None or st.load_failed or request.skip_reading_prefix_cache:
             return 0, False
-        # Only prompt chunks are ever stored, so a hit never passes the prompt.
-        num_tokens = min(request.num_tokens, len(request.prompt_token_ids or []) + 1)
-        max_n = self.planner.max_hit_chunks(num_tokens)
+        # Only prompt chunks are ever stored, so a hit never passes the prompt
+        # (a request resumed after preemption has sampled tokens past it).
+        prompt = len(request.prompt_token_ids or [])
+        num_tokens = min(request.num_tokens, prompt + 1)
+        max_n = self.planner.max_hit_chunks(num_tokens, prompt)
         if max_n == 0:
             self._count_lookup(st, num_tokens, num_computed_tokens, 0)
             return 0, False
         keys = self._keys(st, max_n)
         found = self.planner.lookup(
-            num_tokens, lambda g, ch: ch < len(keys) and self._contains(g, keys[ch]), num_computed_tokens
+            num_tokens, lambda g, ch: ch < len(keys) and self._contains(g, keys[ch]), num_computed_tokens, prompt
         )
         # Attention chunks the search saw stored are not stored again. It only
         # probes past vLLM's own hit, so it vouches for a prefix only from 0.

@@ -58,8 +58,9 @@ class HybridOffloadPlanner:
 
     Invariants: `chunk_size` is a positive multiple of every group's block
     size, so chunk boundaries are block boundaries in every group; a reported
-    hit is a multiple of `chunk_size` and at most `num_tokens - 1` (the last
-    prompt token is always recomputed to produce logits).
+    hit is a multiple of `chunk_size`, never passes the prompt, and unless
+    every group is full attention is at most `num_tokens - 1` (see
+    `full_prompt_hits`).
     """
 
     def __init__(self, groups: Sequence[GroupSpec], chunk_size: int | None = None) -> None:
@@ -72,6 +73,17 @@ class HybridOffloadPlanner:
         self.chunk_size = chunk_size
         self._full = [GroupIndex(i) for i, g in enumerate(self.groups) if g.kind is GroupKind.FULL_ATTENTION]
         self._other = [GroupIndex(i) for i, g in enumerate(self.groups) if g.kind is not GroupKind.FULL_ATTENTION]
+        self.full_prompt_hits = all(g.kind is GroupKind.FULL_ATTENTION for g in self.groups)
+        """Whether a hit may cover the whole prompt. vLLM must compute the last
+        prompt token to sample the next one; after a load that covers the
+        prompt its scheduler steps back one token and computes it again over
+        the restored KV, rewriting that token's slots. Full attention holds
+        every token that token attends to. A recurrent state cannot step back
+        (the state at `num_tokens` already includes the last token); a
+        chunked-local group restored at a multiple of its window holds none of
+        the last token's window; a sliding window is restored for the next
+        token's window, which under the wider edge convention misses one token
+        the last token sees. With any of them a hit stops at `num_tokens - 1`."""
 
     # ---- chunk size -------------------------------------------------------------
 
@@ -177,11 +189,17 @@ class HybridOffloadPlanner:
 
     # ---- lookup -------------------------------------------------------------------
 
-    def max_hit_chunks(self, num_tokens: int) -> int:
-        """Largest chunk count a request of `num_tokens` may hit (<= num_tokens - 1)."""
-        return max(0, (num_tokens - 1) // self.chunk_size)
+    def max_hit_chunks(self, num_tokens: int, prompt_tokens: int | None = None) -> int:
+        """Largest chunk count a request of `num_tokens` tokens, the first
+        `prompt_tokens` of them (default: all) its prompt, may hit. Only prompt
+        chunks are stored, so a hit never passes the prompt; unless
+        `full_prompt_hits`, it also stops before the last token."""
+        prompt = num_tokens if prompt_tokens is None else min(num_tokens, prompt_tokens)
+        limit = prompt if self.full_prompt_hits else min(prompt, num_tokens - 1)
+        return max(0, limit // self.chunk_size)
 
-    def lookup(self, num_tokens: int, present: PresenceProbe, computed_tokens: int = 0) -> Lookup:
+    def lookup(self, num_tokens: int, present: PresenceProbe, computed_tokens: int = 0,
+               prompt_tokens: int | None = None) -> Lookup:
         """Longest restorable hit, in chunks, that extends past `computed_tokens`.
 
         Full-attention presence is treated as prefix-closed (files are written in
@@ -190,7 +208,7 @@ class HybridOffloadPlanner:
         boundaries, so from there the candidate walks down until every group can
         be restored. `chunks` is 0 when no hit beyond `computed_tokens` exists.
         """
-        max_n = self.max_hit_chunks(num_tokens)
+        max_n = self.max_hit_chunks(num_tokens, prompt_tokens)
         min_n = computed_tokens // self.chunk_size + 1
         if max_n < min_n:
             return Lookup(0, 0)
