@@ -362,6 +362,7 @@ class ModelRun:
     rounds: int = 3
     seed: int = 13
     with_load: bool = True  # False: TTFT only (a model whose prefill is too slow here for the load)
+    configs: tuple[str, ...] = CONFIGS  # ("ours", "none"): restore vs compute only (issue 13 item 2)
     results: dict[str, Any] = field(default_factory=dict)
 
 
@@ -396,8 +397,8 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
                            "max_model_len": max_len, "load_max_model_len": load_len if separate_load else max_len,
                            "load_num_gpu_blocks_override": blocks, "parallel": parallel,
                            "prompt_tokens": mr.prompt_tokens, "load": mr.load if mr.with_load else None,
-                           "store": {}, "rounds": []}
-    pristine = {c: work / mr.label / c / "store" for c in CONFIGS if c != "none"}
+                           "configs": list(mr.configs), "store": {}, "rounds": []}
+    pristine = {c: work / mr.label / c / "store" for c in mr.configs if c != "none"}
 
     def store(c: str) -> dict:
         d = pristine[c]
@@ -454,9 +455,10 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         out["load"] = load
         return out
 
-    doc["store"] = _each(("ours", "vllm"), store, parallel or parallel_store)
+    doc["store"] = _each(tuple(pristine), store, parallel or parallel_store)
+    cs = mr.configs
     for r in range(mr.rounds):
-        order = CONFIGS[r % 3:] + CONFIGS[:r % 3]  # rotated: drift falls on every configuration
+        order = cs[r % len(cs):] + cs[:r % len(cs)]  # rotated: drift falls on every configuration
         if parallel:
             files = [f for c in order for f in prepare(c)[1]]
             method = drop_page_cache(files)
@@ -482,22 +484,30 @@ def _spread(xs: list[float]) -> list[float]:
     return [min(xs), max(xs)] if xs else []
 
 
+def _pairs(configs: list[str]) -> list[tuple[str, str]]:
+    return [(a, b) for a, b in (("ours", "vllm"), ("ours", "none"), ("vllm", "none")) if a in configs and b in configs]
+
+
 def summarize(doc: dict) -> dict:
+    """Medians and spreads over the rounds; ratios only between configurations
+    the run had (`configs`, all three unless a run says otherwise)."""
     rounds = doc["rounds"]
+    configs = doc.get("configs", list(CONFIGS))
     out: dict[str, Any] = {"per_length": {}, "load": {}}
     for i, n in enumerate(doc["prompt_tokens"]):
         row: dict[str, Any] = {}
-        for c in CONFIGS:
+        for c in configs:
             tt = [r[c]["ttft"][i]["ttft_s"] for r in rounds]
             row[c] = {"ttft_s": tt, "median_ttft_s": _med(tt),
                       "restored_tokens": [r[c]["ttft"][i]["external_tokens"] for r in rounds],
                       "cpu_s": _med([r[c]["ttft"][i]["cpu_s"] for r in rounds])}
         # ratios per round (same round = same machine conditions), then their median and spread
-        for a, b in (("ours", "vllm"), ("ours", "none"), ("vllm", "none")):
+        for a, b in _pairs(configs):
             q = [r[a]["ttft"][i]["ttft_s"] / r[b]["ttft"][i]["ttft_s"] for r in rounds]
             row[f"ttft_{a}_over_{b}"] = {"median": _med(q), "spread": _spread(q)}
-        q = [r["none"]["ttft"][i]["ttft_s"] / r["ours"]["ttft"][i]["ttft_s"] for r in rounds]
-        row["speedup_ours_vs_recompute"] = {"median": _med(q), "spread": _spread(q)}
+        if "none" in configs:
+            q = [r["none"]["ttft"][i]["ttft_s"] / r["ours"]["ttft"][i]["ttft_s"] for r in rounds]
+            row["speedup_ours_vs_recompute"] = {"median": _med(q), "spread": _spread(q)}
         ours = [r["ours"]["ttft"][i] for r in rounds]
         row["ours_restore"] = {
             "restored_bytes": ours[0]["restored_bytes"],
@@ -505,14 +515,16 @@ def summarize(doc: dict) -> dict:
             "scatter_s": {k: _med([o["scatter_s"].get(k, 0) for o in ours]) for k in ours[0]["scatter_s"]},
             "load_s": _med([o["load_s"] for o in ours]),
             "ttft_s": _med([o["ttft_s"] for o in ours])}
-        vl = [r["vllm"]["ttft"][i] for r in rounds]
-        row["vllm_restore"] = {"load_bytes": _med([v.get("vllm_load_bytes", 0) for v in vl]),
-                               "load_time_s": _med([v.get("vllm_load_time_s", 0) for v in vl])}
-        ref = [r["none"]["ttft"][i]["first_token"] for r in rounds]
-        row["identical_first_token"] = {c: all(r[c]["ttft"][i]["first_token"] == t for r, t in zip(rounds, ref))
-                                        for c in ("ours", "vllm")}
+        if "vllm" in configs:
+            vl = [r["vllm"]["ttft"][i] for r in rounds]
+            row["vllm_restore"] = {"load_bytes": _med([v.get("vllm_load_bytes", 0) for v in vl]),
+                                   "load_time_s": _med([v.get("vllm_load_time_s", 0) for v in vl])}
+        if "none" in configs:
+            ref = [r["none"]["ttft"][i]["first_token"] for r in rounds]
+            row["identical_first_token"] = {c: all(r[c]["ttft"][i]["first_token"] == t for r, t in zip(rounds, ref))
+                                            for c in ("ours", "vllm") if c in configs}
         out["per_length"][str(n)] = row
-    for c in CONFIGS if doc["load"] else ():
+    for c in configs if doc["load"] else ():
         ld = [r[c]["load"] for r in rounds]
         out["load"][c] = {k: _med([x[k] for x in ld]) for k in
                           ("total_token_throughput", "request_throughput", "mean_ttft_ms", "external_tokens",
@@ -520,7 +532,7 @@ def summarize(doc: dict) -> dict:
         out["load"][c]["total_token_throughput_runs"] = [x["total_token_throughput"] for x in ld]
         out["load"][c]["cpu_s_per_1k_tokens"] = _med(
             [x["cpu_s"] / max(1, x["total_input_tokens"] + x["total_output_tokens"]) * 1e3 for x in ld])
-    for a, b in (("ours", "vllm"), ("ours", "none"), ("vllm", "none")) if doc["load"] else ():
+    for a, b in _pairs(configs) if doc["load"] else ():
         q = [r[a]["load"]["total_token_throughput"] / r[b]["load"]["total_token_throughput"] for r in rounds]
         out["load"][f"throughput_{a}_over_{b}"] = {"median": _med(q), "spread": _spread(q)}
     st = doc["store"]
@@ -536,29 +548,45 @@ def _fmt_ratio(d: dict) -> str:
 
 
 def _load_rows(label: str, ld: dict) -> list[list[str]]:
-    return [[label, "load tok/s", f"{ld['ours']['total_token_throughput']:.0f}",
-             f"{ld['vllm']['total_token_throughput']:.0f}", f"{ld['none']['total_token_throughput']:.0f}",
-             _fmt_ratio(ld["throughput_ours_over_vllm"]), _fmt_ratio(ld["throughput_ours_over_none"]), "",
-             f"{ld['ours']['external_tokens']:.0f} / {ld['vllm']['external_tokens']:.0f}"],
-            [label, "CPU ms / 1k load tok", f"{ld['ours']['cpu_s_per_1k_tokens'] * 1e3:.0f}",
-             f"{ld['vllm']['cpu_s_per_1k_tokens'] * 1e3:.0f}", f"{ld['none']['cpu_s_per_1k_tokens'] * 1e3:.0f}",
+    def cell(c: str, key: str, fmt: str, scale: float = 1.0) -> str:
+        return format(ld[c][key] * scale, fmt) if c in ld else "-"
+
+    def ratio(key: str) -> str:
+        return _fmt_ratio(ld[key]) if key in ld else "-"
+
+    ext = " / ".join(cell(c, "external_tokens", ".0f") for c in ("ours", "vllm"))
+    return [[label, "load tok/s", *(cell(c, "total_token_throughput", ".0f") for c in CONFIGS),
+             ratio("throughput_ours_over_vllm"), ratio("throughput_ours_over_none"), "", ext],
+            [label, "CPU ms / 1k load tok", *(cell(c, "cpu_s_per_1k_tokens", ".0f", 1e3) for c in CONFIGS),
              "", "", "", ""]]
 
 
 def print_tables(doc: dict) -> None:
+    """The summary as one table; "-" where the run left a configuration out."""
     s = doc["summary"]
+
+    def ratio(row: dict, key: str) -> str:
+        return _fmt_ratio(row[key]) if key in row else "-"
+
+    def ttft(row: dict, c: str) -> str:
+        return f"{row[c]['median_ttft_s']:.3g} s" if c in row else "-"
+
+    def restored(row: dict, c: str) -> str:
+        return f"{_med(row[c]['restored_tokens']):.0f}" if c in row else "-"
+
     rows = []
     for n, row in s["per_length"].items():
-        rows.append([doc["label"], f"TTFT {n} tok", f"{row['ours']['median_ttft_s']:.3g} s",
-                     f"{row['vllm']['median_ttft_s']:.3g} s", f"{row['none']['median_ttft_s']:.3g} s",
-                     _fmt_ratio(row["ttft_ours_over_vllm"]), _fmt_ratio(row["ttft_ours_over_none"]),
-                     _fmt_ratio(row["speedup_ours_vs_recompute"]),
-                     f"{_med(row['ours']['restored_tokens']):.0f} / {_med(row['vllm']['restored_tokens']):.0f}"])
+        rows.append([doc["label"], f"TTFT {n} tok", ttft(row, "ours"), ttft(row, "vllm"), ttft(row, "none"),
+                     ratio(row, "ttft_ours_over_vllm"), ratio(row, "ttft_ours_over_none"),
+                     ratio(row, "speedup_ours_vs_recompute"), f"{restored(row, 'ours')} / {restored(row, 'vllm')}"])
     if s["load"]:
         rows += _load_rows(doc["label"], s["load"])
     bw = s["bytes_written_per_stored_token"]
-    rows.append([doc["label"], "B written / stored tok", f"{bw['ours'] or 0:.0f}", f"{bw['vllm'] or 0:.0f}", "-",
-                 f"{(bw['ours'] or 0) / (bw['vllm'] or 1):.2f}x", "", "", ""])
+    if "vllm" in bw:
+        rows.append([doc["label"], "B written / stored tok", f"{bw['ours'] or 0:.0f}", f"{bw['vllm'] or 0:.0f}",
+                     "-", f"{(bw['ours'] or 0) / (bw['vllm'] or 1):.2f}x", "", "", ""])
+    else:
+        rows.append([doc["label"], "B written / stored tok", f"{bw['ours'] or 0:.0f}", "-", "-", "", "", "", ""])
     print(table(["model", "measure (median)", "ours", "vLLM tiering", "recompute", "ours / vLLM",
                  "ours / recompute", "recompute / ours", "restored tok ours / vLLM"], rows))
     for n, row in s["per_length"].items():
@@ -566,11 +594,12 @@ def print_tables(doc: dict) -> None:
         rb = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in o["restored_bytes"].items())
         rd = sum(o["read_s"].values())
         sc = sum(o["scatter_s"].values())
+        vl = row.get("vllm_restore")
         print(f"  {doc['label']} {n} tok, ours restored {rb}: TTFT {o['ttft_s'] * 1e3:.0f} ms = read {rd * 1e3:.0f} ms"
               f" (" + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in o["read_s"].items()) + ")"
               f" + scatter {sc * 1e3:.0f} ms + rest {(o['ttft_s'] - rd - sc) * 1e3:.0f} ms;"
-              f" first token identical: {row['identical_first_token']};"
-              f" vLLM's connector loaded {row['vllm_restore']['load_bytes'] / 1e6:.1f} MB")
+              f" first token identical: {row.get('identical_first_token', '-')}"
+              + (f"; vLLM's connector loaded {vl['load_bytes'] / 1e6:.1f} MB" if vl else ""))
 
 
 # ---------------------------------------------------------------- driver
@@ -635,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hybrid-tokens", default="4096,8192,16384", help="long prompts on the hybrid (item 2)")
     ap.add_argument("--llama-tokens", default="3900,3840",
                     help="llama-tiny's limit is 4096 tokens. 3900: both connectors restore 3840 tokens; 3840: a "
-                         "chunk-aligned prompt, where ours stops a chunk (256) short and vLLM's restores all of it")
+                         "chunk-aligned prompt, which both connectors restore whole (vLLM computes its last token again)")
     ap.add_argument("--load", default=None, help="JSON overriding the load of every model "
                     "(num_prompts, num_prefixes, prefix_len, suffix_len, output_len, concurrency)")
     ap.add_argument("--blocks", type=int, default=None, help="--num-gpu-blocks-override for every model")
@@ -648,6 +677,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the two connectors' store phases side by side, each model on its own core")
     ap.add_argument("--no-load", action="store_true",
                     help="TTFT only: no prefix-heavy load (the hybrid's prefill runs at ~15 tok/s on a Zen 1 core)")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="comma-separated subset of ours,vllm,none (ours is required): ours,none measures "
+                         "restore vs recompute only, without vLLM's tiering's store pass")
     ap.add_argument("--load-on-ttft-server", action="store_true",
                     help="no separate load server (no KV cache override: nothing is evicted)")
     a = ap.parse_args(argv)
@@ -676,6 +708,10 @@ def main(argv: list[str] | None = None) -> int:
                                {"num_prompts": 16, "num_prefixes": 4, "prefix_len": 256, "suffix_len": 32,
                                 "output_len": 4, "concurrency": 2}, rounds=a.rounds),
     }
+    configs = tuple(c for c in CONFIGS if c in a.configs.split(","))
+    if "ours" not in configs or len(configs) < 2 or set(a.configs.split(",")) - set(CONFIGS):
+        ap.error(f"--configs={a.configs!r}: a comma-separated subset of {','.join(CONFIGS)} with ours and at least "
+                 "one other, e.g. ours,none")
     runs = [presets[m] for m in a.models.split(",")]
     for r in runs:
         if a.load:
@@ -683,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.blocks:
             r.blocks = a.blocks
         r.with_load = not a.no_load
+        r.configs = configs
     run(runs, a.dir, a.out_dir, a.name, a.parallel, not a.load_on_ttft_server, a.parallel_store)
     return 0
 

@@ -237,3 +237,28 @@ def test_peer_race_summary_is_recomputed_from_the_committed_rounds(name: str, ca
         assert bool(m["summary"]["load"]) == (m["load"] is not None)
         peer_race.print_tables(m)
         assert "TTFT" in capsys.readouterr().out
+
+
+def test_peer_race_summary_of_a_run_without_vllms_tiering(capsys) -> None:
+    """`--configs ours,none` (restore vs recompute only, e.g. the hybrid's 16K
+    prompt): the same ratios against recompute as the three-way run, none
+    against vLLM's tiering, and the tables still print."""
+    from bench import peer_race
+
+    doc = json.loads((Path(__file__).parents[1] / "bench" / "results" / "peer_race_llama.json").read_text())
+    full = doc["models"][0]
+    two = json.loads(json.dumps(full))
+    two["configs"] = ["ours", "none"]
+    two["store"].pop("vllm")
+    for r in two["rounds"]:
+        r.pop("vllm")
+    s = peer_race.summarize(two)
+    for n, row in s["per_length"].items():
+        assert row["speedup_ours_vs_recompute"] == full["summary"]["per_length"][n]["speedup_ours_vs_recompute"]
+        assert "ttft_ours_over_vllm" not in row and "vllm" not in row and "vllm_restore" not in row
+        assert row["identical_first_token"] == {"ours": True}
+    assert set(s["load"]) == {"ours", "none", "throughput_ours_over_none"}
+    two["summary"] = s
+    peer_race.print_tables(two)
+    out = capsys.readouterr().out
+    assert "TTFT 3840 tok" in out and "vLLM's connector loaded" not in out
