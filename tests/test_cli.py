@@ -205,8 +205,8 @@ def test_verify_verdict_passes_only_a_full_identical_restore():
 
 def test_verify_expects_a_chunk_aligned_prompt_whole_on_attention_only_models():
     """512 tokens in 256-token chunks: attention only restores both chunks
-    (vLLM reports 511 cached, computing the last token again); a hybrid
-    stops a chunk short (its state at 512 includes the last token)."""
+    (at least 511 must be reported cached: vLLM computes the last token
+    again); a hybrid stops a chunk short (its state at 512 holds the last token)."""
     attn = HybridOffloadPlanner([GroupSpec(GroupKind.FULL_ATTENTION, 128, 4096, 2)], 256)
     hybrid = HybridOffloadPlanner([GroupSpec(GroupKind.FULL_ATTENTION, 256, 4096, 1),
                                    GroupSpec(GroupKind.MAMBA, 256, 4096, 3)], 256)

@@ -15,10 +15,9 @@ computed, the hit rate and load failures.
 vLLM prefix cache and host memory, another PYTHONHASHSEED), and reports the
 cross-restart hit rate of run 2. It passes (exit 0) only if, in run 2, every
 prompt had at least its chunk-aligned prefix cached (what run 1 stored:
-len // chunk * chunk tokens when every group is full attention, else
-(len - 1) // chunk * chunk; never the last token, which vLLM computes again), no load
-failed, and every output is
-token-identical to run 1; otherwise it exits 1.
+len // chunk * chunk tokens when every group is full attention, one less
+when that is the whole prompt, else (len - 1) // chunk * chunk), no load
+failed, and every output is token-identical to run 1; otherwise it exits 1.
 
 With --url, prompts go to a running OpenAI-compatible server's
 /v1/completions (text as text, token ids as a list). Cached tokens come from
@@ -115,9 +114,10 @@ def run_engine_with_progress(spec: RunSpec, label: str, seed: str, timeout_s: fl
 
 
 def expected(prompt_len: int, planner: HybridOffloadPlanner) -> int:
-    """Cached tokens vLLM reports after a restart for a prompt stored whole: its
-    chunk-aligned prefix, less the last token when that prefix is the whole
-    prompt (vLLM computes that token again to sample the next)."""
+    """Fewest cached tokens vLLM may report after a restart for a prompt stored
+    whole: its restorable chunk-aligned prefix. A prefix that is the whole
+    prompt counts one token less: vLLM computes that token again (0.32 still
+    reports it cached)."""
     return min(prompt_len - 1, planner.max_hit_chunks(prompt_len) * planner.chunk_size)
 
 
