@@ -223,7 +223,8 @@ def test_bench_peer_race_small(prefetched) -> None:
     assert m["summary"]["per_length"]["1024"]["identical_first_token"] == {"ours": True, "vllm": True}
 
 
-@pytest.mark.parametrize("name", ["peer_race_hybrid", "peer_race_llama8b", "peer_race_llama"])
+@pytest.mark.parametrize("name", ["peer_race_hybrid", "peer_race_hybrid_load", "peer_race_llama8b", "peer_race_llama",
+                                  "peer_race_llama_aligned"])
 def test_peer_race_summary_is_recomputed_from_the_committed_rounds(name: str, capsys) -> None:
     """The tables in docs/performance.md come from `summarize` over the committed rounds: it gives
     the committed summary again (with and without the prefix-heavy load), and the tables print."""
