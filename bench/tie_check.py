@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     model, n = argv[0], int(argv[1])
     plan = plan_for_models([model])[0]
     vocab = json.loads(Path(model, "config.json").read_text())["vocab_size"]
-    ids = pr._rand(random.Random(pr.ModelRun("", "", [], {}).seed), n, vocab)  # the race's first prompt
+    ids = pr._rand(random.Random(pr.SEED), n, vocab)  # the race's first prompt
     log = Path(tempfile.gettempdir()) / "kvoffload-tie-check.log"
     with pr.server(model, None, list(plan.serve_args), n + 64, log) as s:
         for attempt in ("computed whole", "from vLLM's prefix cache"):

@@ -204,7 +204,8 @@ def warm_engine(args: argparse.Namespace, kv: dict, ids: list[list[int]]) -> int
     max_tokens = args.max_tokens or (16 if args.verify else 1)
     eng = engine_args(plan, args.max_num_batched_tokens, args.max_model_len)
     total = sum(map(len, ids))
-    exp = sum(expected(len(p), plan.planner()) for p in ids) / max(1, total)
+    planner = plan.planner()
+    exp = sum(expected(len(p), planner) for p in ids) / max(1, total)
     print(f"kvoffload warmup: {len(ids)} prompts, {total} tokens, model {args.model}, "
           f"hybrid_chunk_size {chunk}, tiers {', '.join(names) or '-'}", flush=True)
 
@@ -232,7 +233,7 @@ def warm_engine(args: argparse.Namespace, kv: dict, ids: list[list[int]]) -> int
         return 0
     for label, r in zip(("2 after restart", "2 again (reset)"), run2):
         print(row(label, r, names, exp, same(r, run1)[1]))
-    problems = verdict(run1, run2, plan.planner())
+    problems = verdict(run1, run2, planner)
     r2 = run2[0]
     print(f"\ncross-restart hit rate {r2.hit_rate:.1%} (expected at least {exp:.1%}); run 2 restored "
           f"{r2.restored_tokens} of {r2.prompt_tokens} prompt tokens from its tiers; median TTFT "
