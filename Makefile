@@ -1,9 +1,12 @@
 PY := .venv/bin/python
 
-.PHONY: setup test test-long test-fast demo clean
+.PHONY: setup cuda-build test test-long test-fast demo clean
 
 setup:  ## venv, torch + vLLM, this package with its C++ copier, tiny models
 	bash scripts/setup.sh
+
+cuda-build:  ## offload._copier_cuda for sm_80/sm_90 with nvcc from the package index, GPU or not (setup runs it)
+	bash scripts/cuda_build.sh
 
 test:  ## the default suite, real vLLM engines included (README, Tests)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25

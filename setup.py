@@ -2,9 +2,12 @@
 
 The CPU extension ``offload._copier`` is always built (pybind11, no torch
 headers, so it compiles in seconds).  The CUDA extension
-``offload._copier_cuda`` is built only when asked for (``KVOFFLOAD_CUDA=1``)
-or when a CUDA toolkit *and* a CUDA-enabled torch are both present; it is
-never required at runtime.  ``KVOFFLOAD_CUDA=0`` forces it off.
+``offload._copier_cuda`` is built when asked for (``KVOFFLOAD_CUDA=1``, as
+scripts/cuda_build.sh does with nvcc from the package index, GPU or not) or
+when a CUDA toolkit *and* a CUDA-enabled torch are both present; it is never
+required at runtime (offload/copier.py falls back).  ``KVOFFLOAD_CUDA=0``
+forces it off.  ``KVOFFLOAD_CUDA_ARCHS`` (default "80;90") picks the SASS
+targets; PTX of the last one is embedded too.
 """
 
 from __future__ import annotations
@@ -98,7 +101,13 @@ class CudaBuildExt(build_ext):
         # (torch wheels ship their own, often under a different soname).
         ext.libraries = list(ext.libraries or []) + ["cudart_static", "rt", "dl", "pthread"]
         ext.language = "c++"
-        super().build_extension(ext)
+        # Always link: the objects were just compiled, perhaps by another nvcc
+        # or for other archs, which setuptools' timestamp check cannot see.
+        force, self.force = self.force, True
+        try:
+            super().build_extension(ext)
+        finally:
+            self.force = force
 
 
 # Headers shared by both extensions (included relative to csrc/); listing them

@@ -8,7 +8,8 @@
 // cudaMemcpyAsync per segment because Mamba/GDN pages are many small
 // segments (one per layer per block).
 //
-// Optional: built only with KVOFFLOAD_CUDA=1 (see setup.py); no torch headers.
+// Built by scripts/cuda_build.sh (make setup) with nvcc from the package
+// index, also on machines without a GPU (setup.py); no torch headers.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -60,14 +61,46 @@ void check(cudaError_t err, const char* what) {
     throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
+// Raised (as offload._copier_cuda.NoCudaDevice, a RuntimeError) when the
+// module is asked for a device this process cannot use: no GPU, no driver,
+// or a driver older than the runtime the module was built with.
+struct NoCudaDevice : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Number of usable devices; 0 with the runtime's reason in `why` otherwise.
+int device_count(std::string* why) {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky error so a later call reports afresh
+    if (why) *why = cudaGetErrorString(err);
+    return 0;
+  }
+  return n;
+}
+
+void require_device(int device) {
+  std::string why;
+  const int n = device_count(&why);
+  if (n == 0)
+    throw NoCudaDevice("offload._copier_cuda: no CUDA device" + (why.empty() ? "" : " (" + why + ")") +
+                       "; use the CPU copier (offload._copier) or torch's copies");
+  if (device < 0 || device >= n)
+    throw NoCudaDevice("offload._copier_cuda: no CUDA device " + std::to_string(device) + " (this process sees " +
+                       std::to_string(n) + ", ids 0.." + std::to_string(n - 1) + ")");
+}
+
 using Layer = kvoffload::PageLayout;
 
 class PageTable {
  public:
   using LayerSpec = kvoffload::LayerSpec;
 
-  explicit PageTable(const std::vector<LayerSpec>& specs) {
+  // Fails with NoCudaDevice unless `device` is a CUDA device this process can use.
+  PageTable(const std::vector<LayerSpec>& specs, int device) {
     if (specs.empty()) throw py::value_error("PageTable needs at least one layer");
+    require_device(device);
     for (const auto& s : specs) {
       Layer L = kvoffload::parse_layer_spec(s);
       page_bytes_ += L.page_bytes;
@@ -133,7 +166,12 @@ class PageTable {
   void run(const std::vector<CopyDesc>& descs, int device, uint64_t stream_handle) {
     if (descs.empty()) return;
     std::lock_guard<std::mutex> lock(mu_);
-    check(cudaSetDevice(device), "cudaSetDevice");
+    const cudaError_t set = cudaSetDevice(device);
+    if (set != cudaSuccess) {
+      cudaGetLastError();
+      require_device(device);  // no device: says so
+      check(set, "cudaSetDevice");
+    }
     auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
     const size_t need = descs.size() * sizeof(CopyDesc);
     if (need > dev_cap_ || device != dev_device_) {
@@ -165,8 +203,17 @@ class PageTable {
 
 PYBIND11_MODULE(_copier_cuda, m) {
   m.doc() = "CUDA gather/scatter of paged KV blocks (same semantics as offload._copier)";
+  py::register_exception<NoCudaDevice>(m, "NoCudaDevice", PyExc_RuntimeError);
+  m.def("device_count", [] { return device_count(nullptr); },
+        "CUDA devices this process can use (0 without a GPU or a recent enough driver)");
+  m.def("runtime_version", [] {
+    int v = 0;
+    cudaRuntimeGetVersion(&v);
+    return v;
+  }, "the CUDA runtime built in (static cudart), e.g. 13050 for 13.5");
   py::class_<PageTable>(m, "PageTable")
-      .def(py::init<const std::vector<PageTable::LayerSpec>&>(), py::arg("layers"))
+      .def(py::init<const std::vector<PageTable::LayerSpec>&, int>(), py::arg("layers"),
+           py::arg("device"))
       .def_property_readonly("page_bytes", &PageTable::page_bytes)
       .def_property_readonly("num_layers", &PageTable::num_layers)
       .def("gather", &PageTable::gather, py::arg("block_ids"), py::arg("dst_ptr"),

@@ -18,10 +18,26 @@ import torch
 
 from offload import _copier
 
-try:  # optional; only built with KVOFFLOAD_CUDA=1
+try:  # built by `make setup` (scripts/cuda_build.sh); absent in a build without nvcc
     from offload import _copier_cuda
 except ImportError:
     _copier_cuda = None
+
+
+def cuda_page_table(specs: list, device_index: int) -> tuple[object | None, str]:
+    """``offload._copier_cuda.PageTable`` for ``device_index``, or None and why not.
+
+    None when the extension is not built or cannot use the device (no GPU, no
+    driver, a driver older than the extension's CUDA runtime): the caller then
+    copies with torch on CUDA, and with the CPU copier (``offload._copier``) on
+    CPU, which never needs this module.
+    """
+    if _copier_cuda is None:
+        return None, "offload._copier_cuda is not built (make cuda-build)"
+    try:
+        return _copier_cuda.PageTable(specs, device_index), ""
+    except _copier_cuda.NoCudaDevice as e:
+        return None, str(e)
 
 
 @dataclass(frozen=True)
@@ -90,12 +106,20 @@ class GroupPages:
         specs = [(lp.base_ptr, lp.block_stride, list(lp.seg_offsets), lp.seg_bytes) for lp in self.layers]
         self._table = _copier.PageTable(specs, num_threads)
         self._cuda = self.device.type == "cuda"
-        # Kernel path needs the extension; otherwise torch ops on the tensors.
-        self._cuda_table = (
-            _copier_cuda.PageTable(specs) if self._cuda and _copier_cuda is not None else None
+        # Kernel path needs the extension and a usable device; otherwise torch ops on the tensors.
+        self._cuda_table, why = (
+            cuda_page_table(specs, self._device_index()) if self._cuda else (None, "")
         )
         if self._cuda and self._cuda_table is None and any(lp.tensor is None for lp in self.layers):
-            raise ValueError("CUDA without offload._copier_cuda needs LayerPages.from_tensor")
+            raise ValueError(f"CUDA without the copy kernel ({why}) needs LayerPages.from_tensor")
+
+    @property
+    def backend(self) -> str:
+        """Who moves the bytes: "cpu" (offload._copier), "cuda" (offload._copier_cuda) or "torch"."""
+        return "cpu" if not self._cuda else "cuda" if self._cuda_table is not None else "torch"
+
+    def _device_index(self) -> int:
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
     @property
     def page_bytes(self) -> int:
@@ -109,7 +133,7 @@ class GroupPages:
         return ids
 
     def _cuda_args(self) -> tuple[int, int]:
-        idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        idx = self._device_index()
         # Current stream: orders the copy after pending writes to the KV cache.
         return idx, torch.cuda.current_stream(idx).cuda_stream
 

