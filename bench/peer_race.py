@@ -633,6 +633,8 @@ def run(runs: list[ModelRun], work_dir: str | None = None, out_dir: Path | None 
         for mr, plan in zip(runs, plans):
             if isinstance(plan, Exception):
                 raise plan
+            if "prefix_chunks" in mr.load:  # a prefix of whole chunks: the plan's, on this CPU
+                mr.load = {**mr.load, "prefix_len": mr.load.pop("prefix_chunks") * plan.hybrid_chunk_size}
             t0 = time.monotonic()
             done = list(doc["models"])
             m = run_model(mr, work, plan, log_dir, parallel, separate_load,
@@ -667,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="llama-tiny's limit is 4096 tokens. 3900: both connectors restore 3840 tokens; 3840: a "
                          "chunk-aligned prompt, which both connectors restore whole (vLLM computes its last token again)")
     ap.add_argument("--load", default=None, help="JSON overriding the load of every model "
-                    "(num_prompts, num_prefixes, prefix_len, suffix_len, output_len, concurrency)")
+                    "(num_prompts, num_prefixes, prefix_len or prefix_chunks, suffix_len, output_len, concurrency)")
     ap.add_argument("--blocks", type=int, default=None, help="--num-gpu-blocks-override for every model")
     ap.add_argument("--dir", default=None, help="parent of the cache directories (default: $TMPDIR)")
     ap.add_argument("--out-dir", type=Path, default=None)
@@ -690,11 +692,11 @@ def main(argv: list[str] | None = None) -> int:
     llama_load = {"num_prompts": 64, "num_prefixes": 16, "prefix_len": 2048, "suffix_len": 128, "output_len": 32,
                   "concurrency": 4}
     presets = {
-        # 80B-A3B per-layer geometry (640-token blocks on this CPU). Its prefill runs at tens of
-        # tokens per second here, so the load is small: 3 one-chunk prefixes, 9 requests.
+        # 80B-A3B per-layer geometry (640- or 1152-token blocks, by CPU kind). Its prefill runs at tens
+        # of tokens per second here, so the load is small: 3 one-chunk prefixes, 9 requests.
         "hybrid": ModelRun("qwen3-next-80b-geometry", str(models / "qwen3-next-80b-geometry"),
                            [int(x) for x in a.hybrid_tokens.split(",")],
-                           {"num_prompts": 9, "num_prefixes": 3, "prefix_len": 640, "suffix_len": 64,
+                           {"num_prompts": 9, "num_prefixes": 3, "prefix_chunks": 1, "suffix_len": 64,
                             "output_len": 8, "concurrency": 2}, rounds=a.rounds),
         # Llama-3.1-8B per-layer geometry: an 8000-token prefill did not finish in 6 minutes here
         # (bf16 GEMMs on a CPU without AVX512-BF16), so the default Llama is llama-tiny.
@@ -716,7 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = [presets[m] for m in a.models.split(",")]
     for r in runs:
         if a.load:
-            r.load = {**r.load, **json.loads(a.load)}
+            override = json.loads(a.load)
+            r.load = {**{k: v for k, v in r.load.items() if not ("prefix_len" in override and k == "prefix_chunks")},
+                      **override}
         if a.blocks:
             r.blocks = a.blocks
         r.with_load = not a.no_load
