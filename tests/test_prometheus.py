@@ -4,8 +4,11 @@ One vLLM OpenAI server runs the tiered config (CPU child + filesystem child)
 under a short prefix-heavy load: groups of prompts sharing a prefix, with
 vLLM's own prefix cache reset between rounds so that repeats are served by
 the offload tiers. Prometheus scrapes it with configs/prometheus/prometheus.yml
-(only the target and interval changed), and every PromQL expression of the
-Grafana dashboard is run through Prometheus's HTTP API.
+(only the target and intervals changed; the rule files load from configs/prometheus/),
+and every PromQL expression of the Grafana dashboard is run through Prometheus's
+HTTP API, with the dashboard's variables at "All" (`.+`) and `$__rate_interval` at 1m.
+The same Prometheus evaluates the alert rules on the real series: every rule
+evaluates without error and none fires on the healthy load.
 """
 
 from __future__ import annotations
@@ -36,9 +39,38 @@ def tiered_config(cache: Path) -> dict:
     return cfg
 
 
+# The dashboard's variables as Grafana expands them with every value selected ("All" is `.+`),
+# and its rate window over this test's 1 s scrapes and short load.
+VARIABLES = {"$model_name": ".+", "$tier": ".+", "$__rate_interval": "1m"}
+
+
+def expand(expr: str) -> str:
+    for var, value in VARIABLES.items():
+        expr = expr.replace(var, value)
+    assert "$" not in expr, f"a dashboard variable this test does not expand: {expr}"
+    return expr
+
+
 def panel_queries() -> list[tuple[str, str]]:
-    dash = json.loads(DASHBOARD.read_text())
-    return [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
+    """("row / panel title", query with the variables expanded) for every query of every panel."""
+    out, row = [], ""
+    for p in json.loads(DASHBOARD.read_text())["panels"]:
+        if p["type"] == "row":
+            row = p["title"]
+            continue
+        out += [(f"{row} / {p['title']}", expand(t["expr"])) for t in p["targets"]]
+    assert len(out) == len(set(out)), "two panel queries of one name"
+    return out
+
+
+def variable_queries() -> dict[str, str]:
+    """The template variables' `label_values(metric{sel}, label)` as PromQL: `group by (label) (metric{sel})`."""
+    out = {}
+    for v in json.loads(DASHBOARD.read_text())["templating"]["list"]:
+        m = re.fullmatch(r"label_values\((.+), (\w+)\)", v["query"]["query"])
+        assert m, v["query"]
+        out[v["name"]] = expand(f"group by ({m[2]}) ({m[1]})")
+    return out
 
 
 def query(prom: str, expr: str) -> list[dict]:
@@ -60,7 +92,9 @@ def _scraped(models_dir, tmp):
         port = base.rsplit(":", 1)[1]
         prom_cfg = yaml.safe_load((REPO / "configs" / "prometheus" / "prometheus.yml").read_text())
         prom_cfg["global"]["scrape_interval"] = "1s"
+        prom_cfg["global"]["evaluation_interval"] = "1s"
         prom_cfg["scrape_configs"][0]["static_configs"][0]["targets"] = [f"127.0.0.1:{port}"]
+        prom_cfg["rule_files"] = [str(REPO / "configs" / "prometheus" / f) for f in prom_cfg["rule_files"]]
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(prom_cfg))
         with prometheus(tmp / "prometheus.yml", tmp) as prom:
             # A first request makes the series exist; rates need scrapes from
@@ -80,8 +114,12 @@ def _scraped(models_dir, tmp):
             exported = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
             (tmp / "metrics.txt").write_text(exported)  # kept for a failure's diagnosis
             results = {(title, expr): query(prom, expr) for title, expr in panel_queries()}
+            variables = {name: query(prom, expr) for name, expr in variable_queries().items()}
             up = query(prom, 'up{job="vllm"}')
-    return {"results": results, "exported": exported, "up": up, "usage": usage, "tmp": tmp}
+            rules = json.loads(urllib.request.urlopen(f"{prom}/api/v1/rules", timeout=30).read())["data"]["groups"]
+            firing = query(prom, 'ALERTS{alertname=~"Kvoffload.*"}')
+    return {"results": results, "variables": variables, "exported": exported, "up": up, "usage": usage,
+            "rules": rules, "firing": firing, "tmp": tmp}
 
 
 pytestmark = [pytest.mark.e2e, pytest.mark.prefetch.with_args(_scraped)]
@@ -97,9 +135,35 @@ def test_prometheus_scrapes_the_vllm_server(scraped):
 
 
 def test_every_dashboard_panel_returns_data(scraped):
-    empty = [f"{title}: {expr}" for (title, expr), res in scraped["results"].items() if not res]
-    print(f"\n{len(scraped['results'])} panel queries, {len(empty)} empty")
+    """Every query returns data; the report lists each one with its series (run with -s to see it)."""
+    results = scraped["results"]
+    report = [f"{len(res):3d} series  {title}: {expr}" for (title, expr), res in results.items()]
+    (scraped["tmp"] / "panel_queries.txt").write_text("\n".join(report) + "\n")
+    empty = [f"{title}: {expr}" for (title, expr), res in results.items() if not res]
+    print(f"\n{len(results)} panel queries, {len(results) - len(empty)} returned data, {len(empty)} empty:\n"
+          + "\n".join(report))
     assert not empty, "panel queries without data:\n" + "\n".join(empty)
+
+
+def test_dashboard_variables_list_the_tiers(scraped):
+    """The tier variable (and so the repeated per-tier row) offers the config's two tiers."""
+    tiers = {r["metric"]["tier"] for r in scraped["variables"]["tier"]}
+    assert tiers == {t.get("name", t["store"]) for t in tier_dicts(tiered_config(Path("/unused")))}
+    served = set(re.findall(r'^kvoffload_lookups_total\{[^}]*model_name="([^"]+)"', scraped["exported"], re.M))
+    assert len(served) == 1
+    assert [r["metric"]["model_name"] for r in scraped["variables"]["model_name"]] == sorted(served)
+
+
+def test_alert_rules_evaluate_on_the_real_series_and_stay_silent(scraped):
+    rules = [r for g in scraped["rules"] for r in g["rules"]]
+    alerts = {r["name"] for r in rules if r["type"] == "alerting"}
+    shipped = {r["alert"] for g in yaml.safe_load((REPO / "configs" / "prometheus" / "alerts.yml").read_text())["groups"]
+               for r in g["rules"] if "alert" in r}
+    assert alerts == shipped
+    broken = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
+    assert not broken, broken
+    # A healthy load: nothing failed, nothing dropped, the disk has room.
+    assert [r["metric"]["alertname"] for r in scraped["firing"]] == []
 
 
 def test_no_panel_queries_a_metric_the_server_does_not_export(scraped):
