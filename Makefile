@@ -33,6 +33,11 @@ bench:  ## issue 6 and 13 benchmarks at full size (hours with peer_race on 2 cor
 	$(PY) -m bench.e2e --cache-dir $(or $(BENCH_DIR),$(CURDIR)/.cache)
 	$(PY) -m bench.peer_race --dir $(or $(BENCH_DIR),$(CURDIR)/.cache) $(RACE_ARGS)
 	$(MAKE) bench-scale
+	$(PY) -m bench.charts
+
+.PHONY: charts
+charts:  ## PNG charts of the committed results in bench/results/*.json, written beside them (docs/performance.md#charts)
+	$(PY) -m bench.charts
 
 .PHONY: bench-scale
 bench-scale:  ## issue 13: 1M chunk files, pre-ledger walk vs ledger (~35 min on 2 shared cores; ~4 GB, 1M inodes, deleted after)

@@ -1,0 +1,219 @@
+"""PNG charts of the committed benchmark results (bench/results/*.json).
+
+    python -m bench.charts                       # bench/results/*.json -> bench/results/*.png
+    python -m bench.charts --out /tmp/charts     # elsewhere (the JSON is only read)
+
+Contract: `render(results_dir, out_dir)` reads only JSON that `make bench` wrote and draws:
+
+- `peer_race_ttft.png`: time to first token against prompt length for ours, vLLM's own
+  tiering and recompute (no connector), one panel per model geometry, from every
+  `peer_race_*.json`. Points are the median of the rounds with a bar from the fastest to
+  the slowest. Where two files measured the same (model, prompt length, configuration),
+  the newer run (`machine.time_utc`) is drawn: a rerun supersedes the run before it.
+- `<fs_tier*>_gbs.png`: GB/s of each store and load variant of one `fs_tier*.json`, against
+  the device limit of the same run (its fastest pure write and read, `raw_write_gb_s` and
+  `raw_read_gb_s`), one chart per file.
+- the multi-turn race, from `multi_turn*.json`, once such results exist (skipped with a note).
+
+Every chart names the JSON files it was drawn from in its footer. It returns one `Chart`
+per PNG (path, sources, and the points of each series) and the notes of what it skipped.
+Matplotlib draws off-screen (Agg); it is a `bench` extra, never imported by offload/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # off-screen: no display on CI or benchmark machines
+import matplotlib.pyplot as plt  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONFIGS = {  # peer_race configuration -> legend, colour, marker
+    "ours": ("ours (kvoffload)", "tab:blue", "o"),
+    "vllm": ("vLLM's tiering (OffloadingConnector)", "tab:orange", "s"),
+    "none": ("recompute (no connector)", "tab:gray", "^"),
+}
+
+
+@dataclass
+class Chart:
+    """One PNG: where it is, the JSON it was drawn from, and the points of each series."""
+
+    path: Path
+    sources: list[str]
+    series: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Rendered:
+    charts: list[Chart]
+    notes: list[str]
+
+
+def _footer(fig, sources: list[str]) -> None:
+    fig.text(0.01, 0.01, "Drawn from bench/results/" + ", bench/results/".join(sources),
+             fontsize=8, color="dimgray", ha="left", va="bottom")
+
+
+@dataclass(frozen=True)
+class RacePoint:
+    ttft_s: list[float]
+    time_utc: str
+    source: str
+
+
+def race_points(results: Path) -> dict[str, dict[str, dict[int, RacePoint]]]:
+    """{model label: {configuration: {prompt tokens: point}}}, the newer run winning a tie."""
+    out: dict[str, dict[str, dict[int, RacePoint]]] = {}
+    for f in sorted(results.glob("peer_race_*.json")):
+        doc = json.loads(f.read_text())
+        when = doc["machine"]["time_utc"]
+        for m in doc["models"]:
+            for length, per in m["summary"]["per_length"].items():
+                for cfg in CONFIGS:
+                    if cfg not in per:
+                        continue
+                    pts = out.setdefault(m["label"], {}).setdefault(cfg, {})
+                    old = pts.get(int(length))
+                    if old is None or old.time_utc < when:
+                        pts[int(length)] = RacePoint(per[cfg]["ttft_s"], when, f.name)
+    return out
+
+
+def render_peer_race(results: Path, out_dir: Path) -> Chart | None:
+    data = race_points(results)
+    if not data:
+        return None
+    labels = sorted(data, key=lambda lb: -max(max(p.ttft_s) for c in data[lb].values() for p in c.values()))
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.6 * len(labels), 5.0), squeeze=False)
+    chart = Chart(out_dir / "peer_race_ttft.png", [])
+    for ax, label in zip(axes[0], labels):
+        for cfg, (legend, colour, marker) in CONFIGS.items():
+            pts = data[label].get(cfg)
+            if not pts:
+                continue
+            xs = sorted(pts)
+            med = [statistics.median(pts[x].ttft_s) for x in xs]
+            lo = [m - min(pts[x].ttft_s) for x, m in zip(xs, med)]
+            hi = [max(pts[x].ttft_s) - m for x, m in zip(xs, med)]
+            ax.errorbar(xs, med, yerr=[lo, hi], label=legend, color=colour, marker=marker, capsize=3, lw=1.5)
+            chart.series[f"{label}/{cfg}"] = len(xs)
+            chart.sources = sorted(set(chart.sources) | {pts[x].source for x in xs})
+        if "ours" in data[label] and "none" in data[label]:
+            for x, p in data[label]["ours"].items():
+                if x in data[label]["none"]:
+                    speedup = statistics.median(data[label]["none"][x].ttft_s) / statistics.median(p.ttft_s)
+                    ax.annotate(f"{speedup:.0f}x", (x, statistics.median(p.ttft_s)), textcoords="offset points",
+                                xytext=(0, -15), ha="center", fontsize=8, color="tab:blue")
+        xs_all = sorted({x for c in data[label].values() for x in c})
+        if xs_all[-1] >= 2 * xs_all[0]:  # lengths over an octave or more: a log axis
+            ax.set_xscale("log")
+            ax.set_xlim(xs_all[0] / 1.25, xs_all[-1] * 1.25)
+        else:  # close lengths (3840 and 3900) would sit on one spot of a log axis
+            pad = max(0.3 * (xs_all[-1] - xs_all[0]), 50)
+            ax.set_xlim(xs_all[0] - pad, xs_all[-1] + pad)
+        ax.set_xticks(xs_all, [str(x) for x in xs_all], fontsize=8)
+        ax.minorticks_off()
+        ax.set_yscale("log")
+        lo_y = min(min(p.ttft_s) for c in data[label].values() for p in c.values())
+        ax.set_ylim(bottom=lo_y / 2.5)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("time to first token (s)")
+        ax.grid(True, which="major", alpha=0.3)
+    fig.suptitle("Peer race: time to first token with a restored prefix, median and range of the rounds "
+                 "(blue: recompute / ours)", fontsize=11)
+    handles = [plt.Line2D([], [], color=c, marker=m, label=lg) for lg, c, m in CONFIGS.values()]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9, bbox_to_anchor=(0.5, 0.045))
+    _footer(fig, chart.sources)
+    fig.tight_layout(rect=(0, 0.11, 1, 0.95))
+    fig.savefig(chart.path, dpi=110)
+    plt.close(fig)
+    return chart
+
+
+def _bar_colour(name: str) -> str:
+    return "tab:blue" if name.startswith("ours") else "tab:orange" if name.startswith("vLLM") else "tab:gray"
+
+
+def _side(row: str) -> str:
+    """'store' for a write variant ('ours store', 'raw write x4'), 'load' for a read one."""
+    return "store" if "store" in row or "write" in row else "load"
+
+
+def render_fs_tier(src: Path, out_dir: Path) -> Chart:
+    doc = json.loads(src.read_text())
+    res = doc["results"]
+    chart = Chart(out_dir / f"{src.stem}_gbs.png", [src.name])
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6.8))
+    for ax, (op, raw_word, limit_key) in zip(axes, (("store", "write", "raw_write_gb_s"),
+                                                     ("load", "read", "raw_read_gb_s"))):
+        names = sorted((k for k in res if _side(k) == op), key=lambda k: res[k]["gb_s"])
+        limit = doc[limit_key]
+        gb = [res[k]["gb_s"] for k in names]
+        lo = [g - min(res[k]["runs_gb_s"]) for k, g in zip(names, gb)]
+        hi = [max(res[k]["runs_gb_s"]) - g for k, g in zip(names, gb)]
+        ax.barh(names, gb, xerr=[lo, hi], color=[_bar_colour(k) for k in names], capsize=3)
+        fastest = doc.get("baseline_rows", {}).get(f"device_{raw_word}", f"raw {raw_word}")
+        ax.axvline(limit, color="black", ls="--", lw=1.2,
+                   label=f"device limit {limit:.2f} GB/s\n(fastest {raw_word} of the run: {fastest})")
+        for y, (k, g) in enumerate(zip(names, gb)):
+            ax.text(g + max(hi[y], 0) + limit * 0.05, y, f"{g:.2f} ({g / limit:.0%})", va="center",
+                    fontsize=8)
+        ax.set_xlim(0, max(max(g + h for g, h in zip(gb, hi)), limit) * 1.3)
+        ax.set_title(f"{op} ({raw_word}): GB/s, median and range of {doc['reps']} runs", fontsize=10)
+        ax.set_xlabel("GB/s (percentage: of the device limit)")
+        ax.tick_params(axis="y", labelsize=8)
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), frameon=False)
+        chart.series[op] = len(names)
+    fig.suptitle(f"Filesystem tier against the device limit: {doc['bytes'] / 1e9:.2f} GB in {doc['files']} files, "
+                 f"{doc['filesystem']}, {doc['machine']['cpu']} ({doc['machine']['cores']} cores), "
+                 f"{doc['machine']['time_utc']}", fontsize=11)
+    _footer(fig, chart.sources)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
+    fig.savefig(chart.path, dpi=100)
+    plt.close(fig)
+    return chart
+
+
+def render(results: Path = RESULTS, out_dir: Path = RESULTS) -> Rendered:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    charts: list[Chart] = []
+    notes: list[str] = []
+    race = render_peer_race(results, out_dir)
+    if race is None:
+        notes.append("peer race: no peer_race_*.json; no TTFT chart")
+    else:
+        charts.append(race)
+    fs = sorted(results.glob("fs_tier*.json"))
+    if not fs:
+        notes.append("fs_tier: no fs_tier*.json; no GB/s chart")
+    charts += [render_fs_tier(f, out_dir) for f in fs]
+    if not sorted(results.glob("multi_turn*.json")):
+        notes.append("multi-turn race: no multi_turn*.json in bench/results yet; its chart is skipped")
+    return Rendered(charts, notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="PNG charts of bench/results/*.json")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="directory of the JSON results")
+    ap.add_argument("--out", type=Path, default=None, help="where the PNGs go (default: --results)")
+    args = ap.parse_args(argv)
+    r = render(args.results, args.out or args.results)
+    for c in r.charts:
+        series = ", ".join(f"{k} {n} points" for k, n in c.series.items())
+        print(f"wrote {c.path} from {', '.join(c.sources)}: {series}")
+    for n in r.notes:
+        print(f"note: {n}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
