@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+import threading
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -112,6 +114,90 @@ def _tp_rank(vllm_config: VllmConfig) -> int:
     return pc.rank % pc.tensor_parallel_size
 
 
+class KVCacheReleased(RuntimeError):
+    """A copy into or out of the KV cache while vLLM has it released (sleep mode)."""
+
+
+class _KVGate:
+    """Lets the worker's copies touch the KV cache only while it is registered.
+
+    vLLM's sleep mode (0.33+) calls `unregister_kv_caches` and then unmaps the
+    KV cache's memory, and maps it again before `restore_kv_caches`. Every
+    gather and scatter holds the gate; closing it waits for the copies in
+    progress and makes later ones raise KVCacheReleased, which the worker turns
+    into a miss and a recompute (loads) or a dropped store.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self.open = True
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        with self._cond:
+            if not self.open:
+                raise KVCacheReleased("the KV cache is released (vLLM sleeps): nothing is copied into or out of it")
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self.open = False
+            self._cond.wait_for(lambda: self._active == 0)
+
+    def reopen(self) -> None:
+        with self._cond:
+            self.open = True
+
+
+class _GatedPages:
+    """A group's GroupPages behind the gate; after unregister only its tensors
+    are kept, and restore builds the page table afresh from their addresses."""
+
+    def __init__(self, pages: Any, gate: _KVGate) -> None:
+        self._pages = pages
+        self._gate = gate
+        self._page_bytes = pages.page_bytes
+        self._tensors = [lp.tensor for lp in pages.layers]
+        self._num_blocks, self._device = pages.num_blocks, pages.device
+
+    @property
+    def page_bytes(self) -> int:
+        return self._page_bytes
+
+    def gather(self, *args: Any, **kwargs: Any) -> Any:
+        with self._gate.hold():
+            return self._pages.gather(*args, **kwargs)
+
+    def scatter(self, *args: Any, **kwargs: Any) -> None:
+        with self._gate.hold():
+            self._pages.scatter(*args, **kwargs)
+
+    def drop(self) -> None:
+        self._pages = None
+
+    def retake(self) -> None:
+        from offload.copier import GroupPages, LayerPages
+
+        pages = GroupPages([LayerPages.from_tensor(t, self._num_blocks) for t in self._tensors],
+                           self._num_blocks, self._device)
+        if pages.page_bytes != self._page_bytes:
+            raise RuntimeError(f"restore_kv_caches: the KV cache now holds {pages.page_bytes} bytes per block, "
+                               f"it held {self._page_bytes}")
+        self._pages = pages
+
+    def __getattr__(self, name: str) -> Any:
+        if self._pages is None:
+            raise KVCacheReleased(f"the KV cache is released (vLLM sleeps): no {name}")
+        return getattr(self._pages, name)
+
+
 class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads KV cache chunks of every group (attention KV, windowed KV,
     Mamba/GDN state) to a stack of tiers (host memory, files, LMCache's
@@ -149,6 +235,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._num_blocks = kv_cache_config.num_blocks
         self._sched = None
         self._worker = None
+        self._kv_gate = _KVGate()
         self.recorders = [Recorder(t.tier_name) for t in self.cfg.tiers]
         tp = pc.tensor_parallel_size
         rank = _tp_rank(vllm_config) if role != KVConnectorRole.SCHEDULER else 0
@@ -255,6 +342,41 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         layout = {**self._layout, "base_fingerprint": self.fingerprint.hex(), "format_version": FORMAT_VERSION}
         self._worker.register_kv_caches(kv_caches, self._num_blocks, layout)
+        self._worker.pages = [_GatedPages(p, self._kv_gate) for p in self._worker.pages]
+
+    # ---- sleep mode (vLLM >= 0.33; 0.32 never calls these) -------------------------
+    # What sleeps is the GPU KV cache only. The tiers keep everything: the
+    # host-memory pool stays allocated (host memory, not the GPU's), files
+    # and LMCache entries are untouched, the scheduler's index stays valid, so
+    # after wake-up a prompt hits the tiers instead of being recomputed.
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM releases the KV cache: wait for the copies in progress,
+        then refuse every copy (a load not yet copied becomes a miss and a
+        recompute) and drop the page tables with their raw addresses. Stores
+        are not waited for: their bytes were gathered into host memory in the
+        step that computed them, and they go on being written to the tiers
+        below while vLLM sleeps. Idempotent."""
+        if self._worker is None or not self._kv_gate.open:
+            return
+        self._kv_gate.close()
+        for p in self._worker.pages:
+            p.drop()
+        logger.info("OffloadConnector: KV cache unregistered (sleep); the tiers keep their entries")
+
+    def restore_kv_caches(self) -> None:
+        """After vLLM mapped the KV cache again: page tables from the same
+        tensors' current addresses, then copies are allowed. Idempotent."""
+        if self._worker is None or self._kv_gate.open:
+            return
+        for p in self._worker.pages:
+            p.retake()
+        self._kv_gate.reopen()
+        logger.info("OffloadConnector: KV cache restored (wake-up)")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None

@@ -156,6 +156,34 @@ class MultiConnector(VllmMultiConnector):
             extra_config = cls._as_vllm_extra(extra_config)
         return super().requires_piecewise_for_cudagraph(extra_config)
 
+    # ---- sleep mode (vLLM >= 0.33; 0.32 never calls these) -------------------------
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """Whether every child follows sleep mode. vLLM 0.33's MultiConnector
+        reads its children from "connectors" and so would find none of ours
+        (and refuse sleep mode); a child class without the method (vLLM 0.32's)
+        does not."""
+        ktc = kv_transfer_config
+        for c in parse_children(ktc.kv_connector_extra_config):
+            child = type(ktc)(**{"engine_id": ktc.engine_id, "kv_role": ktc.kv_role, **c.ktc})
+            supports = getattr(KVConnectorFactory.get_connector_class(child), "supports_sleep_mode", None)
+            if supports is None or not supports(child):
+                return False
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Every child, in order (see `OffloadConnector.unregister_kv_caches`)."""
+        for c in self._connectors:
+            if hasattr(c, "unregister_kv_caches"):
+                c.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        """Every child, in order (see `OffloadConnector.restore_kv_caches`)."""
+        for c in self._connectors:
+            if hasattr(c, "restore_kv_caches"):
+                c.restore_kv_caches()
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         best: tuple[float, int, int, bool] | None = None  # score, child, tokens, async
         for i, c in enumerate(self._connectors):
