@@ -20,7 +20,7 @@ SupportsHMA and MultiConnector:
   (so a hook renamed upstream is not left silently uncalled);
 - every vLLM member we use (`super().m()`, `self.m()`, `self._attr`,
   `KVConnectorFactory.m()`) exists there, and calls through super() fit it;
-- every name we import from vLLM in those packages exists in the target;
+- every name imported from vLLM anywhere in offload/ exists in the target;
 - each vLLM MultiConnector method that reads its children from the
   "connectors" key is overridden by ours (ours reads "children"), unless
   vLLM calls it only on its own class (NOT_OURS).
@@ -48,6 +48,7 @@ MULTI_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.multi_connector"
 FACTORY_MODULE = "vllm.distributed.kv_transfer.kv_connector.factory"
 REPO = Path(__file__).resolve().parents[1]
 OUR_PACKAGES = ("offload/connector", "offload/multi_connector")
+IMPORT_SCOPE = "offload"  # every vLLM name imported anywhere in the package is checked
 # Our classes: (name, file, the vLLM classes they derive from, in MRO order).
 OURS = {
     "OffloadConnector": ("offload/connector/__init__.py", [(BASE_MODULE, "KVConnectorBase_V1"),
@@ -118,17 +119,27 @@ def our_files() -> list[Path]:
     return sorted(p for d in OUR_PACKAGES for p in (REPO / d).glob("*.py"))
 
 
+def import_files() -> list[Path]:
+    return sorted((REPO / IMPORT_SCOPE).rglob("*.py"))
+
+
 def unpack(wheel: Path, dest: Path) -> Path:
     """Unpack from `wheel` only the modules the check reads (and their packages'
     __init__.py files, for submodule names) into `dest`; returns `dest`."""
-    wanted = {BASE_MODULE, MULTI_MODULE, FACTORY_MODULE} | set(_vllm_imports(our_files()))
+    wanted = {BASE_MODULE, MULTI_MODULE, FACTORY_MODULE} | set(_vllm_imports(import_files()))
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-        members = set()
-        for m in wanted:
+        members: set[str] = set()
+        todo = list(wanted)
+        while todo:
+            m = todo.pop()
             parts = m.split(".")
             for i in range(1, len(parts) + 1):
-                members.update(c for c in _module_path(".".join(parts[:i])) if c in names)
+                for c in _module_path(".".join(parts[:i])):
+                    if c in names and c not in members:
+                        members.add(c)
+                        # `from .x import *` re-exports: the check reads those modules too.
+                        todo += _star_imports(ast.parse(z.read(c)), ".".join(parts[:i]), c.endswith("__init__.py"))
         for m in sorted(members):
             target = dest / m
             if not target.exists():
@@ -137,6 +148,21 @@ def unpack(wheel: Path, dest: Path) -> Path:
         # Which modules exist at all (for submodule imports), without unpacking them.
         (dest / "MODULES").write_text("\n".join(sorted(n for n in names if n.endswith(".py"))))
     return dest
+
+
+def _star_imports(tree: ast.Module, module: str, is_package: bool) -> list[str]:
+    """Modules that `module` re-exports with `from ... import *`."""
+    out = []
+    for n in tree.body:
+        if isinstance(n, ast.ImportFrom) and any(a.name == "*" for a in n.names):
+            if n.level == 0:
+                out.append(n.module or "")
+            else:
+                base = module.split(".")
+                base = base if is_package else base[:-1]
+                base = base[:len(base) - (n.level - 1)]
+                out.append(".".join(base + ([n.module] if n.module else [])))
+    return out
 
 
 def installed_root() -> Path:
@@ -242,11 +268,17 @@ class Source:
             raise LookupError(f"{module} is not in {self.root}")
         return class_model(tree, name)
 
-    def top_level(self, module: str) -> set[str]:
+    def top_level(self, module: str, _seen: set[str] | None = None) -> set[str]:
         tree = self.tree(module)
         names: set[str] = set()
         if tree is None:
             return names
+        seen = _seen if _seen is not None else set()
+        seen.add(module)
+        f = self.file(module)
+        for star in _star_imports(tree, module, f is not None and f.name == "__init__.py"):
+            if star not in seen:
+                names |= self.top_level(star, seen)
         for n in ast.walk(tree):  # module level, including names bound under if/try
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 names.add(n.name)
@@ -336,6 +368,7 @@ def call_fits(call: ast.Call, target: Method) -> str | None:
 class Report:
     root: Path
     problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # outside the connectors' own imports
     overridden: dict[str, list[str]] = field(default_factory=dict)  # ours -> ["VllmClass.method"]
     used: dict[str, list[str]] = field(default_factory=dict)  # ours -> vLLM members used
     newer: dict[str, list[str]] = field(default_factory=dict)  # ours -> NEWER_HOOKS this vLLM lacks
@@ -441,18 +474,36 @@ def check(root: Path) -> Report:
                 if factory is None or (n.attr not in factory.methods and n.attr not in factory.attrs):
                     rep.problems.append(f"{f.relative_to(REPO)}:{n.lineno}: KVConnectorFactory.{n.attr} "
                                         "does not exist in this vLLM")
-    for module, names in sorted(_vllm_imports(our_files()).items()):
+    connector = _vllm_imports(our_files())
+    for module, names in sorted(_vllm_imports(import_files()).items()):
         rep.imports_checked += 1 + len(names)
+        # The connectors' own imports are problems; the rest of offload/ (the CLI's
+        # `kvoffload plan`, ...) are reported as warnings (problems with --strict).
         if not src.exists(module):
-            rep.problems.append(f"our connectors import {module}, which this vLLM does not have")
+            out = rep.problems if module in connector else rep.warnings
+            out.append(f"{_where(module, None)} imports {module}, which this vLLM does not have")
             continue
         if src.file(module) is None:
             continue  # listed in the wheel, not unpacked: only its existence is checked
         top = src.top_level(module)
         for nm in sorted(names):
             if nm not in top and not src.exists(f"{module}.{nm}"):
-                rep.problems.append(f"our connectors import {nm} from {module}, which this vLLM does not define")
+                out = rep.problems if nm in connector.get(module, set()) else rep.warnings
+                out.append(f"{_where(module, nm)} imports {nm} from {module}, which this vLLM does not define")
     return rep
+
+
+def _where(module: str, name: str | None) -> str:
+    """file:line of our imports of `module` (`name` from it)."""
+    hits = []
+    for f in import_files():
+        for n in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module == module \
+                    and (name is None or any(a.name == name for a in n.names)):
+                hits.append(f"{f.relative_to(REPO)}:{n.lineno}")
+            elif name is None and isinstance(n, ast.Import) and any(a.name == module for a in n.names):
+                hits.append(f"{f.relative_to(REPO)}:{n.lineno}")
+    return ", ".join(hits) or "offload/"
 
 
 def diff(old_root: Path, new_root: Path, rep: Report) -> None:
@@ -470,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--version", default=TARGET_VERSION, help="vLLM version whose wheel to read (default %(default)s)")
     ap.add_argument("--source", type=Path, help="read this directory's vllm/ sources instead of the wheel")
+    ap.add_argument("--strict", action="store_true", help="count warnings (imports outside the connectors) as problems")
     args = ap.parse_args(argv)
     if args.source is not None:
         root, label = args.source, f"sources in {args.source}"
@@ -502,10 +554,14 @@ def main(argv: list[str] | None = None) -> int:
         if rep.newer.get(o):
             print(f"{o} hooks of a newer vLLM, never called by this one: "
                   + ", ".join(f"{m} ({NEWER_HOOKS[m]})" for m in rep.newer[o]))
-    print(f"Imports from vLLM checked: {rep.imports_checked} (modules and names in {', '.join(OUR_PACKAGES)})")
+    print(f"Imports from vLLM checked: {rep.imports_checked} (modules and names, everywhere in {IMPORT_SCOPE}/)")
+    for w in rep.warnings:
+        print(f"WARNING: {w}")
     for p in rep.problems:
         print(f"PROBLEM: {p}")
-    print(f"{len(rep.problems)} problems")
+    if args.strict:
+        rep.problems += rep.warnings
+    print(f"{len(rep.problems)} problems, {len(rep.warnings)} warnings")
     return 1 if rep.problems else 0
 
 
