@@ -312,3 +312,9 @@ def test_multi_connector_sleep(vllm_config, tmp_path):
         assert all(torch.equal(p.gather([3, 7]), w) for p, w in zip(pages, want))
     finally:
         mc.shutdown()
+
+
+def test_fails_on_a_call_of_ours_that_no_longer_fits(vllm_033, tmp_path):
+    root = _mutated(vllm_033, tmp_path, "def _get_connector_metadata(self)", "def _get_connector_metadata(self, step)")
+    problems = api.check(root).problems
+    assert any("self._get_connector_metadata(...)" in p and "step" in p for p in problems), problems

@@ -449,14 +449,17 @@ def check(root: Path) -> Report:
                 continue
             used.add(n.attr)
         for n in ast.walk(ours.node):
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and isinstance(n.func.value, ast.Call) \
-                    and isinstance(n.func.value.func, ast.Name) and n.func.value.func.id == "super":
-                hit = first(n.func.attr)
-                if hit is not None:
-                    why = call_fits(n, hit[1])
-                    if why:
-                        rep.problems.append(f"{name}: super().{n.func.attr}(...) at line {n.lineno} does not fit "
-                                            f"{hit[0]}.{hit[1].signature()}: {why}")
+            if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+                continue
+            v = n.func.value
+            via_super = isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super"
+            via_self = isinstance(v, ast.Name) and v.id in ("self", "cls") and n.func.attr not in ours.methods
+            hit = first(n.func.attr) if via_super or via_self else None
+            if hit is not None:
+                why = call_fits(n, hit[1])
+                if why:
+                    rep.problems.append(f"{name}: {'super()' if via_super else v.id}.{n.func.attr}(...) at line "
+                                        f"{n.lineno} does not fit {hit[0]}.{hit[1].signature()}: {why}")
         rep.used[name] = sorted(used)
         # "connectors" readers in vLLM's MultiConnector.
         if chain[0][0] == "MultiConnector":
