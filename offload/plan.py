@@ -500,7 +500,7 @@ def _build_kv_cache_config(model: str, tp: int, rank: int, init: str,
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config
     from vllm.v1.engine.core import register_all_kvcache_specs
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.worker_base import WorkerBase
@@ -532,10 +532,22 @@ def _build_kv_cache_config(model: str, tp: int, rank: int, init: str,
         register_all_kvcache_specs(vc)
         resolve_kv_cache_layout(vc, [names for _, names in gathered],
                                 [s for per_rank in all_specs for s in per_rank.values()])
-        configs = get_kv_cache_configs(vc, all_specs, [_PLAN_MEMORY_BYTES] * tp)
+        configs = _kv_cache_configs(vc, all_specs, [_PLAN_MEMORY_BYTES] * tp)
         for c in configs:
             c.kv_cache_layout = vc.cache_config.kv_cache_layout
         return vc, generate_scheduler_kv_cache_config(configs), communicator
+
+
+def _kv_cache_configs(vc: Any, specs: list[Any], memory: list[int]) -> list[Any]:
+    """vLLM's `get_kv_cache_configs`, as the engine core of the installed version calls it:
+    0.33 moved it to `kv_cache_planning` and passes the groups it plans over all ranks."""
+    try:
+        from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_configs as configs_of
+
+        return configs_of(vc, specs, memory)
+    return get_kv_cache_configs(vc, specs, memory, get_global_kv_cache_groups(vc, specs))
 
 
 def _dist_ident(init_method: str) -> str:

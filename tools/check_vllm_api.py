@@ -115,6 +115,40 @@ def _vllm_imports(files: list[Path]) -> dict[str, set[str]]:
     return out
 
 
+def _catches_import_error(t: ast.Try) -> bool:
+    def names(e: ast.expr | None) -> list[str]:
+        if isinstance(e, ast.Tuple):
+            return [x.id for x in e.elts if isinstance(x, ast.Name)]
+        return [e.id] if isinstance(e, ast.Name) else []
+    return any({"ImportError", "ModuleNotFoundError"} & set(names(h.type)) for h in t.handlers)
+
+
+def _vllm_names(body: list[ast.stmt]) -> set[tuple[str, str]]:
+    """(module, name) of the vLLM `from` imports directly in `body` (name "" for `import vllm.x`)."""
+    out: set[tuple[str, str]] = set()
+    for n in body:
+        if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module and n.module.split(".")[0] == "vllm":
+            out |= {(n.module, a.name) for a in n.names}
+        elif isinstance(n, ast.Import):
+            out |= {(a.name, "") for a in n.names if a.name.split(".")[0] == "vllm"}
+    return out
+
+
+def _version_fallbacks(files: list[Path]) -> dict[tuple[str, str], list[set[tuple[str, str]]]]:
+    """Imports that code guards with `try: ... except ImportError: ...` to run on several vLLM
+    versions: each (module, name) of one branch -> the other branch's imports. A name this vLLM
+    lacks is fine when the other branch's imports all resolve."""
+    out: dict[tuple[str, str], list[set[tuple[str, str]]]] = {}
+    for f in files:
+        for t in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(t, ast.Try) and _catches_import_error(t):
+                branches = [_vllm_names(t.body)] + [_vllm_names(h.body) for h in t.handlers]
+                for i, b in enumerate(branches):
+                    for imp in b:
+                        out.setdefault(imp, []).extend(o for j, o in enumerate(branches) if j != i and o)
+    return out
+
+
 def our_files() -> list[Path]:
     return sorted(p for d in OUR_PACKAGES for p in (REPO / d).glob("*.py"))
 
@@ -478,11 +512,26 @@ def check(root: Path) -> Report:
                     rep.problems.append(f"{f.relative_to(REPO)}:{n.lineno}: KVConnectorFactory.{n.attr} "
                                         "does not exist in this vLLM")
     connector = _vllm_imports(our_files())
+    fallbacks = _version_fallbacks(import_files())
+
+    def resolves(module: str, nm: str) -> bool:
+        if not src.exists(module):
+            return False
+        if not nm or src.file(module) is None:
+            return True
+        return nm in src.top_level(module) or src.exists(f"{module}.{nm}")
+
+    def covered(module: str, nm: str) -> bool:
+        """Guarded by a version fallback whose other branch this vLLM has."""
+        return any(all(resolves(*imp) for imp in alt) for alt in fallbacks.get((module, nm), []))
+
     for module, names in sorted(_vllm_imports(import_files()).items()):
         rep.imports_checked += 1 + len(names)
         # The connectors' own imports are problems; the rest of offload/ (the CLI's
         # `kvoffload plan`, ...) are reported as warnings (problems with --strict).
         if not src.exists(module):
+            if all(covered(module, nm) for nm in names or {""}):
+                continue
             out = rep.problems if module in connector else rep.warnings
             out.append(f"{_where(module, None)} imports {module}, which this vLLM does not have")
             continue
@@ -490,7 +539,7 @@ def check(root: Path) -> Report:
             continue  # listed in the wheel, not unpacked: only its existence is checked
         top = src.top_level(module)
         for nm in sorted(names):
-            if nm not in top and not src.exists(f"{module}.{nm}"):
+            if nm not in top and not src.exists(f"{module}.{nm}") and not covered(module, nm):
                 out = rep.problems if nm in connector.get(module, set()) else rep.warnings
                 out.append(f"{_where(module, nm)} imports {nm} from {module}, which this vLLM does not define")
     return rep
