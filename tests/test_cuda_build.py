@@ -124,6 +124,7 @@ def test_falls_back_without_a_device():
     assert int(kv2[:, [0, 1, 2, 4]].abs().sum()) == 0
 
 
+@pytest.mark.long  # `make setup` compiles it on every run (a failure fails setup); 18 s of nvcc
 def test_source_compiles_with_the_venv_nvcc(tmp_path):
     """Compiles csrc/copier_cuda.cu afresh (sm_80 only, to keep it short) with
     the toolchain `make setup` installed: fails as soon as the source stops compiling."""
