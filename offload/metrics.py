@@ -80,11 +80,15 @@ METRICS: dict[str, MetricDef] = {
     "kvoffload_store_throughput_bytes_per_second": MetricDef(
         "gauge", _T, "Bytes per second of the stores completed in the last report (bytes / store time)."),
     "kvoffload_store_queue_bytes": MetricDef("gauge", _T, "Gathered bytes waiting to be written (the store queue)."),
+    "kvoffload_store_queue_limit_bytes": MetricDef(
+        "gauge", _T, "max_pending_store_bytes: past it stores are dropped (backpressure); on the tier the queue is on."),
     "kvoffload_loads_in_flight": MetricDef("gauge", _T, "Loads submitted and not yet finished."),
     "kvoffload_bytes_in_use": MetricDef("gauge", _TG, "Bytes held by the tier (files: the whole cache directory)."),
     "kvoffload_files_in_use": MetricDef("gauge", _TG, "Entries held by the tier (files, or host-memory slots)."),
     "kvoffload_capacity_bytes": MetricDef(
         "gauge", _T, "Capacity of the tier: cpu_bytes, or the size of the cache directory's filesystem."),
+    "kvoffload_budget_bytes": MetricDef(
+        "gauge", _T, "The byte budget the tier enforces by eviction (a file tier's max_bytes); absent without one."),
     "kvoffload_hit_rate": MetricDef(
         "gauge", _T, "Hit tokens / looked-up tokens since the server started (computed in the API server)."),
 }

@@ -1,11 +1,12 @@
 """The alert rules of configs/prometheus/, checked and unit-tested by Prometheus's own `promtool`.
 
-`promtool test rules tests/promtool/alerts_test.yml` evaluates every rule of alerts.yml (with
-limits.yml and a test budget) over synthetic series and compares the alerts, labels and
+`promtool test rules tests/promtool/alerts_test.yml` evaluates every rule of alerts.yml over
+synthetic series and compares the alerts, labels and
 annotations with the expected ones at each evaluation time. These tests run it, check that
 every alert has a case where it fires and one where it stays silent, that a firing case really
 depends on the rule (drop its expectation and promtool fails, naming the alert), and that the
-rules, limits, Prometheus config and runbook agree with each other and with the code.
+rules, Prometheus config and runbook agree with each other and with the code (every metric a
+rule reads is one the code exports).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from conftest import REPO
 
 PROM = REPO / "configs" / "prometheus"
 ALERTS = PROM / "alerts.yml"
-LIMITS = PROM / "limits.yml"
 UNIT = REPO / "tests" / "promtool" / "alerts_test.yml"
 RUNBOOK = REPO / "docs" / "operations.md"
 
@@ -40,12 +40,12 @@ def alert_names() -> list[str]:
 
 
 def test_rules_and_config_pass_promtool_check():
-    r = promtool("check", "rules", str(ALERTS), str(LIMITS))
+    r = promtool("check", "rules", str(ALERTS))
     assert r.returncode == 0, r.stdout + r.stderr
     r = promtool("check", "config", str(PROM / "prometheus.yml"))
     assert r.returncode == 0, r.stdout + r.stderr
     rule_files = yaml.safe_load((PROM / "prometheus.yml").read_text())["rule_files"]
-    assert sorted(rule_files) == ["alerts.yml", "limits.yml"]
+    assert rule_files == ["alerts.yml"]
 
 
 def test_promtool_unit_tests_pass():
@@ -82,13 +82,17 @@ def test_a_firing_case_without_its_expectation_fails(tmp_path):
     assert failed == set(alert_names())
 
 
-def test_limits_match_the_code_defaults():
-    """limits.yml records max_pending_store_bytes at offload/config.py's default."""
-    from offload.config import OffloadConfig
+def test_rules_read_only_metrics_the_code_exports():
+    """The limits the rules compare with are exported by the tiers themselves
+    (kvoffload_store_queue_limit_bytes, kvoffload_budget_bytes), not recorded by hand."""
+    from offload.metrics import METRICS
 
-    rules = {r["record"]: r for g in yaml.safe_load(LIMITS.read_text())["groups"] for r in g["rules"]}
-    default = OffloadConfig.model_fields["max_pending_store_bytes"].default
-    assert rules["kvoffload:max_pending_store_bytes"]["expr"] == f"vector({default})"
+    exprs = " ".join(r["expr"] for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"])
+    used = set(re.findall(r"\b(kvoffload_[a-z_]+)", exprs))
+    exported = set(METRICS) | {f"{m}_total" for m, d in METRICS.items() if d.kind == "counter"} \
+        | {f"{m}_{s}" for m, d in METRICS.items() if d.kind == "histogram" for s in ("bucket", "sum", "count")}
+    assert used and used <= exported, used - exported
+    assert {"kvoffload_store_queue_limit_bytes", "kvoffload_budget_bytes"} <= used
 
 
 def test_every_alert_has_a_runbook_line():

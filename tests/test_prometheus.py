@@ -34,8 +34,9 @@ DASHBOARD = REPO / "configs" / "grafana" / "dashboards" / "kvoffload.json"
 
 def tiered_config(cache: Path) -> dict:
     cfg = shipped_config("hybrid-tiered.json", cache)
-    cpu, _ = tier_dicts(cfg)
+    cpu, fs = tier_dicts(cfg)
     cpu["cpu_bytes"] = 64 << 20
+    fs["max_bytes"] = 1 << 30  # a budget, so that its gauge has a series for the panel and the alert
     return cfg
 
 

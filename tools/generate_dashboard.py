@@ -228,7 +228,8 @@ def rows() -> tuple[Row, ...]:
         Panel("Store queue",
               "Gathered bytes waiting to be written (on the bottom tier of a stack). Stores beyond the tier's "
               "max_pending_store_bytes are dropped (reason backpressure).", "bytes",
-              (Q(f"sum by (tier) (kvoffload_store_queue_bytes{{{T}}})", "{{tier}}"),)),
+              (Q(f"sum by (tier) (kvoffload_store_queue_bytes{{{T}}})", "{{tier}}"),
+               Q(f"sum by (tier) (kvoffload_store_queue_limit_bytes{{{T}}}) > 0", "{{tier}} limit"))),
         Panel("Stored and deduplicated",
               "Prompt tokens stored per second, and stores skipped because the tier already held the entry.",
               "short", (
@@ -257,10 +258,12 @@ def rows() -> tuple[Row, ...]:
     ))
     capacity = Row("Capacity and evictions", (
         Panel("Bytes held against capacity",
-              "Bytes each tier holds, and its capacity: cpu_bytes, LMCache's local_cpu_bytes, or the size of the "
-              "file tier's filesystem.", "bytes", (
+              "Bytes each tier holds, its capacity (cpu_bytes, LMCache's local_cpu_bytes, or the size of the "
+              "file tier's filesystem) and, for a file tier with max_bytes, the budget eviction keeps it within.",
+              "bytes", (
                   Q(f"sum by (tier) (kvoffload_bytes_in_use{{{T}}})", "{{tier}} held"),
-                  Q(f"max by (tier) (kvoffload_capacity_bytes{{{T}}})", "{{tier}} capacity"))),
+                  Q(f"max by (tier) (kvoffload_capacity_bytes{{{T}}})", "{{tier}} capacity"),
+                  Q(f"max by (tier) (kvoffload_budget_bytes{{{T}}})", "{{tier}} budget"))),
         Panel("Capacity used",
               "Bytes held / capacity per tier. A cache at its budget is its steady state; a file tier near 1 "
               "fills its disk.", "percentunit",

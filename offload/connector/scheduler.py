@@ -357,6 +357,8 @@ class SchedulerSide:
                 rec.set("kvoffload_bytes_in_use", nbytes, group_kind=kind)
             if u.capacity_bytes is not None:
                 rec.set("kvoffload_capacity_bytes", u.capacity_bytes)
+            if u.budget_bytes is not None:
+                rec.set("kvoffload_budget_bytes", u.budget_bytes)
             seen = self._reported_evictions[t]
             for g, n in enumerate(u.evictions):
                 if n > seen[g]:

@@ -512,6 +512,7 @@ class WorkerSide:
         last = len(self.recorders) - 1
         for t, rec in enumerate(self.recorders):
             rec.set("kvoffload_store_queue_bytes", queued if t == last else 0)
+            rec.set("kvoffload_store_queue_limit_bytes", self.cfg.max_pending_store_bytes if t == last else 0)
             rec.set("kvoffload_loads_in_flight", len(self._loads) if t == 0 else 0)
 
     def drain(self, timeout_s: float) -> int:

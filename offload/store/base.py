@@ -78,6 +78,7 @@ class TierUsage:
     evictions: tuple[int, ...] = ()  # cumulative since start
     no_room: int = 0  # cumulative stores skipped for lack of room
     capacity_bytes: int | None = None
+    budget_bytes: int | None = None  # what eviction keeps the tier within, where it has a budget
 
 
 @dataclass

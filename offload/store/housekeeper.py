@@ -80,7 +80,7 @@ class Housekeeper:
         except OSError:
             capacity = None
         self._latest = TierUsage(entries=tuple(f for f, _ in per), bytes=tuple(b for _, b in per),
-                                 capacity_bytes=capacity)
+                                 capacity_bytes=capacity, budget_bytes=acct.max_bytes or None)
         return self._latest
 
     def _run(self) -> None:
