@@ -91,7 +91,7 @@ def pinned(eng: Engine) -> int:
 def wait_for_files(path: Path, n: int, timeout: float = 30.0) -> None:
     """The file tier writes on its I/O threads: wait until `n` chunk files are visible."""
     deadline = time.monotonic() + timeout
-    while len(list(path.glob("kvoffload-v1/*/g*/*/*.kv"))) < n:
+    while len(list(path.glob("kvoffload-v2/*/g*/*/*.kv"))) < n:
         assert time.monotonic() < deadline, f"fewer than {n} chunk files under {path} after {timeout}s"
         time.sleep(0.01)
 
@@ -558,7 +558,7 @@ def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make,
         if snapshot is None and a.num_computed_tokens >= HIT:
             snapshot = eng.worker.blocks_bytes(table(eng, "a")[:HIT // BS])
     assert snapshot is not None and len(reserved) == HIT // CHUNK
-    assert not list((tmp_path / "cache").glob("kvoffload-v1/*/g*/*/*.kv")), "a write landed while held"
+    assert not list((tmp_path / "cache").glob("kvoffload-v2/*/g*/*/*.kv")), "a write landed while held"
     assert eng.scheduler.reset_prefix_cache()
     eng.worker.scramble()
 
@@ -569,7 +569,7 @@ def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make,
     dest = table(eng, "b")[:HIT // BS]
     eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV and b.num_computed_tokens > HIT)
     assert_same_bytes(eng.worker.blocks_bytes(dest), snapshot, "restored from the queued write")
-    assert not list((tmp_path / "cache").glob("kvoffload-v1/*/g*/*/*.kv")), "a write landed while held"
+    assert not list((tmp_path / "cache").glob("kvoffload-v2/*/g*/*/*.kv")), "a write landed while held"
     release.set()
     eng.run_to_completion()
     assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
