@@ -1,0 +1,95 @@
+"""Partial tails on a real engine: the tiny hybrid served with vLLM's
+`--prefix-match-unit`, restarted, restores to the same unit-aligned boundary
+vLLM's own prefix cache hits in one process.
+
+Four engine processes, same flags (`engine_args(True)` plus the unit), our
+connector configured in each:
+- own: one pass [A, A, next turn of A, a prompt sharing 200 tokens with A] on
+  an empty directory. vLLM's own cache serves the repeats (asserted: nothing
+  restored), so its cached tokens are what vLLM hits in-process.
+- ref: [A, next turn, shared] with prefix caching skipped per request (nothing
+  read from vLLM's cache or ours): the cold reference tokens.
+- cold: A alone on directory D: stores chunk 0 and A's tail.
+- restart: a new process on D, [A], [next turn], [shared] in passes of their
+  own (vLLM's cache emptied in between): each restores exactly what vLLM's own
+  cache hit, and greedy tokens equal the cold reference's.
+The tail files are canonical: the same prompt writes byte-identical files in
+two engines (D and the own run's directory).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import CHUNK, engine_args, random_prompt, shipped_config, side_by_side
+from offload.engine_run import RunSpec, run_engine
+from offload.store.format import HEADER_LEN, ChunkHeader
+
+pytestmark = pytest.mark.e2e
+
+UNIT = CHUNK // 2  # divides the tiny hybrid's block (= its chunk): vLLM hits every UNIT tokens
+rng = random.Random(22)
+A = random_prompt(rng, 2 * CHUNK - 6)  # its tail, (len - 1) // UNIT * UNIT, lies inside chunk 1
+NEXT_TURN = A + random_prompt(rng, 40)
+SHARED = A[:200] + random_prompt(rng, 30)
+TAIL = (len(A) - 1) // UNIT * UNIT
+
+
+def _args() -> dict:
+    return {**engine_args(True), "prefix_match_unit": UNIT}
+
+
+def _runs(models_dir, tmp_path):
+    model = str(models_dir / "qwen3-next-tiny")
+    d, e, f = tmp_path / "d", tmp_path / "e", tmp_path / "f"
+    for p in (d, e, f):
+        p.mkdir()
+    own, ref, cold = side_by_side(
+        lambda: run_engine(RunSpec(model, [A, NEXT_TURN, SHARED], shipped_config("fs.json", e), 12, _args(),
+                                   order=[[0, 0, 1, 2]])),
+        lambda: run_engine(RunSpec(model, [A, NEXT_TURN, SHARED], shipped_config("fs.json", f), 12, _args(),
+                                   skip_prefix_cache=True)),
+        lambda: run_engine(RunSpec(model, [A], shipped_config("fs.json", d), 12, _args())))
+    a_files = {p.relative_to(d): p.read_bytes() for p in d.glob("kvoffload-v2/*/g*/*/*.kv")}
+    restart = run_engine(RunSpec(model, [A, NEXT_TURN, SHARED], shipped_config("fs.json", d), 12, _args(),
+                                 order=[[0], [1], [2]]))
+    return {"own": own, "ref": ref, "cold": cold, "restart": restart, "a_files": a_files, "e": e}
+
+
+@pytest.fixture(scope="module")
+def runs(prefetched):
+    return prefetched(_runs)
+
+
+@pytest.mark.prefetch.with_args(_runs)
+def test_restart_restores_what_vllms_own_cache_hits_at_the_unit(runs):
+    own, ref, cold, restart = runs["own"], runs["ref"], runs["cold"], runs["restart"]
+    assert TAIL % CHUNK and TAIL < len(A)
+    for run in (own, ref, cold):
+        assert run.restored_tokens == 0, "the references restore nothing"
+    assert ref.cached_tokens == 0, "the cold reference computes every token"
+    vllm_hits = [r.cached_tokens for r in own.results[1:]]  # A again, its next turn, the shared prefix
+    assert vllm_hits[0] > len(A) // CHUNK * CHUNK, f"vLLM hits {vllm_hits} are not inside a block: no unit?"
+    restored = [r.restored_tokens for r in restart.results]
+    assert restored == vllm_hits, (restored, vllm_hits)
+    assert [r.cached_tokens for r in restart.results] == restored  # all of it from the tier, after a restart
+    assert not any(r.load_failed for r in restart.results)
+    assert cold.results[0].output_ids == ref.results[0].output_ids
+    assert [r.output_ids for r in restart.results] == [r.output_ids for r in ref.results]
+
+
+@pytest.mark.prefetch.with_args(_runs)
+def test_tail_files_are_byte_identical_across_engines(runs):
+    """The files of A that the cold engine wrote (chunk 0 and A's tail, in
+    both groups; the tail headed [chunk start, tail)) were written by the own
+    run's engine too, with the same bytes."""
+    files = runs["a_files"]
+    other = {p.relative_to(runs["e"]): p.read_bytes() for p in runs["e"].glob("kvoffload-v2/*/g*/*/*.kv")}
+    heads = sorted((h.group, h.token_start, h.token_end) for h in
+                   (ChunkHeader.unpack(data[:HEADER_LEN]) for data in files.values()))
+    start = TAIL // CHUNK * CHUNK
+    assert heads == [(0, 0, CHUNK), (0, start, TAIL), (1, 0, CHUNK), (1, start, TAIL)], heads
+    for name, data in files.items():
+        assert other.get(name) == data, f"{name}: differs between two engines that stored the same prompt"
