@@ -243,6 +243,11 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
                            "but a prefix shared by prompts that differ after it does not. For a state at every "
                            "%d-token chunk boundary set: %s (docs/operations.md#plan)",
                            self.planner.chunk_size, " ".join(lost))
+        if plan.prefix_match_unit and self.planner.tail_unit is None:
+            logger.warning("OffloadConnector: vLLM runs without a usable --prefix-match-unit, so its prefix cache "
+                           "and this connector hit only at whole %d-token chunks, and a repeated prompt or the next "
+                           "turn of a conversation recomputes everything behind the last one. Set %s",
+                           self.planner.chunk_size, plan.prefix_match)
         _check_cpu_core_reservation(vllm_config)
 
     # ---- scheduler side ---------------------------------------------------------
