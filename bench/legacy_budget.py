@@ -1,6 +1,6 @@
 """The byte budget as it was before the ledger (offload/store/budget.py at
 commit 719a14d), kept verbatim as bench/scale.py's baseline: every pass walks
-the whole of `<path>/kvoffload-v1/` (a stat per file, a header read per new
+the whole of `<path>/kvoffload-v2/` (a stat per file, a header read per new
 file) and every eviction round rebuilds its leaf heap from all entries. Not
 used by the connector."""
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _group_of(top: Path, d: str) -> tuple[str, int] | None:
 
 class LegacyDirBudget:
     def __init__(self, top: Path, max_bytes: int, low_water: float = 0.8, rescan_s: float = 1.0) -> None:
-        self.top = top  # <path>/kvoffload-v1
+        self.top = top  # <path>/kvoffload-v2
         self.max_bytes = max_bytes
         self.target = int(max_bytes * low_water)
         self.rescan_s = rescan_s

@@ -71,6 +71,9 @@ class RunSpec:
     gated: bool = False
     # After the last pass, stay up until killed (stores may still be in flight).
     hold: bool = False
+    # Requests read no prefix cache (vLLM's own nor a connector's): a cold
+    # reference for prompts that share prefixes, in one engine.
+    skip_prefix_cache: bool = False
 
     def pass_orders(self) -> list[list[int]]:
         return self.order if self.order is not None else [list(range(len(self.prompts)))] * self.passes
@@ -274,7 +277,8 @@ def _serve(spec: RunSpec, workdir: Path) -> None:
         # connector warns about it; docs/operations.md). Let them land.
         kw.setdefault("shutdown_timeout", 60)
     llm = LLM(model=spec.model, disable_log_stats=False, **kw)
-    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True,
+                            skip_reading_prefix_cache=spec.skip_prefix_cache or None)
     with open(workdir / "results.jsonl", "a") as out:
         for p, indices in enumerate(spec.pass_orders()):
             if p:

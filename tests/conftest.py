@@ -88,7 +88,7 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
 
 def layouts(cache: Path) -> dict[str, dict]:
     """layout.json of every fingerprint directory, by directory name."""
-    return {p.parent.name: json.loads(p.read_text()) for p in cache.glob("kvoffload-v1/*/layout.json")}
+    return {p.parent.name: json.loads(p.read_text()) for p in cache.glob("kvoffload-v2/*/layout.json")}
 
 
 # ---- running engines side by side --------------------------------------------------------------

@@ -74,7 +74,7 @@ def copy_cache(warm, tmp_path) -> Path:
 
 def fp_dir(cache: Path) -> tuple[Path, dict]:
     [(name, lay)] = list(layouts(cache).items())
-    return cache / "kvoffload-v1" / name, lay
+    return cache / "kvoffload-v2" / name, lay
 
 
 def files_of(cache: Path, prompt: list[int], group: int) -> list[Path]:

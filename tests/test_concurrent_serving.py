@@ -250,7 +250,7 @@ def page_sizes(cache: Path) -> dict[str, float]:
     """Bytes a restore moves, by group kind, from the files our filesystem tier wrote (the CPU tier
     uses the same pages): full attention per token, a Mamba/GDN state per load."""
     sizes: dict[str, float] = {}
-    for f in cache.glob("kvoffload-v1/*/g*/*/*.kv"):
+    for f in cache.glob("kvoffload-v2/*/g*/*/*.kv"):
         h = ChunkHeader.unpack(f.read_bytes()[:HEADER_LEN])
         if h.kind.value == "full_attention":
             sizes.setdefault(h.kind.value, h.page_bytes * h.num_pages / (h.token_end - h.token_start))

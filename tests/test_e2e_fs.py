@@ -42,7 +42,7 @@ def chunk_files(cache: Path, model: str, prompt: list[int], group: int) -> list[
     from the fingerprint the connector recorded in layout.json."""
     [(dirname, lay)] = [(d, lay) for d, lay in layouts(cache).items() if lay["model"].endswith(model)]
     keys = chunk_keys(request_root(bytes.fromhex(lay["base_fingerprint"])), prompt, CHUNK)
-    base = cache / "kvoffload-v1" / dirname / f"g{group}"
+    base = cache / "kvoffload-v2" / dirname / f"g{group}"
     return [base / k.hex()[:2] / f"{k.hex()}.kv" for k in keys]
 
 
@@ -180,7 +180,7 @@ def test_two_models_sharing_a_directory_never_hit_each_other(llama):
 def test_same_prompts_produce_byte_identical_files(llama):
     def files(cache: Path) -> dict[str, bytes]:
         [d] = [d for d, lay in layouts(cache).items() if lay["model"].endswith("llama-tiny")]
-        root = cache / "kvoffload-v1" / d
+        root = cache / "kvoffload-v2" / d
         return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*.kv")}
 
     a, b = files(llama["shared"]), files(llama["other"])

@@ -66,7 +66,7 @@ def crc32c_ref(data: bytes) -> int:
 
 def raw_header(**over) -> bytes:
     """A header built by hand from the documented layout, with a valid CRC."""
-    f = dict(magic=MAGIC, version=1, header_len=128, group=1, kind=1, fingerprint=b"F" * 32,
+    f = dict(magic=MAGIC, version=2, header_len=128, group=1, kind=1, fingerprint=b"F" * 32,
              key=b"K" * 32, token_start=256, token_end=512, num_pages=NPAGES, page_bytes=PAGE,
              payload_len=NPAGES * PAGE, payload_crc=0x12345678, parent=bytes(8))
     f.update(over)
@@ -112,7 +112,7 @@ def test_pack_matches_documented_layout():
     assert len(raw) == HEADER_LEN == 128
     fields = dict(zip(FIELD_OFFSETS, LAYOUT.unpack(raw)))
     assert fields == {
-        "magic": b"KVOFFLD\x00", "version": 1, "header_len": 128, "group": 7, "kind": 4,
+        "magic": b"KVOFFLD\x00", "version": 2, "header_len": 128, "group": 7, "kind": 4,
         "fingerprint": FP, "key": key_of("A"), "token_start": 1024, "token_end": 1280,
         "num_pages": 1, "page_bytes": 65536, "payload_len": 65536, "payload_crc": 0xDEADBEEF,
         "parent": b"P" * 8, "header_crc": crc32c_ref(raw[:124]),
@@ -168,7 +168,7 @@ def test_bad_magic_is_named():
         ChunkHeader.unpack(raw_header(magic=b"KVOFFLD\x01"))
 
 
-@pytest.mark.parametrize("version", [0, 2, 7, 65535])
+@pytest.mark.parametrize("version", [0, 1, 3, 7, 65535])
 def test_other_format_version_is_refused_by_number(version):
     with pytest.raises(FormatError, match=rf"version {version}\b"):
         ChunkHeader.unpack(raw_header(version=version))
@@ -225,8 +225,8 @@ def store(tmp_path: Path) -> FileStore:
 def test_file_path_follows_documented_layout(tmp_path):
     s = FileStore.open(str(tmp_path), FP)
     k = key_of("A")
-    assert s.root == tmp_path / "kvoffload-v1" / FP.hex()
-    assert s.file_path(3, k) == tmp_path / "kvoffload-v1" / FP.hex() / "g3" / k.hex()[:2] / f"{k.hex()}.kv"
+    assert s.root == tmp_path / "kvoffload-v2" / FP.hex()
+    assert s.file_path(3, k) == tmp_path / "kvoffload-v2" / FP.hex() / "g3" / k.hex()[:2] / f"{k.hex()}.kv"
 
 
 @pytest.mark.parametrize("fsync", [False, True])

@@ -126,14 +126,14 @@ def test_chunk_keys_accepts_numpy_tokens():
 
 def test_fingerprint_known_answer_includes_format_version():
     fields = base_fields()
-    doc = json.dumps({"format_version": 1, **fields}, sort_keys=True, separators=(",", ":"))
-    assert keys.FORMAT_VERSION == 1
+    doc = json.dumps({"format_version": 2, **fields}, sort_keys=True, separators=(",", ":"))
+    assert keys.FORMAT_VERSION == 2
     assert fingerprint(fields) == hashlib.sha256(doc.encode()).digest()
 
 
 def test_fingerprint_changes_with_format_version(monkeypatch):
     before = fingerprint(base_fields())
-    monkeypatch.setattr(keys, "FORMAT_VERSION", 2)
+    monkeypatch.setattr(keys, "FORMAT_VERSION", 3)
     assert fingerprint(base_fields()) != before
 
 
@@ -355,3 +355,18 @@ def test_salt_changes_every_chunk_key():
     a = chunk_keys(request_root(fp), toks, CHUNK)
     b = chunk_keys(request_root(fp, ["salt:t"]), toks, CHUNK)
     assert not set(a) & set(b)
+
+
+def test_tail_key_chains_from_its_chunk_parent_and_never_equals_a_chunk_key():
+    from offload.keys import TAIL_TAG, tail_key
+
+    root = hashlib.sha256(b"r").digest()
+    toks = tokens(2 * CHUNK, seed=9)
+    chain = chunk_keys(root, toks, CHUNK)
+    t = tail_key(chain[0], toks[CHUNK:CHUNK + 64])
+    assert t == hashlib.sha256(chain[0] + TAIL_TAG + np.asarray(toks[CHUNK:CHUNK + 64], "<u4").tobytes()).digest()
+    assert t not in chain and tail_key(chain[0], toks[CHUNK:2 * CHUNK]) != chain[1]  # a whole chunk's tokens too
+    assert tail_key(root, toks[:64]) != tail_key(chain[0], toks[:64])  # the parent is in the key
+    assert tail_key(chain[0], toks[CHUNK:CHUNK + 64]) == t  # deterministic: no process-local state
+    with pytest.raises(ValueError):
+        tail_key(chain[0], [])

@@ -353,3 +353,27 @@ def test_import_is_cheap():
                         "import offload.cli.plan; print(sorted(a), 'vllm' in sys.modules)"],
                        cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     assert r.stdout.strip() == "[] False"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_prefix_match_unit_fits_the_blocks_or_the_plan_says_why_not(plans, name):
+    """A unit divides every group's block (vLLM refuses it otherwise) and is
+    finer than the smallest; where vLLM gives no sub-block hits (attention
+    only; Mamba2 layers that export their tail state inside the forward, as
+    Nemotron-H's do) the plan prints no flag but the reason."""
+    plan = plan_of(plans, name)
+    kinds = {g.kind for g in plan.groups}
+    text = plan.describe()
+    if plan.prefix_match_unit is not None:
+        assert all(b % plan.prefix_match_unit == 0 for b in plan.block_sizes)
+        assert plan.prefix_match_unit < min(plan.block_sizes) and "mamba" in kinds
+        assert f"--prefix-match-unit {plan.prefix_match_unit}:" in text and "cost:" in text
+        assert plan.planner().__class__(plan.specs, plan.hybrid_chunk_size,
+                                        tail_unit=plan.prefix_match_unit).tail_unit == plan.prefix_match_unit
+    else:
+        assert plan.prefix_match.startswith("no prefix-match unit:") and plan.prefix_match in text
+        assert "--prefix-match-unit" not in text
+    if name.startswith("nemotron"):
+        assert plan.prefix_match_unit is None and "inside the forward pass" in plan.prefix_match
+    if kinds == {"full_attention"}:
+        assert plan.prefix_match_unit is None

@@ -217,3 +217,49 @@ def test_group_spec_validation():
     with pytest.raises(ValueError):
         GroupSpec(FULL, 0, 1, 1)
     assert GroupKind.FULL_ATTENTION.grows_with_sequence and not GroupKind.MAMBA.grows_with_sequence
+
+
+# ---- partial tails (vLLM's prefix-match unit) ----------------------------------------------------
+
+
+def test_tail_unit_is_used_only_where_vllm_can_hit_inside_a_chunk():
+    assert HybridOffloadPlanner(qwen35_like(1152), tail_unit=64).tail_unit == 64
+    assert HybridOffloadPlanner(qwen35_like(1152), tail_unit=1152).tail_unit is None  # the chunk itself
+    assert HybridOffloadPlanner(qwen35_like(544), tail_unit=64).tail_unit is None  # 544 % 64: not a divisor
+    assert HybridOffloadPlanner(pure_attention(), tail_unit=8).tail_unit is None  # no Mamba state to place
+    windowed = gemma3_like() + [GroupSpec(MAMBA, 16, 100, 1)]
+    assert HybridOffloadPlanner(windowed, tail_unit=8).tail_unit is None  # windowed groups: chunk boundaries only
+
+
+def test_tail_boundary_is_vllms_prompt_checkpoint():
+    p = HybridOffloadPlanner(qwen35_like(1152), tail_unit=64)
+    assert p.tail_boundary(3000) == 2944  # (3000 - 1) // 64 * 64, inside chunk 2
+    assert p.tail_boundary(3120) == 3072
+    assert p.tail_boundary(2305) == 0  # 2304 is a chunk boundary: a whole-chunk hit
+    assert p.tail_boundary(40) == 0  # no unit before the last token
+    assert HybridOffloadPlanner(qwen35_like(1152)).tail_boundary(3000) == 0
+
+
+def test_lookup_prefers_the_longest_tail_whose_every_group_is_stored():
+    groups = qwen35_like(1152)
+    p = HybridOffloadPlanner(groups, tail_unit=64)
+    full = {(g, c) for g in range(len(groups)) if groups[g].kind is FULL for c in (0, 1)}
+    tails = {(g, 2944) for g in range(len(groups))}
+    tails |= {(g, 2368) for g in range(len(groups)) if g != 1}  # one GDN group lacks the 2368 state
+
+    def lookup(n, computed=0, tails=tails):
+        return p.lookup(n, lambda g, c: (g, c) in full, computed, present_tail=lambda g, t: (g, t) in tails)
+
+    hit = lookup(3120)  # the next turn: chunks 0-1 whole, then the tail at 2944
+    assert (hit.chunks, hit.tail, hit.chunks * 1152 + hit.tail) == (2, 640, 2944)
+    assert lookup(3000).tail == 640  # the repeat: 2944 = its own tail
+    assert lookup(2944 + 1).tail == 640 and lookup(2944).tail == 0  # a hit stops before the last token
+    assert lookup(3120, tails={(g, 2944) for g in range(len(groups)) if g != 3}).tail == 0  # attention's missing
+    # No tail stored: no Mamba state at 2304 either, so nothing is restorable.
+    assert (lookup(3120, tails=set()).chunks, lookup(3120, tails=set()).tail) == (0, 0)
+    assert lookup(3120, computed=2944).chunks == 0  # vLLM's own hit covers it already
+    # Needed entries: the whole chunks past vLLM's own hit, then each group's tail entry.
+    needed = p.needed(3, 2, 1152, tail=640)
+    assert [(gc.chunk, gc.tail_end, list(gc.blocks)) for gc in needed] == [(1, None, [1]), (2, 2944, [2])]
+    assert p.blocks_to_load(0, 2, 1152, tail=640) == {2}  # the state at 2944 sits in the block holding 2943
+    assert p.needed(0, 2, 0, tail=640)[0].state_at == 2944

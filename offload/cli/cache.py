@@ -1,6 +1,6 @@
 """Read-only view of a cache directory, shared by `stats`, `fsck` and `gc`.
 
-`scan(PATH)` walks `<PATH>/kvoffload-v1/<fingerprint>/...` (docs/format.md),
+`scan(PATH)` walks `<PATH>/kvoffload-v2/<fingerprint>/...` (docs/format.md),
 classifies every entry and reads each chunk file's 128-byte header. `chunks()`
 groups a fingerprint directory's good files by chunk key and links them into
 chains with the header's `parent` field, which is what `gc` needs to evict
@@ -94,7 +94,7 @@ class FpDir:
 
 @dataclass
 class Cache:
-    root: Path  # <PATH>/kvoffload-v1
+    root: Path  # <PATH>/kvoffload-v2
     dirs: list[FpDir]
     other: list[tuple[Path, str]]  # entries under root that are not fingerprint directories
     other_versions: list[Path]  # kvoffload-v<N> directories of another format version (not ours to judge)
@@ -102,7 +102,7 @@ class Cache:
 
 
 def find_root(path: str | Path) -> Path:
-    """Accept the configured `path`, its kvoffload-v1 directory, or a fingerprint directory."""
+    """Accept the configured `path`, its kvoffload-v2 directory, or a fingerprint directory."""
     p = Path(path)
     if not p.is_dir():
         raise NotACache(f"{p}: not a directory")
@@ -135,7 +135,7 @@ def scan(path: str | Path, verify_payloads: bool = False) -> Cache:
 
 
 def tree_bytes(root: Path) -> tuple[int, int]:
-    """(files, bytes) of every regular file under kvoffload-v1/ `root` but
+    """(files, bytes) of every regular file under kvoffload-v2/ `root` but
     temporary files in flight and the ledger: what the ledger accounts for,
     measured by a walk."""
     files = total = 0
@@ -153,7 +153,7 @@ def tree_bytes(root: Path) -> tuple[int, int]:
 
 
 def ledger_view(root: Path, walk: bool = True) -> dict:
-    """What the connector's account says about kvoffload-v1/ `root`, read
+    """What the connector's account says about kvoffload-v2/ `root`, read
     only: the newest snapshot and every log since (a walk only where there is
     no snapshot), per fingerprint and group, and the time it took. With
     `walk`, also what a walk finds and the difference (drift)."""
@@ -248,8 +248,10 @@ def _check(fp: FpDir, cf: ChunkFile, verify: bool, kinds: dict[int, GroupKind]) 
             if h.key.hex() != cf.key or h.fingerprint.hex() != fp.path.name or h.group != cf.group:
                 raise FormatError("header identity (key, fingerprint or group) does not match the file's place")
             cs = fp.chunk_size
-            if cs and (h.token_start % cs or h.token_end - h.token_start != cs):
-                raise FormatError(f"token range [{h.token_start}, {h.token_end}) is not one chunk of {cs}")
+            # One chunk, or a partial tail: from a chunk start to a boundary inside it (docs/format.md).
+            if cs and (h.token_start % cs or not 0 < h.token_end - h.token_start <= cs):
+                raise FormatError(f"token range [{h.token_start}, {h.token_end}) is neither one chunk of {cs} "
+                                  "nor a partial tail inside one")
             kind = kinds.get(cf.group)
             if kind is not None and kind is not h.kind:
                 raise FormatError(f"kind {h.kind.value}, layout.json says g{cf.group} is {kind.value}")

@@ -11,14 +11,14 @@ chunk range = layout.json), and the payload CRC-32C. Also finds:
 - files of unknown layout: chunk files in a fingerprint directory without a
   readable layout.json, or in a group that layout.json does not list;
   entries that are not named as the format says, and symbolic links
-  (never followed). Entries directly under kvoffload-v1/ that are not
+  (never followed). Entries directly under kvoffload-v2/ that are not
   fingerprint directories are reported and left to the operator;
 - chain holes: a chunk whose parent chunk (header `parent`) is missing or
   incomplete. The lookup's binary search could step over the hole and report
   a hit whose load fails (a recompute, never wrong output, but a waste).
 
 It also compares the usage the engines account for (the ledger:
-kvoffload-v1/ledger-v1/, docs/format.md) with what the walk found, and
+kvoffload-v2/ledger-v1/, docs/format.md) with what the walk found, and
 prints the difference; that is not a problem by itself (writes in flight,
 and the engines correct drift at each reconcile).
 
@@ -53,7 +53,7 @@ EXIT_CLEAN, EXIT_PROBLEMS, EXIT_USAGE, EXIT_REPAIRED = 0, 1, 2, 3
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fsck", help="verify headers and checksums; find orphaned tmp files and unknown layouts",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", help="the connector's 'path' (or its kvoffload-v1/ or a fingerprint directory)")
+    p.add_argument("path", help="the connector's 'path' (or its kvoffload-v2/ or a fingerprint directory)")
     p.add_argument("--repair", action="store_true", help="quarantine bad files, delete orphaned tmp files and "
                    "chunks below chain holes")
     p.add_argument("--tmp-age", type=float, default=DEFAULT_ORPHAN_AGE_S, metavar="SECONDS",

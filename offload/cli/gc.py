@@ -36,7 +36,7 @@ never). gc and fsck read headers with O_NOATIME, so they do not count as
 use. "--lru mtime" ignores atime.
 
 N accepts suffixes K, M, G, T (powers of 1024: 512M = 512 MiB) and counts
-every file under PATH but the ledger (kvoffload-v1/ledger-v1/, the usage
+every file under PATH but the ledger (kvoffload-v2/ledger-v1/, the usage
 accounting's records, outside the budget as in the connector). Every file gc
 deletes is recorded in its own ledger log, so the engines' usage accounting
 follows without a walk. Run gc while no engine serves from PATH, or accept that a chunk evicted
@@ -68,7 +68,7 @@ def parse_size(s: str) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gc", help="evict least recently used chunks until the directory fits in N bytes",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", help="the connector's 'path' (or its kvoffload-v1/ or a fingerprint directory)")
+    p.add_argument("path", help="the connector's 'path' (or its kvoffload-v2/ or a fingerprint directory)")
     p.add_argument("--max-bytes", type=parse_size, required=True, metavar="N", help="e.g. 1073741824, 512M, 2G")
     p.add_argument("--lru", choices=("atime", "mtime"), default="atime",
                    help="recency: max(atime, mtime) (default), or mtime (when stored) only")

@@ -34,6 +34,7 @@ from offload.plan import check_chunk_size, plan_from_engine
 from offload.planner import ChunkSizeError, HybridOffloadPlanner
 from offload.store import tier_spec
 from offload.store.base import OptionError, TierContext, TierIndex, TierSpec
+from offload.tailmask import TokenMap
 
 if TYPE_CHECKING:
     import torch
@@ -103,6 +104,15 @@ def _flags_losing_hits(vllm_config: VllmConfig, planned: dict[str, Any]) -> list
     if retention is not None and (retention == 0 or chunk % retention):
         lost.append(f"--prefix-cache-retention-interval {chunk} (now {retention})")
     return lost
+
+
+def _tail_unit(kv_cache_config: KVCacheConfig) -> int | None:
+    """The token unit vLLM's own prefix cache hits at (`--prefix-match-unit`
+    on a hybrid in 'align' mode), set by the engine core on the KVCacheConfig
+    before any connector exists; None where it is not set. The planner uses
+    it for partial tails only where it is finer than a chunk."""
+    unit = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
+    return unit if isinstance(unit, int) and unit > 0 else None
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
@@ -225,7 +235,8 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
                               f"(pipeline_parallel_size={pc.pipeline_parallel_size}); use 1")
         specs = group_specs(kv_cache_config)
         try:
-            self.planner = HybridOffloadPlanner(specs, self.cfg.hybrid_chunk_size)
+            self.planner = HybridOffloadPlanner(specs, self.cfg.hybrid_chunk_size,
+                                                tail_unit=_tail_unit(kv_cache_config))
             check_chunk_size(specs, self.cfg.hybrid_chunk_size)
         except ChunkSizeError as e:
             raise ConfigError(f"{EXTRA_CONFIG}.{e}") from None
@@ -255,7 +266,21 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
             names = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
             self._worker = WorkerSide(self.cfg, self.planner, ctx.fingerprint,
-                                      lambda device: [t.data(device) for t in self.tiers], names, self.recorders)
+                                      lambda device: [t.data(device) for t in self.tiers], names, self.recorders,
+                                      token_map=self._token_map)
+
+    def _token_map(self, group: int, tensor: torch.Tensor) -> TokenMap:
+        """Which token owns each element of a block page of `tensor` (a layer
+        of attention group `group`), from the layer's own cache write."""
+        spec = self._kv_cache_config.kv_cache_groups[group].kv_cache_spec
+        name = self._kv_cache_config.kv_cache_groups[group].layer_names[0]
+        layer = self._vllm_config.compilation_config.static_forward_context[name]
+
+        def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+            layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
+
+        return TokenMap.probe(write, tuple(tensor.shape[1:]), tensor.dtype, spec.block_size, spec.num_kv_heads,
+                              spec.head_size, self._vllm_config.model_config.dtype)
 
     def _where(self, i: int) -> str:
         return "" if "tiers" not in (self._vllm_config.kv_transfer_config.kv_connector_extra_config or {}) \
@@ -305,6 +330,11 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
                            "but a prefix shared by prompts that differ after it does not. For a state at every "
                            "%d-token chunk boundary set: %s (docs/operations.md#plan)",
                            self.planner.chunk_size, " ".join(lost))
+        if plan.prefix_match_unit and self.planner.tail_unit is None:
+            logger.warning("OffloadConnector: vLLM runs without a usable --prefix-match-unit, so its prefix cache "
+                           "and this connector hit only at whole %d-token chunks, and a repeated prompt or the next "
+                           "turn of a conversation recomputes everything behind the last one. Set %s",
+                           self.planner.chunk_size, plan.prefix_match)
         _check_cpu_core_reservation(vllm_config)
 
     # ---- scheduler side ---------------------------------------------------------

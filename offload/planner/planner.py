@@ -28,14 +28,21 @@ class ChunkSizeError(ValueError):
     """`hybrid_chunk_size` does not fit the model's KV cache groups."""
 
 
+# present_tail(group, boundary) -> is the group's partial-tail entry ending at
+# `boundary` (inside a chunk) stored?
+TailProbe = Callable[[GroupIndex, int], bool]
+
+
 @dataclass(frozen=True)
 class Lookup:
-    """Result of a lookup: `chunks` restorable now, and `full_prefix`, the
+    """Result of a lookup: `chunks` whole chunks restorable now, plus `tail`
+    tokens of a partial tail past them (0: none), and `full_prefix`, the
     chunks every full-attention group is known to hold (they need not be
     stored again)."""
 
     chunks: int
     full_prefix: int
+    tail: int = 0
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,10 @@ class GroupChunk:
     chunk: ChunkIndex
     blocks: range
     state_at: int | None = None
+    # A partial tail entry: the prefix up to `tail_end`, a boundary inside
+    # `chunk` (attention: the chunk's blocks up to the one holding token
+    # tail_end - 1, that one masked past it; Mamba: the state at tail_end).
+    tail_end: int | None = None
 
 
 class HybridOffloadPlanner:
@@ -63,7 +74,8 @@ class HybridOffloadPlanner:
     `full_prompt_hits`).
     """
 
-    def __init__(self, groups: Sequence[GroupSpec], chunk_size: int | None = None) -> None:
+    def __init__(self, groups: Sequence[GroupSpec], chunk_size: int | None = None,
+                 tail_unit: int | None = None) -> None:
         if not groups:
             raise ValueError("a model needs at least one KV cache group")
         self.groups: tuple[GroupSpec, ...] = tuple(groups)
@@ -71,6 +83,17 @@ class HybridOffloadPlanner:
             chunk_size = self.default_chunk_size(self.groups)
         self.validate_chunk_size(self.groups, chunk_size)
         self.chunk_size = chunk_size
+        self.tail_unit: int | None = None
+        """Token unit of partial tails (vLLM's prefix-match unit), or None:
+        hits only at chunk boundaries. Set only when it can be used: it
+        divides every block size, is finer than the chunk, and the groups are
+        full attention and Mamba/GDN (with at least one of each); windowed
+        groups keep chunk-boundary hits."""
+        kinds = {g.kind for g in self.groups}
+        if (isinstance(tail_unit, int) and 0 < tail_unit < chunk_size
+                and not any(g.block_size % tail_unit for g in self.groups)
+                and kinds == {GroupKind.FULL_ATTENTION, GroupKind.MAMBA}):
+            self.tail_unit = tail_unit
         self._full = [GroupIndex(i) for i, g in enumerate(self.groups) if g.kind is GroupKind.FULL_ATTENTION]
         self._other = [GroupIndex(i) for i, g in enumerate(self.groups) if g.kind is not GroupKind.FULL_ATTENTION]
         self.full_prompt_hits = all(g.kind is GroupKind.FULL_ATTENTION for g in self.groups)
@@ -155,11 +178,30 @@ class HybridOffloadPlanner:
         first = max(start, self._window_start(spec, end)) // bs
         return GroupChunk(group, chunk, range(min(first, end // bs), end // bs))
 
-    def needed(self, group: GroupIndex, n_chunks: int, computed_tokens: int = 0) -> list[GroupChunk]:
-        """Files of `group` a hit of `n_chunks` needs beyond `computed_tokens`
-        (vLLM's own block-aligned prefix-cache hit, already in place)."""
+    def stored_tail(self, group: GroupIndex, chunk: ChunkIndex, boundary: int) -> GroupChunk:
+        """Contents of the partial-tail entry of `group` ending at `boundary`,
+        inside `chunk`: full attention, the chunk's blocks up to the one
+        holding token `boundary - 1` (its slots from `boundary` on are zero);
+        Mamba, the state at `boundary`."""
+        spec = self.groups[group]
+        start = chunk * self.chunk_size
+        if not start < boundary < start + self.chunk_size:
+            raise ValueError(f"a tail boundary {boundary} must lie inside chunk {chunk}")
+        if spec.kind is GroupKind.MAMBA:
+            return GroupChunk(group, chunk, range(0), state_at=boundary, tail_end=boundary)
+        bs = spec.block_size
+        return GroupChunk(group, chunk, range(start // bs, -(-boundary // bs)), tail_end=boundary)
+
+    def needed(self, group: GroupIndex, n_chunks: int, computed_tokens: int = 0, tail: int = 0) -> list[GroupChunk]:
+        """Entries of `group` a hit of `n_chunks` whole chunks plus `tail`
+        tokens needs beyond `computed_tokens` (vLLM's own block-aligned
+        prefix-cache hit, already in place)."""
         spec = self.groups[group]
         boundary = n_chunks * self.chunk_size
+        if tail:
+            end = boundary + tail
+            whole = self.needed(group, n_chunks, computed_tokens) if spec.kind is not GroupKind.MAMBA else []
+            return whole + [self.stored_tail(group, ChunkIndex(n_chunks), end)]
         if spec.kind is GroupKind.MAMBA:
             return [self.stored(group, ChunkIndex(n_chunks - 1))]
         if spec.kind is GroupKind.FULL_ATTENTION:
@@ -171,21 +213,31 @@ class HybridOffloadPlanner:
         first_chunk = first_token // self.chunk_size
         return [self.stored(group, ChunkIndex(c)) for c in range(first_chunk, n_chunks)]
 
-    def blocks_to_load(self, group: GroupIndex, n_chunks: int, computed_tokens: int) -> set[int]:
+    def blocks_to_load(self, group: GroupIndex, n_chunks: int, computed_tokens: int, tail: int = 0) -> set[int]:
         """Block indices of `group` a hit restores (Mamba: the state's block).
 
-        The state for boundary N lives in block N // block_size - 1 of vLLM's
-        'align' block table; attention blocks are positional.
+        The state for boundary N lives in block (N - 1) // block_size of
+        vLLM's 'align' block table (the block holding token N - 1, also for a
+        boundary inside a block); attention blocks are positional.
         """
         spec = self.groups[group]
-        boundary = n_chunks * self.chunk_size
+        boundary = n_chunks * self.chunk_size + tail
         if spec.kind is GroupKind.MAMBA:
-            return {boundary // spec.block_size - 1}
+            return {(boundary - 1) // spec.block_size}
         first_block = -(-computed_tokens // spec.block_size)
         out: set[int] = set()
-        for gc in self.needed(group, n_chunks, computed_tokens):
-            out.update(b for b in gc.blocks if b >= first_block and b < boundary // spec.block_size)
+        for gc in self.needed(group, n_chunks, computed_tokens, tail):
+            out.update(b for b in gc.blocks if b >= first_block and b < -(-boundary // spec.block_size))
         return out
+
+    def tail_boundary(self, prompt_tokens: int) -> int:
+        """The partial-tail boundary vLLM materialises for a prompt (the last
+        unit-aligned boundary before its last token, where its scheduler
+        stops a prefill), or 0 when it is a chunk boundary or there is none."""
+        if self.tail_unit is None or prompt_tokens < 2:
+            return 0
+        t = (prompt_tokens - 1) // self.tail_unit * self.tail_unit
+        return t if t % self.chunk_size else 0
 
     # ---- lookup -------------------------------------------------------------------
 
@@ -199,7 +251,7 @@ class HybridOffloadPlanner:
         return max(0, limit // self.chunk_size)
 
     def lookup(self, num_tokens: int, present: PresenceProbe, computed_tokens: int = 0,
-               prompt_tokens: int | None = None) -> Lookup:
+               prompt_tokens: int | None = None, present_tail: TailProbe | None = None) -> Lookup:
         """Longest restorable hit, in chunks, that extends past `computed_tokens`.
 
         Full-attention presence is treated as prefix-closed (files are written in
@@ -207,10 +259,15 @@ class HybridOffloadPlanner:
         in O(log chunks) probes. Mamba states and windowed KV exist only at some
         boundaries, so from there the candidate walks down until every group can
         be restored. `chunks` is 0 when no hit beyond `computed_tokens` exists.
+
+        With a `tail_unit` and `present_tail`, a partial tail inside chunk
+        `lo` (where the full-attention prefix ends) is tried first, longest
+        first: every group's tail entry at that boundary must be stored.
         """
         max_n = self.max_hit_chunks(num_tokens, prompt_tokens)
         min_n = computed_tokens // self.chunk_size + 1
-        if max_n < min_n:
+        tails = self.tail_unit is not None and present_tail is not None
+        if max_n < min_n and not tails:
             return Lookup(0, 0)
         start_chunk = computed_tokens // self.chunk_size
         # First chunk index in [start_chunk, max_n) missing from a full group.
@@ -224,6 +281,19 @@ class HybridOffloadPlanner:
                     hi = mid
         else:
             lo = max_n
+        if tails and lo >= start_chunk:
+            # Partial tails are probed inside chunk `lo` only, the chunk where
+            # the stored full-attention prefix ends: a tail needs every whole
+            # chunk before it, and a stored prompt's tail lies in the first
+            # chunk it did not fill (repeats and next turns end up here).
+            assert present_tail is not None and self.tail_unit is not None
+            prompt = num_tokens if prompt_tokens is None else min(num_tokens, prompt_tokens)
+            limit = min(prompt, num_tokens - 1)
+            start = lo * self.chunk_size
+            top = min(limit, start + self.chunk_size - 1) // self.tail_unit * self.tail_unit
+            for end in range(top, max(start, computed_tokens), -self.tail_unit):
+                if all(present_tail(GroupIndex(g), end) for g in range(len(self.groups))):
+                    return Lookup(lo, lo, end - start)
         for n in range(lo, min_n - 1, -1):
             if all(
                 present(gc.group, gc.chunk)

@@ -2,7 +2,7 @@
 prefix-closed LRU eviction, fed by the directory's ledgers, not by walks.
 
 One `DirBudget` per cache directory and process accounts for everything
-under `<path>/kvoffload-v1/` (every fingerprint, quarantine and layout files;
+under `<path>/kvoffload-v2/` (every fingerprint, quarantine and layout files;
 the ledger directory is reported apart), so several engines sharing one directory, each with
 the same `max_bytes`, keep it within the budget together. Its index (one
 entry per file: size, recency, parent) is the newest snapshot plus every
@@ -136,7 +136,7 @@ class DirBudget:
     def __init__(self, top: Path, max_bytes: int | None = None, low_water: float = 0.8, rescan_s: float = 1.0,
                  reconcile_s: float = DEFAULT_RECONCILE_S, file_mode: int = 0o640, dir_mode: int = 0o750,
                  read_only: bool = False, folded_idle_s: float = FOLDED_IDLE_S) -> None:
-        self.top = Path(top)  # <path>/kvoffload-v1
+        self.top = Path(top)  # <path>/kvoffload-v2
         self.read_only = read_only  # an inspecting tool: reads the ledger, writes nothing (no log, no snapshot)
         self.folded_idle_s = folded_idle_s
         self.ledger_dir = self.top / LEDGER_DIR

@@ -1,8 +1,8 @@
 """Filesystem tier: one canonical file per (chunk, group), shared over NFS.
 
 Layout (version 1, see docs/format.md):
-    <path>/kvoffload-v1/<fingerprint hex>/layout.json
-    <path>/kvoffload-v1/<fingerprint hex>/g<group>/<key[:2]>/<key hex>.kv
+    <path>/kvoffload-v2/<fingerprint hex>/layout.json
+    <path>/kvoffload-v2/<fingerprint hex>/g<group>/<key[:2]>/<key hex>.kv
 Files appear under their final name only when complete (temporary file in the
 same directory, then rename), so a reader sees a whole file or none. Any read
 that fails verification is a miss and the file is moved to quarantine/, so it
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from offload import copier
-from offload.keys import ChunkKey, Fingerprint
+from offload.keys import FORMAT_VERSION, ChunkKey, Fingerprint
 from offload.planner import GroupKind
 from offload.store import hygiene
 from offload.store.base import (Backed, ChunkMiss, HostChunk, MissReason, OptionError, Placement, TierData,
@@ -37,7 +37,7 @@ from offload.store.housekeeper import Housekeeper
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_VERSION_DIR = "kvoffload-v1"
+LAYOUT_VERSION_DIR = f"kvoffload-v{FORMAT_VERSION}"
 # Defaults of the `dir_mode` / `file_mode` config keys: owner and group only.
 DIR_MODE = 0o750
 FILE_MODE = 0o640
@@ -67,7 +67,7 @@ class FsOptions:
 
 @dataclass(frozen=True)
 class FileStore:
-    root: Path  # <path>/kvoffload-v1/<fingerprint hex>
+    root: Path  # <path>/kvoffload-v2/<fingerprint hex>
     fingerprint: Fingerprint
     fsync: bool = False
     file_mode: int = FILE_MODE
@@ -162,7 +162,7 @@ class FileStore:
         return final.with_name(f"{final.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}.{hygiene.HOST_TAG}")
 
     def rel(self, path: Path) -> str:
-        """`path` (inside root) as the ledger names it: relative to kvoffload-v1/."""
+        """`path` (inside root) as the ledger names it: relative to kvoffload-v2/."""
         return str(path)[len(str(self.root.parent)) + 1:]
 
     def written(self, final: Path, nbytes: int, parent: bytes | None = None) -> None:

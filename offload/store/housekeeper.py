@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 class Housekeeper:
     def __init__(self, root: Path, num_groups: int, budget: DirBudget | None = None) -> None:
-        self.root = root  # <path>/kvoffload-v1/<fingerprint>
+        self.root = root  # <path>/kvoffload-v2/<fingerprint>
         self.num_groups = num_groups
         self.account = budget if budget is not None else account_for(root.parent)
         self._latest: TierUsage | None = None

@@ -1,9 +1,9 @@
 """Append-only ledgers of a cache directory: what files exist and their sizes,
 kept without walking the tree (format: docs/format.md, "Ledger").
 
-Every process that writes or evicts under `<path>/kvoffload-v1/` appends one
+Every process that writes or evicts under `<path>/kvoffload-v2/` appends one
 line per file it adds (`+`) or removes (`-`) to its own log in
-`kvoffload-v1/ledger-v1/`. A process that needs the directory's usage reads
+`kvoffload-v2/ledger-v1/`. A process that needs the directory's usage reads
 the newest snapshot (a full listing, written now and then) and then tails
 every log from the offsets the snapshot folded in. A line is self-checking
 (CRC-32), so a line torn by a crash, or half-visible on another NFS client,
@@ -40,7 +40,7 @@ LOG_NAME = re.compile(r"^(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}\.log$")
 SNAPSHOT_NAME = re.compile(r"^snapshot-(?P<ms>\d{13})-[0-9a-f]{8}\.snap$")
 SNAPSHOT_TMP = re.compile(r"^\.snapshot-\d{13}-[0-9a-f]{8}\.tmp$")
 LEASE = "lease"
-# What a record may name, relative to kvoffload-v1/: nothing else is ever
+# What a record may name, relative to kvoffload-v2/: nothing else is ever
 # unlinked through a ledger (a forged line cannot reach outside the cache).
 CHUNK_REL = re.compile(r"^[0-9a-f]{64}/g\d{1,5}/[0-9a-f]{2}/[0-9a-f]{64}\.kv$")
 OTHER_REL = re.compile(r"^[0-9a-f]{64}/(?:layout\.json|quarantine/[^/\s]+)$")

@@ -1,0 +1,147 @@
+"""Partial tails on a real engine: the tiny hybrid served with vLLM's
+`--prefix-match-unit`, restarted, restores to the same unit-aligned boundary
+vLLM's own prefix cache hits in one process.
+
+Four engine processes, same flags (`engine_args(True)` plus the unit), our
+connector configured in each:
+- own: one pass [A, A, next turn of A, a prompt sharing 200 tokens with A] on
+  an empty directory. vLLM's own cache serves the repeats (asserted: nothing
+  restored), so its cached tokens are what vLLM hits in-process.
+- ref: [A, next turn, shared] with prefix caching skipped per request (nothing
+  read from vLLM's cache or ours): the cold reference tokens.
+- cold: A alone on directory D: stores chunk 0 and A's tail.
+- restart: a new process on D, [A], [next turn], [shared] in passes of their
+  own (vLLM's cache emptied in between): each restores exactly what vLLM's own
+  cache hit, and greedy tokens equal the cold reference's.
+The tail files are canonical: the same prompt writes byte-identical files in
+two engines (D and the own run's directory).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import CHUNK, engine_args, random_prompt, shipped_config, side_by_side
+from offload.engine_run import RunSpec, run_engine
+from offload.store.format import HEADER_LEN, ChunkHeader
+
+pytestmark = pytest.mark.e2e
+
+UNIT = CHUNK // 2  # divides the tiny hybrid's block (= its chunk): vLLM hits every UNIT tokens
+rng = random.Random(22)
+A = random_prompt(rng, 2 * CHUNK - 6)  # its tail, (len - 1) // UNIT * UNIT, lies inside chunk 1
+NEXT_TURN = A + random_prompt(rng, 40)
+SHARED = A[:200] + random_prompt(rng, 30)
+TAIL = (len(A) - 1) // UNIT * UNIT
+
+
+def _args() -> dict:
+    return {**engine_args(True), "prefix_match_unit": UNIT}
+
+
+def scenario(model: str, prompts: list[list[int]], args: dict, tmp_path, timeout_s: float = 900) -> dict:
+    """The four engines of the module docstring; `prompts` are [A, next turn, shared]."""
+    d, e, f = tmp_path / "d", tmp_path / "e", tmp_path / "f"
+    for p in (d, e, f):
+        p.mkdir()
+    own, ref, cold = side_by_side(
+        lambda: run_engine(RunSpec(model, prompts, shipped_config("fs.json", e), 12, args, order=[[0, 0, 1, 2]]),
+                           timeout_s=timeout_s),
+        lambda: run_engine(RunSpec(model, prompts, shipped_config("fs.json", f), 12, args, skip_prefix_cache=True),
+                           timeout_s=timeout_s),
+        lambda: run_engine(RunSpec(model, prompts[:1], shipped_config("fs.json", d), 12, args), timeout_s=timeout_s))
+    a_files = {p.relative_to(d): p.read_bytes() for p in d.glob("kvoffload-v2/*/g*/*/*.kv")}
+    restart = run_engine(RunSpec(model, prompts, shipped_config("fs.json", d), 12, args, order=[[0], [1], [2]]),
+                         timeout_s=timeout_s)
+    return {"own": own, "ref": ref, "cold": cold, "restart": restart, "a_files": a_files, "d": d, "e": e}
+
+
+def _runs(models_dir, tmp_path):
+    return scenario(str(models_dir / "qwen3-next-tiny"), [A, NEXT_TURN, SHARED], _args(), tmp_path)
+
+
+def check_restores(runs: dict, chunk: int, a_len: int) -> list[tuple[int, int]]:
+    """Restored after a restart == vLLM's own in-process hits, tokens == the
+    cold reference; returns (vLLM's own, restored) per prompt."""
+    own, ref, cold, restart = runs["own"], runs["ref"], runs["cold"], runs["restart"]
+    for run in (own, ref, cold):
+        assert run.restored_tokens == 0, "the references restore nothing"
+    assert ref.cached_tokens == 0, "the cold reference computes every token"
+    vllm_hits = [r.cached_tokens for r in own.results[1:]]  # A again, its next turn, the shared prefix
+    assert vllm_hits[0] > (a_len - 1) // chunk * chunk, f"vLLM hits {vllm_hits} are not inside a block: no unit?"
+    restored = [r.restored_tokens for r in restart.results]
+    assert restored == vllm_hits, (restored, vllm_hits)
+    assert [r.cached_tokens for r in restart.results] == restored  # all of it from the tier, after a restart
+    assert not any(r.load_failed for r in restart.results)
+    assert cold.results[0].output_ids == ref.results[0].output_ids
+    assert [r.output_ids for r in restart.results] == [r.output_ids for r in ref.results]
+    return list(zip(vllm_hits, restored))
+
+
+@pytest.fixture(scope="module")
+def runs(prefetched):
+    return prefetched(_runs)
+
+
+@pytest.mark.prefetch.with_args(_runs)
+def test_restart_restores_what_vllms_own_cache_hits_at_the_unit(runs):
+    assert TAIL % CHUNK and TAIL < len(A)
+    check_restores(runs, CHUNK, len(A))
+
+
+@pytest.mark.prefetch.with_args(_runs)
+def test_tail_files_are_byte_identical_across_engines(runs):
+    """The files of A that the cold engine wrote (chunk 0 and A's tail, in
+    both groups; the tail headed [chunk start, tail)) were written by the own
+    run's engine too, with the same bytes."""
+    files = runs["a_files"]
+    other = {p.relative_to(runs["e"]): p.read_bytes() for p in runs["e"].glob("kvoffload-v2/*/g*/*/*.kv")}
+    heads = sorted((h.group, h.token_start, h.token_end) for h in
+                   (ChunkHeader.unpack(data[:HEADER_LEN]) for data in files.values()))
+    start = TAIL // CHUNK * CHUNK
+    assert heads == [(0, 0, CHUNK), (0, start, TAIL), (1, 0, CHUNK), (1, start, TAIL)], heads
+    for name, data in files.items():
+        assert other.get(name) == data, f"{name}: differs between two engines that stored the same prompt"
+
+
+@pytest.mark.prefetch.with_args(_runs)
+def test_fsck_takes_tails_for_leaves_not_corruption(runs):
+    """`kvoffload fsck`'s scan verifies every file (payload CRCs too) and
+    finds no problem and no hole: a tail is a leaf of its chunk's chain."""
+    from offload.cli.cache import chunks, scan
+
+    cache = scan(runs["d"], verify_payloads=True)
+    [fp] = cache.dirs
+    assert fp.files and [f.problem for f in fp.files if f.problem] == []
+    linked = chunks(fp)
+    tails = [c for c in linked.values() if any(f.header.token_end % CHUNK for f in c.files)]
+    assert len(tails) == 1 and tails[0].complete and tails[0].orphan is None and not tails[0].children
+    assert all(c.orphan is None for c in linked.values())
+
+
+# ---- the issue's table on the Qwen3-Next-80B geometry (long) --------------------------------------------
+
+
+@pytest.mark.long
+def test_qwen3_next_80b_geometry_restores_what_vllms_own_cache_hits(models_dir, tmp_path):
+    """A 3000-token prompt repeated, its next turn (+120 tokens) and a prompt
+    sharing its first 2000 tokens, with the flags and unit `kvoffload plan`
+    prints for this geometry here (blocks of 640 or 1152 tokens by CPU kind).
+    Prints the table: vLLM's own in-process hit vs ours after a restart."""
+    from offload.plan import plan_for_model
+
+    model = models_dir / "qwen3-next-80b-geometry"
+    plan = plan_for_model(model, max_model_len=4096)
+    assert plan.prefix_match_unit is not None, plan.prefix_match
+    c = plan.hybrid_chunk_size
+    rng = random.Random(3000)
+    a = random_prompt(rng, 3000)
+    prompts = [a, a + random_prompt(rng, 120), a[:2000] + random_prompt(rng, 300)]
+    args = {**plan.engine_kwargs, "prefix_match_unit": plan.prefix_match_unit, "max_model_len": 4096,
+            "enforce_eager": True}
+    rows = check_restores(scenario(str(model), prompts, args, tmp_path, timeout_s=5400), c, len(a))
+    print(f"\nQwen3-Next-80B geometry, {c}-token blocks, --prefix-match-unit {plan.prefix_match_unit}:")
+    for name, (theirs, ours) in zip(("3000 repeated", "next turn (+120)", "shared 2000"), rows):
+        print(f"  {name:<18} vLLM's own cache {theirs:>5}  ours after a restart {ours:>5}")
