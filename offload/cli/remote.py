@@ -2,11 +2,11 @@
 
 LMCache 0.5.6's RedisConnector keeps each of our objects as two Redis strings
 (docs/architecture.md, "Key mapping"): `<prefix>kv_bytes`, our framed chunk
-(the 128-byte header, then the payload: a chunk file's bytes), and
+(the `HEADER_LEN`-byte header, then the payload: a chunk file's bytes), and
 `<prefix>metadata`, LMCache's `RemoteMetadata` record, where `<prefix>` is
 `redis_key(object_name(fingerprint, group, key))`
 = `kvoffload-k1@1@0@<sha256 hex>@uint8`. The prefix is a hash, so the
-fingerprint, group and chunk come from each object's header (its first 128
+fingerprint, group and chunk come from each object's header (its first `HEADER_LEN`
 bytes, one GETRANGE); nothing else of the payload is read.
 
 LMCache's own connector API cannot enumerate a remote (`RedisConnector.list()`
