@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             action = (" -> " + ("deleted" if kind in ("orphaned-tmp", "chain-hole") else "quarantined")
                       if fixed else (" -> left alone" if args.repair and kind == "foreign-key"
                                      else " -> NOT repaired" if args.repair else ""))
-            print(f"{kind:<15}{path}: {detail}{action}")
+            print(f"{kind:<16}{path}: {detail}{action}")
     if args.repair:
         for fp in cache.dirs:
             remove_empty_dirs(fp)
