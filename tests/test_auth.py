@@ -433,3 +433,26 @@ def test_lmcache_objects_carry_the_same_mac(tmp_path):
             assert e.value.reason is MissReason.UNAUTHENTICATED and "copied under another name" in str(e.value)
     finally:
         d1.close()
+
+
+# ---- without a key: the start-up warning's findings ----------------------------------------------
+
+
+def test_without_a_key_group_writable_dirs_and_other_writers_are_found(tmp_path):
+    from offload.store.fs import unauthenticated_risks
+    from offload.store.hygiene import HOST_TAG
+
+    path = tmp_path / "cache"
+    s = store(tmp_path, None)
+    s.write(header(key=key_of("w")), payload(0))  # our own ledger log
+    os.chmod(path, 0o750)
+    os.chmod(path / "kvoffload-v1", 0o750)
+    assert unauthenticated_risks(str(path)) == [], "only our own writes, owner-and-group-read directories"
+    os.chmod(path / "kvoffload-v1", 0o770)
+    risks = unauthenticated_risks(str(path))
+    assert len(risks) == 1 and "writable by its group" in risks[0]
+    os.chmod(path / "kvoffload-v1", 0o750)
+    other = "0123abcd" if HOST_TAG != "0123abcd" else "fedc4321"
+    (path / "kvoffload-v1" / "ledger-v1" / f"{other}-4242-00000000.log").write_text("")
+    risks = unauthenticated_risks(str(path))
+    assert len(risks) == 1 and "1 other host" in risks[0]
