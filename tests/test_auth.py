@@ -103,7 +103,8 @@ def test_mac_is_keyed_blake3_over_header_prefix_and_payload_as_documented(tmp_pa
     key_id = blake3.blake3(K1, derive_key_context=KEY_ID_CONTEXT).digest(length=8)
     assert fields["key_id"] == key_id != NO_KEY
     assert MAC_OFFSET == FIELD_OFFSETS["mac"][0] == 156
-    assert fields["mac"] == blake3.blake3(raw[:156] + raw[HEADER_LEN:], key=mac_key).digest()
+    # The payload first, then the header bytes before the MAC (docs/format.md).
+    assert fields["mac"] == blake3.blake3(raw[HEADER_LEN:] + raw[:156], key=mac_key).digest()
     assert fields["payload_crc"] == crc32c_ref(raw[HEADER_LEN:]), "the CRC stays: damage is told from forgery"
     assert fields["header_crc"] == crc32c_ref(raw[:188])
     assert torch.equal(read(s, h), p)
@@ -129,7 +130,7 @@ def test_planted_file_without_mac_is_a_miss_and_left_alone(tmp_path):
     attacker = payload(66)
     # A writer without the key: valid header and CRC, its own payload, the right name.
     s.prepare_dir(s.file_path(h.group, h.key))
-    s.file_path(h.group, h.key).write_bytes(frame(h, crc32c_ref(bytes(attacker.tolist())), attacker, None)
+    s.file_path(h.group, h.key).write_bytes(frame(h, attacker, None)
                                             + bytes(attacker.tolist()))
     e = miss(s, h)
     assert e.reason is MissReason.UNAUTHENTICATED and "no MAC" in str(e)
@@ -242,10 +243,15 @@ def test_rotation_previous_keys_read_current_key_writes(tmp_path):
 def test_check_entry_order_crc_before_mac_and_identity_after(tmp_path):
     ring = Keyring(K1)
     h, p = header(key=key_of("ord")), payload(14)
-    raw = frame(h, crc32c_ref(bytes(p.tolist())), p, ring)
+    raw = frame(h, p, ring)
+    assert ChunkHeader.unpack(raw).payload_crc == crc32c_ref(bytes(p.tolist()))
     assert check_entry(raw, crc32c_ref(bytes(p.tolist())), h, p, ring).key_id == ring.current.key_id
+    # Damage: the MAC fails and the CRC tells it is an accident.
+    damaged = p.clone()
+    damaged[3] ^= 1
     with pytest.raises(FormatError, match="checksum"):
-        check_entry(raw, 0, h, p, ring)
+        check_entry(raw, None, h, damaged, ring)
+    assert check_entry(raw, None, h, p, ring) == ChunkHeader.unpack(raw), "no CRC given: a valid MAC suffices"
     with pytest.raises(Unauthenticated) as e:
         check_entry(raw, crc32c_ref(bytes(p.tolist())), header(key=key_of("other")), p, ring)
     assert e.value.quarantine
@@ -456,3 +462,21 @@ def test_without_a_key_group_writable_dirs_and_other_writers_are_found(tmp_path)
     (path / "kvoffload-v1" / "ledger-v1" / f"{other}-4242-00000000.log").write_text("")
     risks = unauthenticated_risks(str(path))
     assert len(risks) == 1 and "1 other host" in risks[0]
+
+
+def test_reads_without_crc_give_the_same_bytes(tmp_path):
+    """A keyed load reads without the fused CRC (the MAC is checked instead): same bytes, CRC 0."""
+    from offload import copier
+    from offload.store.buffers import BufferPool
+
+    s = store(tmp_path, None)
+    h, p = header(key=key_of("nocrc")), payload(50)
+    s.write(h, p)
+    path = s.file_path(h.group, h.key)
+    out = torch.zeros(h.payload_len, dtype=torch.uint8)
+    raw, crc = copier.read_file(path, HEADER_LEN, out, False)
+    assert crc == 0 and torch.equal(out, p) and raw == path.read_bytes()[:HEADER_LEN]
+    assert copier.read_file(path, HEADER_LEN, out)[1] == crc32c_ref(bytes(p.tolist()))
+    buf = BufferPool().get(HEADER_LEN + h.payload_len)
+    raw, crc, _ = copier.read_file_direct(path, HEADER_LEN, buf, h.payload_len, False)
+    assert crc == 0 and torch.equal(buf[HEADER_LEN:HEADER_LEN + h.payload_len], p)

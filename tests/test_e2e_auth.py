@@ -32,7 +32,6 @@ import pytest
 import torch
 
 from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt
-from offload.copier import crc32c
 from offload.engine_run import EngineRun, RunSpec, start_engine
 from offload.keys import chunk_keys, request_root
 from offload.planner import GroupKind, GroupSpec, HybridOffloadPlanner
@@ -102,7 +101,7 @@ def reframe(raw: bytes, payload: bytes | None = None, keyring: Keyring | None = 
     h = dataclasses.replace(h, **({"key_id": NO_KEY, "mac": bytes(32)} if keyring is None and not fields else {}),
                             **fields)
     t = torch.frombuffer(bytearray(body), dtype=torch.uint8)
-    return frame(h, crc32c(t), t, keyring) + body
+    return frame(h, t, keyring) + body
 
 
 def replace_file(path: Path, data: bytes) -> None:

@@ -264,7 +264,7 @@ def _check(fp: FpDir, cf: ChunkFile, verify: bool, kinds: dict[int, GroupKind],
                     cf.problem = ("no MAC (written without a key)" if h.key_id == NO_KEY
                                   else f"key id {h.key_id.hex()} is not one of the given keys")
                 else:
-                    hasher = key.hasher(raw[:MAC_OFFSET])
+                    hasher = key.hasher()
             if verify:
                 from offload.copier import crc32c
 
@@ -278,6 +278,7 @@ def _check(fp: FpDir, cf: ChunkFile, verify: bool, kinds: dict[int, GroupKind],
                 if hasher is not None:
                     import hmac
 
+                    hasher.update(raw[:MAC_OFFSET])
                     mac_ok = hmac.compare_digest(hasher.digest(), h.mac)
                     if not mac_ok:
                         cf.problem_kind = "unauthenticated"

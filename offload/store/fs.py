@@ -244,7 +244,7 @@ class FileStore:
         if final.exists():
             return False, False  # another request or instance stored it
         self.prepare_dir(final)  # modes, and no planted symlink leads out of the cache
-        raw = frame(header, copier.crc32c(chunk.payload), chunk.payload, self.keyring)
+        raw = frame(header, chunk.payload, self.keyring)
         chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         used = copier.write_file_direct(str(self.tmp_path(final)), str(final), chunk.buf, HEADER_LEN + n,
                                         self.fsync, self.file_mode, direct=direct)
@@ -264,7 +264,8 @@ class FileStore:
             # good file is not reported corrupt and quarantined.
             raise ValueError(f"out must be a contiguous uint8 CPU tensor of {expected.payload_len} bytes, "
                              f"got {out.numel()} x {out.dtype} on {out.device}")
-        self._read(expected, lambda path: copier.read_file(path, HEADER_LEN, out), out)
+        crc = self.keyring is None  # with a key the MAC is checked instead (check_entry)
+        self._read(expected, lambda path: copier.read_file(path, HEADER_LEN, out, crc), out)
 
     def read_framed(self, expected: ChunkHeader, chunk: HostChunk) -> bool:
         """Read the whole file into `chunk` (a pooled buffer: header room, then
@@ -275,7 +276,8 @@ class FileStore:
         used = [False]
 
         def direct(path: str) -> tuple[bytes, int]:
-            raw, crc, used[0] = copier.read_file_direct(path, HEADER_LEN, chunk.buf, expected.payload_len)
+            raw, crc, used[0] = copier.read_file_direct(path, HEADER_LEN, chunk.buf, expected.payload_len,
+                                                        self.keyring is None)
             return raw, crc
         self._read(expected, direct, chunk.payload)
         return used[0]
@@ -284,8 +286,9 @@ class FileStore:
         """Run `read(path)` -> (header bytes, payload CRC) on the chunk's file
         (the payload lands in `payload`) and verify the result; every way it
         can fail is a ChunkMiss, and a file that is bad for good goes to
-        quarantine. The CRC is fused with the read (C++); the MAC, with a
-        key, is a second pass over the payload on this same I/O thread."""
+        quarantine. Without a key the CRC is fused with the read (C++); with
+        one, the MAC is a second pass over the payload on this same I/O
+        thread, and the CRC is computed only if the MAC fails."""
         path = self.file_path(expected.group, expected.key)
         if not self._dir_ok(path.parent):
             raise ChunkMiss(MissReason.UNSAFE, f"{path.parent} resolves outside the cache directory")
@@ -305,7 +308,7 @@ class FileStore:
             self.quarantine(path)
             raise ChunkMiss(MissReason.CORRUPT, f"{path}: {e}") from None
         try:
-            check_entry(raw, crc, expected, payload, self.keyring)
+            check_entry(raw, None if self.keyring is not None else crc, expected, payload, self.keyring)
         except FormatError as e:
             self.quarantine(path)
             raise ChunkMiss(MissReason.CORRUPT, f"{path}: {e}") from None

@@ -34,7 +34,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from offload import copier
 from offload.keys import ChunkKey
 from offload.store.auth import AuthRef, Keyring, Unauthenticated, check_entry, frame
 from offload.store.base import (
@@ -219,7 +218,7 @@ class LMCacheData(TierData):
             framed.payload.copy_(chunk.payload)
             chunk = framed
         assert chunk.buf is not None
-        raw = frame(header, copier.crc32c(chunk.payload), chunk.payload, self.keyring)
+        raw = frame(header, chunk.payload, self.keyring)
         chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         if not self.objects.put(name, chunk.buf[:HEADER_LEN + n]):
             raise OSError(f"LMCache local pool took no object of {HEADER_LEN + n} bytes (full, or an engine error)")
@@ -236,8 +235,7 @@ class LMCacheData(TierData):
                 # Gone (evicted, remote down or without it) or another length.
                 raise ChunkMiss(MissReason.MISSING, f"LMCache object {name}")
             try:
-                check_entry(bytes(framed[:HEADER_LEN].numpy()), copier.crc32c(chunk.payload), header, chunk.payload,
-                            self.keyring)
+                check_entry(bytes(framed[:HEADER_LEN].numpy()), None, header, chunk.payload, self.keyring)
             except FormatError as e:
                 raise ChunkMiss(MissReason.CORRUPT, f"LMCache object {name}: {e}") from None
             except Unauthenticated as e:
