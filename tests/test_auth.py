@@ -480,3 +480,33 @@ def test_reads_without_crc_give_the_same_bytes(tmp_path):
     buf = BufferPool().get(HEADER_LEN + h.payload_len)
     raw, crc, _ = copier.read_file_direct(path, HEADER_LEN, buf, h.payload_len, False)
     assert crc == 0 and torch.equal(buf[HEADER_LEN:HEADER_LEN + h.payload_len], p)
+
+
+
+@pytest.mark.parametrize("auth,store_keys,want", [
+    ({"key_file": "relative/key"}, {}, "auth.key_file='relative/key': must be an absolute path"),
+    ({"key_file": "/k", "key_env": "K"}, {}, "give exactly one of key_file"),
+    ({}, {}, "give exactly one of key_file"),
+    ({"key_env": "1BAD"}, {}, "auth.key_env='1BAD'"),
+    ({"key_env": "K", "previous_key_envs": ["no-dash"]}, {}, "auth.previous_key_envs"),
+    ({"key_env": "K", "secret": "x"}, {}, "auth.secret: unknown key; valid keys are: key_file, key_env"),
+    ({"key_env": "K"}, {"store": "cpu", "cpu_bytes": 1 << 20}, "auth: not for store 'cpu'"),
+])
+def test_auth_config_errors_name_the_key(auth, store_keys, want):
+    from offload.config import ConfigError, parse_config
+
+    cfg = {"store": "fs", "path": "/tmp/kvoffload-auth-test", **store_keys, "auth": auth}
+    if store_keys:
+        cfg.pop("path")
+    with pytest.raises(ConfigError) as e:
+        parse_config(cfg)
+    assert want in str(e.value) and "kv_connector_extra_config.auth" in str(e.value), str(e.value)
+
+
+def test_auth_config_is_a_reference_in_the_tier_options():
+    from offload.config import parse_config
+
+    t = parse_config({"tiers": [{"store": "lmcache", "local_cpu_bytes": 1 << 20,
+                                 "auth": {"key_env": "K", "previous_key_files": ["/old"]}}]}).tiers[0]
+    assert t.options().auth == AuthRef(key_env="K", previous_key_files=("/old",))
+    hash(t.options())  # LMCache's storage engines are shared per options: hashable
