@@ -197,7 +197,8 @@ def _read_batch(client, bases: list[bytes], metas: set[bytes], rep: Remote, by_f
         idle_s = float(idle) if isinstance(idle, int) else None  # an error under LFU policies
         last_use = now - (idle_s or 0.0)
         fp = by_fp.setdefault(bytes(h.fingerprint), FpDir(Path(h.fingerprint.hex())))
-        fp.files.append(RemoteChunk(Path(key), h.group, h.key.hex(), size, last_use, last_use, h, problem, idle_s))
+        fp.files.append(RemoteChunk(Path(key), h.group, h.key.hex(), size, last_use, last_use, h, problem,
+                                    idle_s=idle_s))
 
 
 def _attach_layout(fp: FpDir, layout_dirs: list[Path]) -> None:
