@@ -18,7 +18,13 @@ Per repetition, on the same filesystem:
   before it loaded a request's files in parallel); "ours load" is the
   connector's load path (`WorkerSide.start_load_kv`, 4 load threads, the
   request's files read at once); "O_DIRECT" the same with the tier's
-  `direct_reads` option. Their order rotates between repetitions.
+  `direct_reads` option; "MAC" the same with a deployment key (`auth`: every
+  file signed with keyed BLAKE3 on store, verified before its scatter on
+  load), beside its own "ours store, MAC". Their order rotates between
+  repetitions. The MAC and CRC-only rows side by side (CPU seconds per GB,
+  GB/s against the device limit) are the `mac` section; `hash_gb_s` gives
+  one core's keyed BLAKE3, HMAC-SHA256 and CRC-32C on one buffer, the
+  measurement the MAC was chosen by.
 - vLLM: `vllm.v1.kv_offload.tiering.fs.io.batch_store_block` /
   `batch_load_block` (its C extension, O_DIRECT when its probe allows), one call
   per (chunk, group) file from / into a host buffer that holds the same pages
@@ -33,6 +39,8 @@ Stores end with a sync, so every figure is bytes on the device.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import mmap
 import os
 import shutil
@@ -52,7 +60,8 @@ from offload.keys import Fingerprint
 from offload.store.base import HostChunk, Placement
 from offload.store.buffers import BufferPool, probe_o_direct
 from offload.store.format import HEADER_LEN, ChunkHeader
-from offload.store.fs import FileStore, FsData
+from offload.store.auth import AuthRef
+from offload.store.fs import FileStore, FsData, FsOptions
 from offload.config import parse_config
 from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, TierSlot
 from offload.connector.worker import WorkerSide
@@ -266,6 +275,23 @@ def ours_load_parallel(kv: HybridKV, worker: WorkerSide) -> None:
     assert r.finished_recving == {"bench"} and not r.failed_recving, r
 
 
+def hash_rates(nbytes: int = 64 << 20, reps: int = 3) -> dict[str, float]:
+    """GB/s of one core for each candidate over one buffer in memory (best of `reps`)."""
+    import blake3
+
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    view = buf.numpy()
+    key = os.urandom(32)
+    fns = {"keyed BLAKE3 (blake3)": lambda: blake3.blake3(view, key=key).digest(),
+           "HMAC-SHA256 (OpenSSL)": lambda: hmac.new(key, memoryview(view), hashlib.sha256).digest(),
+           "CRC-32C (ours)": lambda: copier.crc32c(buf)}
+    out = {}
+    for name, fn in fns.items():
+        best = min(_timed(fn)[0] for _ in range(reps))
+        out[name] = nbytes / best / GB
+    return out
+
+
 def _fingerprint_kv(kv: HybridKV) -> list[int]:
     """CRC of every (chunk, group) payload as gathered now."""
     out = []
@@ -344,6 +370,10 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
     total = kv.total_bytes
     work = Path(tempfile.mkdtemp(prefix="kvoffload-fsbench-", dir=dir))
     fs_desc = filesystem_of(work)
+    key_file = work / "bench.key"  # a deployment key for the MAC rows
+    key_file.write_bytes(os.urandom(32))
+    os.chmod(key_file, 0o600)
+    auth = AuthRef(key_file=str(key_file))
     direct_ok = probe_o_direct(work)
     try:
         import vllm.v1.kv_offload.tiering.fs.io  # noqa: F401
@@ -368,7 +398,7 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
             for p in paths:
                 os.unlink(p)
         if direct_ok:  # one O_DIRECT write/read per file, chunk-file sizes, 16 at a time
-            sizes = [g.payload + 128 for _, g in kv.files()]
+            sizes = [g.payload + HEADER_LEN for _, g in kv.files()]
             (work / f"rawf{r}").mkdir()
             paths = [str(work / f"rawf{r}" / f"{i}") for i in range(len(sizes))]
             add("raw files write x16", _timed(lambda: _raw_files_write(paths, sizes, 16)))
@@ -387,14 +417,18 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
         # defaults) right before it, from a cold page cache, as every vLLM
         # load below does: the virtual disk's host may cache recent writes,
         # which drop_caches cannot reach. Their order rotates between repetitions.
-        loads = [("ours load, sequential", lambda d: ours_load_sequential(kv, d), False),
-                 ("ours load", None, False), ("ours load, O_DIRECT", None, True)]
+        loads = [("ours load, sequential", lambda d: ours_load_sequential(kv, d), False, False),
+                 ("ours load", None, False, False), ("ours load, O_DIRECT", None, True, False),
+                 ("ours load, MAC", None, False, True)]
         loads = loads[r % len(loads):] + loads[:r % len(loads)]
-        for v, (name, fn, direct_reads) in enumerate(loads):
-            stored = FileStore.open(str(work / f"load{r}.{v}"), FP)
-            add("ours store", _timed(lambda: ours_store(kv, FsData(stored), threads)))
+        for v, (name, fn, direct_reads, mac) in enumerate(loads):
+            path = str(work / f"load{r}.{v}")
+            stored = FileStore.open(path, FP, options=FsOptions(path=path, auth=auth if mac else None))
+            add("ours store, MAC" if mac else "ours store", _timed(lambda: ours_store(kv, FsData(stored), threads)))
             files = [str(stored.file_path(g.index, kv.keys[c])) for c, g in kv.files()]
-            assert sum(os.path.getsize(f) for f in files) == total + 128 * len(files)
+            assert sum(os.path.getsize(f) for f in files) == total + HEADER_LEN * len(files)
+            if mac:
+                assert all(open(f, "rb").read(HEADER_LEN)[124:132] == stored.keyring.current.key_id for f in files)
             data = FsData(stored, direct_reads=direct_reads)
             worker = load_worker(kv, data, threads) if fn is None else None
             want = _fingerprint_kv(kv) if name not in verified else None
@@ -447,7 +481,7 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
     doc_base = {"device_write": max((k for k in med if pure_io(k, "write")), key=lambda k: med[k]["gb_s"]),
                 "device_read": max((k for k in med if pure_io(k, "read")), key=lambda k: med[k]["gb_s"])}
     doc = {"bytes": total, "chunks": kv.chunks, "files": 2 * kv.chunks, "reps": reps,
-           "file_bytes": {g.kind.value: g.payload + 128 for g in kv.groups}, "filesystem": fs_desc,
+           "file_bytes": {g.kind.value: g.payload + HEADER_LEN for g in kv.groups}, "filesystem": fs_desc,
            "o_direct": direct_ok, "o_direct_reads_used": direct_read_files == 2 * kv.chunks,
            "cold_cache_method": cache_method, "io_threads": threads, "crc32c": _copier.crc32c_implementation(),
            "raw_write_gb_s": raw_w, "raw_read_gb_s": raw_r, "baseline_rows": doc_base, "results": med}
@@ -481,6 +515,18 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
                         "cpu_per_gb_vs_vllm_bare": med[k]["cpu_s_per_gb"] / med[bare]["cpu_s_per_gb"] if bare else None,
                         "cpu_per_gb_vs_vllm_full": med[k]["cpu_s_per_gb"] / med[full]["cpu_s_per_gb"] if full else None}
                     for k in med if k.startswith("ours load")}
+    # MAC (deployment key) against CRC only, same run, same device limit.
+    doc["hash_gb_s"] = hash_rates()
+    doc["mac"] = {}
+    for op, crc_row, mac_row, limit in (("store", "ours store", "ours store, MAC", raw_w),
+                                        ("load", "ours load", "ours load, MAC", raw_r)):
+        c, m = med[crc_row], med[mac_row]
+        doc["mac"][op] = {"crc_cpu_s_per_gb": c["cpu_s_per_gb"], "mac_cpu_s_per_gb": m["cpu_s_per_gb"],
+                          "cpu_per_gb_ratio": m["cpu_s_per_gb"] / c["cpu_s_per_gb"],
+                          "crc_gb_s": c["gb_s"], "mac_gb_s": m["gb_s"], "crc_of_device": c["gb_s"] / limit,
+                          "mac_of_device": m["gb_s"] / limit, "device_gb_s": limit,
+                          "crc_gb_s_range": [min(c["runs_gb_s"]), max(c["runs_gb_s"])],
+                          "mac_gb_s_range": [min(m["runs_gb_s"]), max(m["runs_gb_s"])]}
     print(f"{total / 2**30:.2f} GiB in {2 * kv.chunks} files on {fs_desc}; O_DIRECT {'on' if direct_ok else 'refused'}; "
           f"cold reads via {cache_method}; CRC-32C path {doc['crc32c']}; median of {reps} (range: min-max)")
     print(f"device limit (fastest pure I/O in this run): write {raw_w:.2f} GB/s ({doc_base['device_write']}), "
@@ -497,6 +543,11 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
               if bare else "")
         print(f"{k}: {d['gb_s']:.2f} GB/s = {d['of_device']:.0%} of the device limit, "
               f"{d['cpu_s_per_gb']:.2f} CPU-s/GB{vs}")
+    print("one core, one buffer: " + ", ".join(f"{k} {v:.2f} GB/s" for k, v in doc["hash_gb_s"].items()))
+    for op, d in doc["mac"].items():
+        print(f"{op}, MAC vs CRC only: CPU {d['mac_cpu_s_per_gb']:.2f} vs {d['crc_cpu_s_per_gb']:.2f} s/GB "
+              f"({d['cpu_per_gb_ratio']:.2f}x; goal <= 1.25x), {d['mac_gb_s']:.2f} vs {d['crc_gb_s']:.2f} GB/s "
+              f"= {d['mac_of_device']:.0%} vs {d['crc_of_device']:.0%} of the device limit ({d['device_gb_s']:.2f} GB/s)")
     print(f"wrote {write_results('fs_tier', doc, out_dir)}")
     return doc
 

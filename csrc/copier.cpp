@@ -600,8 +600,11 @@ void write_file(const std::string& tmp, const std::string& fin, const py::bytes&
   if (!ok) raise_io(e);
 }
 
+// `with_crc` false: no CRC (crc is left 0), for readers that verify a MAC
+// instead and compute the CRC only when the MAC fails (to tell damage from forgery).
 bool read_file_impl(const std::string& path, size_t header_len, uintptr_t payload,
-                    size_t payload_len, std::string& header, uint32_t& crc, IoError& e) {
+                    size_t payload_len, std::string& header, uint32_t& crc, IoError& e,
+                    bool with_crc = true) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return e.set(errno, path);
   struct stat st;
@@ -637,11 +640,11 @@ bool read_file_impl(const std::string& path, size_t header_len, uintptr_t payloa
       ::close(fd);
       return false;
     }
-    raw = crc_raw(raw, p, n);
+    if (with_crc) raw = crc_raw(raw, p, n);
     p += n;
     left -= n;
   }
-  crc = ~raw;
+  crc = with_crc ? ~raw : 0u;
   ::close(fd);
   return true;
 }
@@ -728,7 +731,7 @@ bool write_file_direct(const std::string& tmp, const std::string& fin, uint64_t 
 // read). Returns whether O_DIRECT was used.
 bool read_file_direct_impl(const std::string& path, size_t header_len, uintptr_t buf, size_t buf_cap,
                            size_t payload_len, std::string& header, uint32_t& crc, bool& used_direct,
-                           IoError& e) {
+                           IoError& e, bool with_crc = true) {
   used_direct = false;
   const size_t want = header_len + payload_len;
   const size_t aligned_len = (want + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
@@ -802,12 +805,12 @@ bool read_file_direct_impl(const std::string& path, size_t header_len, uintptr_t
   }
   ::close(fd);
   header.assign(reinterpret_cast<const char*>(p), header_len);
-  crc = ~crc_raw(~0u, p + header_len, payload_len);
+  crc = with_crc ? ~crc_raw(~0u, p + header_len, payload_len) : 0u;
   return true;
 }
 
 py::tuple read_file_direct(const std::string& path, int64_t header_len, uint64_t buf_ptr, int64_t buf_cap,
-                           int64_t payload_len) {
+                           int64_t payload_len, bool with_crc) {
   if (header_len < 0 || payload_len < 0) throw py::value_error("lengths must be >= 0");
   if (buf_cap < header_len + payload_len) throw py::value_error("buf_cap must hold header_len + payload_len");
   std::string header;
@@ -818,14 +821,14 @@ py::tuple read_file_direct(const std::string& path, int64_t header_len, uint64_t
   {
     py::gil_scoped_release nogil;
     ok = read_file_direct_impl(path, static_cast<size_t>(header_len), buf_ptr, static_cast<size_t>(buf_cap),
-                               static_cast<size_t>(payload_len), header, crc, used_direct, e);
+                               static_cast<size_t>(payload_len), header, crc, used_direct, e, with_crc);
   }
   if (!ok) raise_io(e);
   return py::make_tuple(py::bytes(header), crc, used_direct);
 }
 
 py::tuple read_file(const std::string& path, int64_t header_len, uint64_t payload_ptr,
-                    int64_t payload_len) {
+                    int64_t payload_len, bool with_crc) {
   if (header_len < 0 || payload_len < 0) throw py::value_error("lengths must be >= 0");
   std::string header;
   uint32_t crc = 0;
@@ -834,7 +837,7 @@ py::tuple read_file(const std::string& path, int64_t header_len, uint64_t payloa
   {
     py::gil_scoped_release nogil;
     ok = read_file_impl(path, static_cast<size_t>(header_len), payload_ptr,
-                        static_cast<size_t>(payload_len), header, crc, e);
+                        static_cast<size_t>(payload_len), header, crc, e, with_crc);
   }
   if (!ok) raise_io(e);
   return py::make_tuple(py::bytes(header), crc);
@@ -987,10 +990,10 @@ PYBIND11_MODULE(_copier, m) {
       "Plain contiguous memcpy (glibc's, no streaming stores of ours), split across threads like "
       "PageTable copies (a benchmark baseline).");
   m.def("read_file", &read_file, py::arg("path"), py::arg("header_len"),
-        py::arg("payload_ptr"), py::arg("payload_len"));
+        py::arg("payload_ptr"), py::arg("payload_len"), py::arg("with_crc") = true);
   m.def("read_file_direct", &read_file_direct, py::arg("path"), py::arg("header_len"), py::arg("buf_ptr"),
-        py::arg("buf_cap"), py::arg("payload_len"),
+        py::arg("buf_cap"), py::arg("payload_len"), py::arg("with_crc") = true,
         "Read a whole file (header_len + payload_len bytes) into buf_ptr with O_DIRECT where possible; "
-        "returns (header, crc32c(payload), O_DIRECT used).");
+        "returns (header, crc32c(payload) or 0 without with_crc, O_DIRECT used).");
   m.def("read_header", &read_header, py::arg("path"), py::arg("header_len"));
 }

@@ -26,6 +26,60 @@ class ConfigError(ValueError):
     """A kv-transfer-config that cannot work; the message says how to fix it."""
 
 
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class AuthConfig(BaseModel):
+    """The deployment key of a tier, by reference (never the key itself):
+    entries are signed with the current key and restored only when a key of
+    this deployment's verifies them (docs/reliability.md, threat model)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    key_file: str | None = Field(
+        default=None, description="absolute path of a file holding the current key (at least 32 bytes; mode 0600, "
+        "owner only); new entries are signed with it")
+    key_env: str | None = Field(
+        default=None, pattern=_ENV_NAME,
+        description="or: the name of an environment variable holding the current key (at least 32 bytes)")
+    previous_key_files: list[str] = Field(
+        default_factory=list, max_length=8,
+        description="files of earlier keys, for reads only (rotation: entries they signed still restore)")
+    previous_key_envs: list[str] = Field(
+        default_factory=list, max_length=8,
+        description="environment variables of earlier keys, for reads only")
+
+    @field_validator("key_file", "previous_key_files")
+    @classmethod
+    def _absolute(cls, v):
+        for p in ([v] if isinstance(v, str) else v or []):
+            if not Path(p).is_absolute():
+                raise ValueError("must be an absolute path to the key file, e.g. /etc/kvoffload/key")
+        return v
+
+    @field_validator("previous_key_envs")
+    @classmethod
+    def _env_names(cls, v: list[str]) -> list[str]:
+        import re
+
+        for name in v:
+            if not re.match(_ENV_NAME, name):
+                raise ValueError(f"{name!r} is not an environment variable name")
+        return v
+
+    @model_validator(mode="after")
+    def _one_current(self) -> AuthConfig:
+        if (self.key_file is None) == (self.key_env is None):
+            raise ValueError("key_file: give exactly one of key_file (a file holding the key) or key_env (the name "
+                             "of an environment variable holding it)")
+        return self
+
+    def ref(self):
+        from offload.store.auth import AuthRef
+
+        return AuthRef(self.key_file, self.key_env, tuple(self.previous_key_files), tuple(self.previous_key_envs))
+
+
 class TierConfig(BaseModel):
     """Options of one tier of the stack; `options()` gives the store's own dataclass."""
 
@@ -78,6 +132,12 @@ class TierConfig(BaseModel):
         description="age after which a temporary file of any host is an orphan and removed (60 s to 7 days); "
         "this host's temporary files are removed at start-up as soon as their writer is gone",
     )
+    auth: AuthConfig | None = Field(
+        default=None,
+        description="stores 'fs' and 'lmcache': the deployment key, by reference: {\"key_file\": \"/etc/kvoffload/key\"} "
+        "or {\"key_env\": \"KVOFFLOAD_KEY\"}, plus previous_key_files / previous_key_envs for rotation; every "
+        "entry then carries a MAC and only entries a key of this deployment signed are restored (default: none, "
+        "CRC only)")
     reconcile_interval_s: float = Field(
         default=21600.0, ge=60, le=30 * 86400,
         description="store 'fs': how often one instance walks the whole cache directory to correct the "
@@ -106,7 +166,7 @@ class TierConfig(BaseModel):
         if self.store == "lmcache":
             assert self.local_cpu_bytes is not None
             return LMCacheOptions(local_cpu_bytes=self.local_cpu_bytes, remote_url=self.remote_url,
-                                  timeout_s=self.remote_timeout_s)
+                                  timeout_s=self.remote_timeout_s, auth=self.auth.ref() if self.auth else None)
         if self.store == "cpu":
             assert self.cpu_bytes is not None
             return CpuOptions(cpu_bytes=self.cpu_bytes)
@@ -114,7 +174,7 @@ class TierConfig(BaseModel):
         return FsOptions(path=self.path, fsync=self.fsync, max_bytes=self.max_bytes, file_mode=self.file_mode_bits,
                          dir_mode=self.dir_mode_bits, orphan_tmp_age_s=self.orphan_tmp_age_s,
                          reconcile_interval_s=self.reconcile_interval_s,
-                         direct_reads=self.direct_reads)
+                         direct_reads=self.direct_reads, auth=self.auth.ref() if self.auth else None)
 
     @model_validator(mode="after")
     def _tier_keys(self) -> TierConfig:
@@ -127,6 +187,9 @@ class TierConfig(BaseModel):
         if self.store == "fs" and self.cpu_bytes is not None:
             raise ValueError("cpu_bytes: only for store 'cpu'; remove it, or set \"store\": \"cpu\" "
                              "(the file tier's budget is max_bytes)")
+        if self.store == "cpu" and self.auth is not None:
+            raise ValueError("auth: not for store 'cpu': host memory is this process's own and needs no MAC; "
+                             "remove it")
         if self.store == "cpu" and self.max_bytes is not None:
             raise ValueError("max_bytes: only for store 'fs'; the host-memory budget is cpu_bytes")
         if self.store != "fs" and "direct_reads" in self.model_fields_set:
@@ -242,6 +305,9 @@ def _describe(err: dict[str, Any], flat: bool) -> str:
             msg = msg.removeprefix("tiers[0].")
         return f"{EXTRA_CONFIG}.{prefix}{msg}"
     key = prefix + ".".join(str(p) for p in loc)
+    if loc[0] == "auth" and len(loc) > 1 and (model is TierConfig or flat):
+        model, loc = AuthConfig, loc[1:]  # a key inside `auth`: its own keys and descriptions
+        flat = False
     if err["type"] == "extra_forbidden":
         fields = [*TIER_KEYS, *(k for k in OffloadConfig.model_fields if k != "tiers")] if flat \
             else list(model.model_fields)

@@ -246,17 +246,19 @@ def write_file(tmp_path: str | os.PathLike, final_path: str | os.PathLike, heade
                        payload.data_ptr(), payload.numel(), bool(fsync), mode)
 
 
-def read_file(path: str | os.PathLike, header_len: int, out: torch.Tensor) -> tuple[bytes, int]:
-    """Read a file of exactly ``header_len + out.numel()`` bytes; returns (header, crc32c(payload)).
+def read_file(path: str | os.PathLike, header_len: int, out: torch.Tensor,
+              with_crc: bool = True) -> tuple[bytes, int]:
+    """Read a file of exactly ``header_len + out.numel()`` bytes; returns (header, crc32c(payload)),
+    the CRC computed piece by piece as the payload arrives (0 with ``with_crc=False``).
 
     A file of any other size raises ValueError before anything is read.
     """
     _check_cpu_u8(out, "out")
-    return _copier.read_file(os.fspath(path), header_len, out.data_ptr(), out.numel())
+    return _copier.read_file(os.fspath(path), header_len, out.data_ptr(), out.numel(), with_crc)
 
 
 def read_file_direct(path: str | os.PathLike, header_len: int, buf: torch.Tensor,
-                     payload_len: int) -> tuple[bytes, int, bool]:
+                     payload_len: int, with_crc: bool = True) -> tuple[bytes, int, bool]:
     """Read a whole file of exactly ``header_len + payload_len`` bytes into the
     front of ``buf``; returns (header, crc32c(payload), O_DIRECT used).
 
@@ -268,7 +270,8 @@ def read_file_direct(path: str | os.PathLike, header_len: int, buf: torch.Tensor
     _check_cpu_u8(buf, "buf")
     if header_len + payload_len > buf.numel():
         raise ValueError(f"buf has {buf.numel()} bytes, the file needs {header_len + payload_len}")
-    return _copier.read_file_direct(os.fspath(path), header_len, buf.data_ptr(), buf.numel(), payload_len)
+    return _copier.read_file_direct(os.fspath(path), header_len, buf.data_ptr(), buf.numel(), payload_len,
+                                    with_crc)
 
 
 def read_header(path: str | os.PathLike, header_len: int) -> bytes:

@@ -65,11 +65,11 @@ METRICS: dict[str, MetricDef] = {
     "kvoffload_stores_dropped": MetricDef(
         "counter", _TR, "Stores dropped: backpressure, no_space, error, shutdown, no_room (host-memory tier full)."),
     "kvoffload_failed_loads": MetricDef(
-        "counter", _TR, "Loads that failed and became a recompute: missing, corrupt, io_error, unsafe, error, "
-        "allocation mismatch."),
+        "counter", _TR, "Loads that failed and became a recompute: missing, corrupt, unauthenticated, io_error, "
+        "unsafe, error, allocation mismatch."),
     "kvoffload_chunk_misses": MetricDef(
-        "counter", _TR, "Entries (files, objects) a load could not use, by reason: missing, corrupt, io_error, "
-        "unsafe (one load may meet several; kvoffload_failed_loads counts the requests)."),
+        "counter", _TR, "Entries (files, objects) a load could not use, by reason: missing, corrupt, "
+        "unauthenticated, io_error, unsafe (one load may meet several; kvoffload_failed_loads counts the requests)."),
     "kvoffload_checksum_failures": MetricDef(
         "counter", _TG, "Files that failed verification (header, size or CRC) and were quarantined."),
     "kvoffload_evictions": MetricDef("counter", _TG, "Entries evicted from the tier to make room."),

@@ -203,7 +203,7 @@ class GroupPlan:
     (Mamba pages are padded up to the attention page). Per chunk the group
     stores `pages_per_chunk` pages: full attention every block of the chunk,
     windowed groups the blocks a later boundary still sees, Mamba one state.
-    `file_bytes` is one (chunk, group) file: the 128-byte header plus
+    `file_bytes` is one (chunk, group) file: the `HEADER_LEN`-byte header plus
     `bytes_per_chunk`.
     """
 

@@ -112,7 +112,12 @@ def test_bench_fs_tier_small(tmp_path: Path) -> None:
     doc = fs_tier.run(0.005, 1, tiny=True, dir=str(tmp_path), vllm_threads=(4,), out_dir=tmp_path)
     assert doc["results"]["ours store"]["gb_s"] > 0
     # Every load variant ran (each checks the restored pages inside the benchmark).
-    assert set(doc["loads"]) == {"ours load, sequential", "ours load", "ours load, O_DIRECT"}
+    assert set(doc["loads"]) == {"ours load, sequential", "ours load", "ours load, O_DIRECT", "ours load, MAC"}
+    # MAC and CRC only side by side, each against the device limit of the same run.
+    for op in ("store", "load"):
+        d = doc["mac"][op]
+        assert d["mac_cpu_s_per_gb"] > 0 and d["crc_cpu_s_per_gb"] > 0 and 0 < d["mac_of_device"]
+    assert set(doc["hash_gb_s"]) == {"keyed BLAKE3 (blake3)", "HMAC-SHA256 (OpenSSL)", "CRC-32C (ours)"}
     assert doc["o_direct_reads_used"] == doc["o_direct"]  # O_DIRECT reads wherever the filesystem takes them
     assert "vs_vllm_store" in doc  # vLLM's file tier I/O ran on the same pages
     assert json.loads((tmp_path / "fs_tier.json").read_text())["bytes"] == doc["bytes"]

@@ -17,6 +17,7 @@ import pytest
 from conftest import fs_kv_config, random_prompt
 from offload.engine_run import RunSpec, run_engine
 from offload.keys import rank_fingerprint
+from offload.store.format import HEADER_LEN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (README, Tests)
 
@@ -49,7 +50,7 @@ def test_tp2_stores_one_directory_per_rank_and_restores_after_a_restart(prefetch
     per_rank = [sorted(f.stat().st_size for f in d.rglob("*.kv")) for d in dirs]
     assert [len(x) for x in per_rank] == [sum(len(p) // 256 for p in prompts)] * 2  # every full prompt chunk
     # A rank's page is half the model's: 1 of 2 KV heads x 32 x 2 (K, V) x 2 bytes x 128 tokens x 2 layers.
-    assert per_rank[0] == per_rank[1] == [128 + 2 * 2 * 128 * 1 * 32 * 2 * 2] * len(per_rank[0])
+    assert per_rank[0] == per_rank[1] == [HEADER_LEN + 2 * 2 * 128 * 1 * 32 * 2 * 2] * len(per_rank[0])
     assert [r.restored_tokens for r in cold.results] == [0, 0]
     assert [r.restored_tokens for r in warm.results] == [(len(p) - 1) // 256 * 256 for p in prompts]
     assert warm.outputs() == cold.outputs()

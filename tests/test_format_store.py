@@ -29,16 +29,17 @@ from offload.store.fs import ChunkMiss, FileStore
 PAGE = 4096
 NPAGES = 3
 
-# Documented v1 layout: magic, version, header_len, group, kind, fingerprint,
-# key, token_start, token_end, num_pages, page_bytes, payload_len,
-# payload_crc, parent, header_crc.
-LAYOUT = struct.Struct("<8sHHHH32s32sQQIIQI8sI")
+# Documented layout (docs/format.md, 192 bytes): magic, version, header_len, group, kind,
+# fingerprint, key, token_start, token_end, num_pages, page_bytes, payload_len,
+# payload_crc, parent, key_id, reserved, mac, header_crc.
+LAYOUT = struct.Struct("<8sHHHH32s32sQQIIQI8s8s24s32sI")
 FIELD_OFFSETS = {  # name -> (offset, size)
     "magic": (0, 8), "version": (8, 2), "header_len": (10, 2), "group": (12, 2), "kind": (14, 2),
     "fingerprint": (16, 32), "key": (48, 32), "token_start": (80, 8), "token_end": (88, 8),
     "num_pages": (96, 4), "page_bytes": (100, 4), "payload_len": (104, 8), "payload_crc": (112, 4),
-    "parent": (116, 8), "header_crc": (124, 4),
+    "parent": (116, 8), "key_id": (124, 8), "reserved": (132, 24), "mac": (156, 32), "header_crc": (188, 4),
 }
+DOC_HEADER_LEN = 192
 KIND_CODE = {GroupKind.FULL_ATTENTION: 1, GroupKind.SLIDING_WINDOW: 2, GroupKind.CHUNKED_LOCAL: 3,
              GroupKind.MAMBA: 4}
 
@@ -66,9 +67,10 @@ def crc32c_ref(data: bytes) -> int:
 
 def raw_header(**over) -> bytes:
     """A header built by hand from the documented layout, with a valid CRC."""
-    f = dict(magic=MAGIC, version=2, header_len=128, group=1, kind=1, fingerprint=b"F" * 32,
+    f = dict(magic=MAGIC, version=2, header_len=DOC_HEADER_LEN, group=1, kind=1, fingerprint=b"F" * 32,
              key=b"K" * 32, token_start=256, token_end=512, num_pages=NPAGES, page_bytes=PAGE,
-             payload_len=NPAGES * PAGE, payload_crc=0x12345678, parent=bytes(8))
+             payload_len=NPAGES * PAGE, payload_crc=0x12345678, parent=bytes(8), key_id=bytes(8),
+             reserved=bytes(24), mac=bytes(32))
     f.update(over)
     body = LAYOUT.pack(*f.values(), 0)[:-4]
     return body + struct.pack("<I", crc32c_ref(body))
@@ -107,18 +109,22 @@ def stray_tmp(root: Path) -> list[Path]:
 
 def test_pack_matches_documented_layout():
     h = header(group=7, kind=GroupKind.MAMBA, token_start=1024, token_end=1280, num_pages=1,
-               page_bytes=65536, payload_crc=0xDEADBEEF, parent=b"P" * 8)
+               page_bytes=65536, payload_crc=0xDEADBEEF, parent=b"P" * 8, key_id=b"I" * 8, mac=b"M" * 32)
     raw = h.pack()
-    assert len(raw) == HEADER_LEN == 128
+    assert len(raw) == HEADER_LEN == DOC_HEADER_LEN
     fields = dict(zip(FIELD_OFFSETS, LAYOUT.unpack(raw)))
     assert fields == {
-        "magic": b"KVOFFLD\x00", "version": 2, "header_len": 128, "group": 7, "kind": 4,
+        "magic": b"KVOFFLD\x00", "version": 2, "header_len": DOC_HEADER_LEN, "group": 7, "kind": 4,
         "fingerprint": FP, "key": key_of("A"), "token_start": 1024, "token_end": 1280,
         "num_pages": 1, "page_bytes": 65536, "payload_len": 65536, "payload_crc": 0xDEADBEEF,
-        "parent": b"P" * 8, "header_crc": crc32c_ref(raw[:124]),
+        "parent": b"P" * 8, "key_id": b"I" * 8, "reserved": bytes(24), "mac": b"M" * 32,
+        "header_crc": crc32c_ref(raw[:188]),
     }
     # Offsets of the table above really are where struct puts them.
-    assert raw[16:48] == FP and raw[48:80] == key_of("A")
+    for name, (off, size) in FIELD_OFFSETS.items():
+        if isinstance(fields[name], bytes):
+            assert raw[off:off + size] == fields[name], name
+    assert ChunkHeader.unpack(raw) == h
 
 
 @pytest.mark.parametrize("kind", list(GroupKind))
@@ -148,7 +154,7 @@ def test_every_flipped_header_byte_is_rejected(pos):
         ChunkHeader.unpack(bytes(raw)).check_matches(expected)
 
 
-@pytest.mark.parametrize("pos", [0, 9, 20, 60, 85, 99, 110, 114, 120, 127])
+@pytest.mark.parametrize("pos", [0, 9, 20, 60, 85, 99, 110, 114, 120, 127, 130, 140, 170, 191])
 @pytest.mark.parametrize("bit", [0, 7])
 def test_single_bit_flips_are_rejected(pos, bit):
     raw = bytearray(header().pack())
@@ -157,7 +163,7 @@ def test_single_bit_flips_are_rejected(pos, bit):
         ChunkHeader.unpack(bytes(raw))
 
 
-@pytest.mark.parametrize("raw", [b"", bytes(127), bytes(129), bytes(128)])
+@pytest.mark.parametrize("raw", [b"", bytes(127), bytes(128), bytes(191), bytes(193), bytes(192)])
 def test_wrong_length_or_zero_header_is_rejected(raw):
     with pytest.raises(FormatError):
         ChunkHeader.unpack(raw)
@@ -177,17 +183,19 @@ def test_other_format_version_is_refused_by_number(version):
 def test_wrong_header_len_is_rejected_even_with_valid_crc():
     with pytest.raises(FormatError):
         ChunkHeader.unpack(raw_header(header_len=256))
+    with pytest.raises(FormatError):
+        ChunkHeader.unpack(raw_header(header_len=128))  # the earlier 128-byte header's value
 
 
 def test_bad_header_crc_is_rejected():
     raw = bytearray(raw_header())
-    raw[124:128] = struct.pack("<I", (crc32c_ref(bytes(raw[:124])) + 1) & 0xFFFFFFFF)
+    raw[188:192] = struct.pack("<I", (crc32c_ref(bytes(raw[:188])) + 1) & 0xFFFFFFFF)
     with pytest.raises(FormatError, match="checksum"):
         ChunkHeader.unpack(bytes(raw))
 
 
 @pytest.mark.parametrize("over", [{"kind": 0}, {"kind": 5}, {"payload_len": NPAGES * PAGE + 1},
-                                  {"payload_len": 0}])
+                                  {"payload_len": 0}, {"reserved": b"\x01" + bytes(23)}])
 def test_inconsistent_fields_with_valid_crc_are_rejected(over):
     with pytest.raises(FormatError):
         ChunkHeader.unpack(raw_header(**over))
@@ -245,7 +253,8 @@ def test_write_then_read_round_trip(tmp_path, fsync):
     assert blob[HEADER_LEN:] == bytes(data.tolist())
     fields = dict(zip(FIELD_OFFSETS, LAYOUT.unpack(blob[:HEADER_LEN])))
     assert fields["payload_crc"] == crc32c_ref(blob[HEADER_LEN:])
-    assert fields["header_crc"] == crc32c_ref(blob[:124])
+    assert fields["header_crc"] == crc32c_ref(blob[:188])
+    assert fields["key_id"] == bytes(8) and fields["mac"] == bytes(32), "no key: MAC fields are zeros"
     assert fields["key"] == h.key and fields["fingerprint"] == FP
     assert stray_tmp(tmp_path) == []
 

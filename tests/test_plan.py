@@ -216,8 +216,8 @@ def test_chunk_size_is_the_planners_and_files_follow_the_format(plans, geometry_
         assert g.bytes_per_chunk == pages * spec.page_bytes
         header = ChunkHeader(fingerprint=bytes(32), key=bytes(32), group=i, kind=GroupKind(g.kind),
                              token_start=3 * chunk, token_end=4 * chunk, num_pages=pages, page_bytes=spec.page_bytes)
-        assert len(header.pack()) == HEADER_LEN == 128
-        assert g.file_bytes == HEADER_LEN + header.payload_len == 128 + pages * spec.page_bytes
+        assert len(header.pack()) == HEADER_LEN
+        assert g.file_bytes == HEADER_LEN + header.payload_len == HEADER_LEN + pages * spec.page_bytes
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -323,7 +323,7 @@ def test_cli_json_tensor_parallel_2(planned, geometry_models):
     assert doc["block_sizes"] == [exp["block"]] * 4
     assert [g["page_bytes_per_layer"] for g in doc["groups"]] == [exp["state_page"]] * 3 + [exp["attn_page"]]
     chunk = exp["block"]  # a hybrid's chunk is its block size (check_chunk_size)
-    assert [g["file_bytes"] for g in doc["groups"]] == [128 + exp["state_page"]] * 3 + [128 + exp["attn_page"]]
+    assert [g["file_bytes"] for g in doc["groups"]] == [HEADER_LEN + exp["state_page"]] * 3 + [HEADER_LEN + exp["attn_page"]]
     assert doc["hybrid_chunk_size"] == chunk and doc["chunk_size_given"] is False
     assert doc["engine_kwargs"] == {"enable_prefix_caching": True, "max_num_batched_tokens": chunk,
                                     "prefix_cache_retention_interval": chunk, "tensor_parallel_size": 2}

@@ -35,6 +35,7 @@ from faults.report import record
 from offload.copier import crc32c
 from offload.engine_run import EngineRun, RunResult, RunSpec, start_engine
 from offload.keys import chunk_keys, request_root
+from offload.store.format import HEADER_LEN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (README, Tests)
 
@@ -94,7 +95,7 @@ def files_of(cache: Path, prompt: list[int], group: int) -> list[Path]:
 
 
 def fix_header_crc(raw: bytearray) -> None:
-    raw[124:128] = struct.pack("<I", crc32c(bytes(raw[:124])))
+    raw[HEADER_LEN - 4:HEADER_LEN] = struct.pack("<I", crc32c(bytes(raw[:HEADER_LEN - 4])))
 
 
 # ---- corruption, version, vanishing and unreadable files (items 2, 6, 9) -----------------
@@ -107,7 +108,7 @@ VERSIONS = [0, 2, 0, 2, 7]
 def corrupt(path: Path, how: str, rng: random.Random) -> None:
     raw = bytearray(path.read_bytes())
     if how == "bitflip":  # one random bit of the payload
-        i = rng.randrange(128, len(raw))
+        i = rng.randrange(HEADER_LEN, len(raw))
         raw[i] ^= 1 << rng.randrange(8)
     elif how == "truncate":
         raw = raw[: rng.randrange(0, len(raw))]

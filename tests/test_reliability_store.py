@@ -306,7 +306,7 @@ def test_other_format_version_is_a_clean_miss(tmp_path, version):
     path = store.file_path(h.group, h.key)
     raw = bytearray(path.read_bytes())
     raw[8:10] = struct.pack("<H", version)
-    raw[124:128] = struct.pack("<I", crc32c(bytes(raw[:124])))
+    raw[HEADER_LEN - 4:HEADER_LEN] = struct.pack("<I", crc32c(bytes(raw[:HEADER_LEN - 4])))
     path.write_bytes(bytes(raw))
     out = torch.zeros(h.payload_len, dtype=torch.uint8)
     with pytest.raises(ChunkMiss) as e:

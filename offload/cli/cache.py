@@ -1,13 +1,14 @@
 """Read-only view of a cache directory, shared by `stats`, `fsck` and `gc`.
 
 `scan(PATH)` walks `<PATH>/kvoffload-v2/<fingerprint>/...` (docs/format.md),
-classifies every entry and reads each chunk file's 128-byte header. `chunks()`
+classifies every entry and reads each chunk file's `HEADER_LEN`-byte header. `chunks()`
 groups a fingerprint directory's good files by chunk key and links them into
 chains with the header's `parent` field, which is what `gc` needs to evict
 without breaking the prefix-closed presence the lookup relies on.
 
 Nothing here writes. `verify_payloads=True` also reads every payload and
-checks its CRC-32C (fsck); otherwise only headers are read (stats, gc).
+checks its CRC-32C (fsck), and its MAC with a `keyring` (fsck with a key);
+otherwise only headers are read (stats, gc).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offload.planner import GroupKind
-from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
+from offload.store.auth import Keyring
+from offload.store.format import HEADER_LEN, MAC_OFFSET, NO_KEY, ChunkHeader, FormatError
 from offload.store import hygiene
 from offload.store.budget import DirBudget
 from offload.store.fs import LAYOUT_VERSION_DIR
@@ -52,6 +54,9 @@ class ChunkFile:
     atime: float
     header: ChunkHeader | None = None
     problem: str | None = None  # why the file cannot be restored; None if it can (as far as checked)
+    # What kind of problem: "corrupt" (damage), "unauthenticated" (claims the given key: a bad MAC, or a
+    # valid MAC on another chunk's file), "foreign-key" (no MAC, or a key that was not given).
+    problem_kind: str = "corrupt"
 
     @property
     def used(self) -> float:
@@ -115,14 +120,15 @@ def find_root(path: str | Path) -> Path:
     raise NotACache(f"{p}: no {LAYOUT_VERSION_DIR}/ directory here; give the connector's 'path'")
 
 
-def scan(path: str | Path, verify_payloads: bool = False) -> Cache:
+def scan(path: str | Path, verify_payloads: bool = False, keyring: Keyring | None = None) -> Cache:
+    """`keyring` (with `verify_payloads`): check every file's MAC too."""
     root = find_root(path)
     if HEX64.match(root.name):  # a single fingerprint directory
-        return Cache(root.parent, [_scan_fp(root, verify_payloads)], [], [])
+        return Cache(root.parent, [_scan_fp(root, verify_payloads, keyring)], [], [])
     dirs, other, ledger = [], [], None
     for e in sorted(root.iterdir()):
         if e.is_dir() and not e.is_symlink() and HEX64.match(e.name):
-            dirs.append(_scan_fp(e, verify_payloads))
+            dirs.append(_scan_fp(e, verify_payloads, keyring))
         elif e.name == LEDGER_DIR and e.is_dir() and not e.is_symlink():
             ledger = e
         else:
@@ -181,7 +187,7 @@ def record_removal(acct: DirBudget, path: Path) -> None:
         acct.note_remove(rel)
 
 
-def _scan_fp(d: Path, verify: bool) -> FpDir:
+def _scan_fp(d: Path, verify: bool, keyring: Keyring | None = None) -> FpDir:
     fp = FpDir(d)
     try:
         fp.layout = json.loads((d / "layout.json").read_text())
@@ -208,13 +214,14 @@ def _scan_fp(d: Path, verify: bool) -> FpDir:
                 why = f"group g{group} not in layout.json ({n_groups} groups)"
             else:
                 why = fp.layout_problem
-            _scan_group(fp, e, group, why, verify)
+            _scan_group(fp, e, group, why, verify, keyring)
         else:
             fp.unknown.append((e, "unrecognised entry"))
     return fp
 
 
-def _scan_group(fp: FpDir, gdir: Path, group: int, unknown_layout: str | None, verify: bool) -> None:
+def _scan_group(fp: FpDir, gdir: Path, group: int, unknown_layout: str | None, verify: bool,
+                keyring: Keyring | None) -> None:
     kinds = fp.layout_kinds()
     for sub in sorted(gdir.iterdir()):
         if sub.is_symlink() or not (sub.is_dir() and re.fullmatch(r"[0-9a-f]{2}", sub.name)):
@@ -233,18 +240,49 @@ def _scan_group(fp: FpDir, gdir: Path, group: int, unknown_layout: str | None, v
             else:
                 st = f.stat()
                 cf = ChunkFile(f, group, m.group(1), st.st_size, st.st_mtime, st.st_atime)
-                _check(fp, cf, verify, kinds)
+                _check(fp, cf, verify, kinds, keyring)
                 fp.files.append(cf)
 
 
-def _check(fp: FpDir, cf: ChunkFile, verify: bool, kinds: dict[int, GroupKind]) -> None:
-    """Header (always) and payload CRC (when `verify`), as FileStore.read_into would."""
+def _check(fp: FpDir, cf: ChunkFile, verify: bool, kinds: dict[int, GroupKind],
+           keyring: Keyring | None = None) -> None:
+    """Header (always), payload CRC (when `verify`) and MAC (when `verify`
+    with a `keyring`), as FileStore.read_into would (offload/store/auth.py)."""
+    mac_ok = False
     try:
         with _open_noatime(cf.path) as fh:
-            h = ChunkHeader.unpack(fh.read(HEADER_LEN))
+            raw = fh.read(HEADER_LEN)
+            h = ChunkHeader.unpack(raw)
             cf.header = h
             if cf.size != HEADER_LEN + h.payload_len:
                 raise FormatError(f"size {cf.size} bytes, header says {HEADER_LEN + h.payload_len} (truncated?)")
+            hasher = None
+            if verify and keyring is not None:
+                key = keyring.key(h.key_id)
+                if key is None:
+                    cf.problem_kind = "foreign-key"
+                    cf.problem = ("no MAC (written without a key)" if h.key_id == NO_KEY
+                                  else f"key id {h.key_id.hex()} is not one of the given keys")
+                else:
+                    hasher = key.hasher()
+            if verify:
+                from offload.copier import crc32c
+
+                crc = 0
+                while block := fh.read(8 << 20):
+                    crc = crc32c(block, crc)
+                    if hasher is not None:
+                        hasher.update(block)
+                if crc != h.payload_crc:
+                    raise FormatError("payload checksum mismatch")
+                if hasher is not None:
+                    import hmac
+
+                    hasher.update(raw[:MAC_OFFSET])
+                    mac_ok = hmac.compare_digest(hasher.digest(), h.mac)
+                    if not mac_ok:
+                        cf.problem_kind = "unauthenticated"
+                        cf.problem = f"MAC mismatch under key id {h.key_id.hex()}"
             if h.key.hex() != cf.key or h.fingerprint.hex() != fp.path.name or h.group != cf.group:
                 raise FormatError("header identity (key, fingerprint or group) does not match the file's place")
             cs = fp.chunk_size
@@ -255,16 +293,11 @@ def _check(fp: FpDir, cf: ChunkFile, verify: bool, kinds: dict[int, GroupKind]) 
             kind = kinds.get(cf.group)
             if kind is not None and kind is not h.kind:
                 raise FormatError(f"kind {h.kind.value}, layout.json says g{cf.group} is {kind.value}")
-            if verify:
-                from offload.copier import crc32c
-
-                crc = 0
-                while block := fh.read(8 << 20):
-                    crc = crc32c(block, crc)
-                if crc != h.payload_crc:
-                    raise FormatError("payload checksum mismatch")
     except (FormatError, OSError) as e:
-        cf.problem = str(e)
+        if mac_ok:  # signed with our key, for another place: a copy, not damage
+            cf.problem_kind, cf.problem = "unauthenticated", f"valid MAC, but {e} (a file copied under another name)"
+        else:
+            cf.problem_kind, cf.problem = "corrupt", str(e)
 
 
 def _open_noatime(path: Path):

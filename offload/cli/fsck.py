@@ -13,6 +13,11 @@ chunk range = layout.json), and the payload CRC-32C. Also finds:
   entries that are not named as the format says, and symbolic links
   (never followed). Entries directly under kvoffload-v2/ that are not
   fingerprint directories are reported and left to the operator;
+- with the deployment key (--config, --key-file or --key-env; by reference,
+  as the connector's `auth` option), MAC failures: "unauthenticated" files
+  claim one of the given keys but their MAC does not verify, or it verifies
+  for another chunk (a copy under another name); "foreign-key" files carry no
+  MAC or another key's. Without a key, MACs are not checked (it says so);
 - chain holes: a chunk whose parent chunk (header `parent`) is missing or
   incomplete. The lookup's binary search could step over the hole and report
   a hit whose load fails (a recompute, never wrong output, but a waste).
@@ -22,8 +27,9 @@ kvoffload-v2/ledger-v1/, docs/format.md) with what the walk found, and
 prints the difference; that is not a problem by itself (writes in flight,
 and the engines correct drift at each reconcile).
 
---repair moves corrupt files and files of unknown layout to the fingerprint
-directory's quarantine/ (as the connector does), deletes orphaned temporary
+--repair moves corrupt and unauthenticated files and files of unknown layout
+to the fingerprint directory's quarantine/ (as the connector does; it leaves
+foreign-key files alone, as the connector does), deletes orphaned temporary
 files and deletes the chunks below a chain hole, then reconciles the ledger
 with the files (a new snapshot, which the engines adopt). Run it while no engine
 writes to the directory, or accept that a file written meanwhile is judged
@@ -37,10 +43,13 @@ not be repaired); 2 usage error, or PATH is not a cache directory;
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import uuid
 from pathlib import Path
+
+from offload.store.auth import AuthRef, KeyConfigError, Keyring, load_keyring
 
 from offload.store.budget import DirBudget
 from offload.store.fs import DEFAULT_ORPHAN_AGE_S
@@ -58,6 +67,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "chunks below chain holes")
     p.add_argument("--tmp-age", type=float, default=DEFAULT_ORPHAN_AGE_S, metavar="SECONDS",
                    help="a temporary file older than this is orphaned (default 3600, the connector's orphan_tmp_age_s); one of this host whose writer is gone is orphaned at once")
+    p.add_argument("--config", metavar="FILE", help="a kv-transfer-config JSON: verify MACs with the 'auth' keys of "
+                   "its filesystem tier for PATH (the key files or environment variables it names)")
+    p.add_argument("--key-file", action="append", default=[], metavar="FILE",
+                   help="verify MACs with the key in FILE (owner-only mode; repeat for previous keys)")
+    p.add_argument("--key-env", action="append", default=[], metavar="NAME",
+                   help="verify MACs with the key in environment variable NAME (repeatable)")
     p.add_argument("-q", "--quiet", action="store_true", help="print the summary only")
     p.set_defaults(func=run)
 
@@ -72,14 +87,44 @@ def quarantine(fp: FpDir, path: Path) -> bool:
         return False
 
 
+def keyring_of(args: argparse.Namespace) -> Keyring | None:
+    """The keys named by --config / --key-file / --key-env (all verify; none
+    signs here). Raises KeyConfigError naming the option, never the key."""
+    refs: list[AuthRef] = []
+    if args.config:
+        from offload.config import tier_dicts
+
+        try:
+            doc = json.loads(Path(args.config).read_text())
+        except (OSError, ValueError) as e:
+            raise KeyConfigError(f"--config={args.config!r}: cannot read it as JSON ({e})") from None
+        tiers = [t for t in tier_dicts(doc) if isinstance(t, dict) and t.get("store") in ("fs", None) and t.get("auth")]
+        here = os.path.realpath(args.path)
+        mine = [t for t in tiers if t.get("path") and here.startswith(os.path.realpath(t["path"]))] or tiers
+        if not mine:
+            raise KeyConfigError(f"--config={args.config!r}: no filesystem tier with 'auth' in it")
+        for t in mine:
+            a = t["auth"]
+            refs.append(AuthRef(a.get("key_file"), a.get("key_env"), tuple(a.get("previous_key_files", ())),
+                                tuple(a.get("previous_key_envs", ())), field=f"--config {args.config}: auth"))
+    for i, f in enumerate(args.key_file):
+        refs.append(AuthRef(key_file=os.path.abspath(f), field=f"--key-file[{i}]"))
+    for i, v in enumerate(args.key_env):
+        refs.append(AuthRef(key_env=v, field=f"--key-env[{i}]"))
+    if not refs:
+        return None
+    rings = [load_keyring(r) for r in refs]
+    return Keyring.merged(rings)
+
+
 def problems(cache: Cache, tmp_age: float) -> list[tuple[str, FpDir | None, Path, str]]:
     """(kind, fingerprint dir, path, detail) for every problem; kind is
-    corrupt | orphaned-tmp | unknown-layout | chain-hole."""
+    corrupt | unauthenticated | foreign-key | orphaned-tmp | unknown-layout | chain-hole."""
     out: list[tuple[str, FpDir | None, Path, str]] = []
     for p, why in cache.other:
         out.append(("unknown-layout", None, p, why))
     for fp in cache.dirs:
-        out += [("corrupt", fp, f.path, f.problem) for f in fp.files if f.problem]
+        out += [(f.problem_kind, fp, f.path, f.problem) for f in fp.files if f.problem]
         out += [("orphaned-tmp", fp, t, f"older than {tmp_age:.0f} s") for t in fp.tmp if is_stale_tmp(t, tmp_age)]
         out += [("unknown-layout", fp, p, why) for p, why in fp.unknown]
         for c in chunks(fp).values():
@@ -89,15 +134,22 @@ def problems(cache: Cache, tmp_age: float) -> list[tuple[str, FpDir | None, Path
 
 
 def repair(kind: str, fp: FpDir | None, path: Path) -> bool:
-    if kind in ("corrupt", "unknown-layout"):
+    if kind in ("corrupt", "unauthenticated", "unknown-layout"):
         return fp is not None and quarantine(fp, path)
+    if kind == "foreign-key":
+        return False  # another deployment's (or written without a key): not ours to move
     unlink(path)  # orphaned tmp, chunk below a hole; already gone counts as repaired
     return True
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cache = scan(args.path, verify_payloads=True)
+        keyring = keyring_of(args)
+    except KeyConfigError as e:
+        print(f"kvoffload fsck: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        cache = scan(args.path, verify_payloads=True, keyring=keyring)
     except NotACache as e:
         print(f"kvoffload fsck: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -109,19 +161,25 @@ def run(args: argparse.Namespace) -> int:
         fixed = repair(kind, fp, path) if args.repair else False
         left += not fixed
         if not args.quiet:
-            action = (" -> " + ("quarantined" if kind in ("corrupt", "unknown-layout") else "deleted")
-                      if fixed else (" -> NOT repaired" if args.repair else ""))
-            print(f"{kind:<15}{path}: {detail}{action}")
+            action = (" -> " + ("deleted" if kind in ("orphaned-tmp", "chain-hole") else "quarantined")
+                      if fixed else (" -> left alone" if args.repair and kind == "foreign-key"
+                                     else " -> NOT repaired" if args.repair else ""))
+            print(f"{kind:<16}{path}: {detail}{action}")
     if args.repair:
         for fp in cache.dirs:
             remove_empty_dirs(fp)
-    kinds = ("corrupt", "orphaned-tmp", "unknown-layout", "chain-hole")
+    kinds = ("corrupt", "unauthenticated", "foreign-key", "orphaned-tmp", "unknown-layout", "chain-hole")
     counts = {k: sum(1 for p in found if p[0] == k) for k in kinds}
     quarantined = sum(len(fp.quarantine) for fp in cache.dirs)
     summary = ", ".join(f"{v} {k}" for k, v in counts.items())
     dirs = f"{len(cache.dirs)} fingerprint dir{'' if len(cache.dirs) == 1 else 's'}"
     print(f"fsck {cache.root}: {n_files} chunk files in {dirs} checked; "
           f"{summary}; {in_flight} temporary files in flight; {quarantined} files already in quarantine")
+    if keyring is None:
+        print("MACs not checked: no key given (--config, --key-file or --key-env)")
+    else:
+        print(f"MACs checked with {len(keyring.key_ids)} key{'s' if len(keyring.key_ids) != 1 else ''} "
+              f"(key ids {', '.join(k.hex() for k in keyring.key_ids)})")
     for p in cache.other_versions:
         print(f"note: {p} is another format version; not checked")
     if args.repair:

@@ -10,7 +10,7 @@ about as long as importing vLLM (20-40 s on a small CPU machine).
 From the groups it derives what the connector will do: the chunk size
 (`hybrid_chunk_size`; the planner's default unless --hybrid-chunk-size is
 given), the bytes one chunk stores per group (one file each in the
-filesystem tier, 128-byte header included), and the flags vLLM needs for
+filesystem tier, its header included), and the flags vLLM needs for
 those chunks, printed as one line to append to `vllm serve MODEL`
 (`engine_kwargs` in --json is the same for `vllm.LLM(...)`).
 

@@ -2,11 +2,11 @@
 
 LMCache 0.5.6's RedisConnector keeps each of our objects as two Redis strings
 (docs/architecture.md, "Key mapping"): `<prefix>kv_bytes`, our framed chunk
-(the 128-byte header, then the payload: a chunk file's bytes), and
+(the `HEADER_LEN`-byte header, then the payload: a chunk file's bytes), and
 `<prefix>metadata`, LMCache's `RemoteMetadata` record, where `<prefix>` is
 `redis_key(object_name(fingerprint, group, key))`
 = `kvoffload-k1@1@0@<sha256 hex>@uint8`. The prefix is a hash, so the
-fingerprint, group and chunk come from each object's header (its first 128
+fingerprint, group and chunk come from each object's header (its first `HEADER_LEN`
 bytes, one GETRANGE); nothing else of the payload is read.
 
 LMCache's own connector API cannot enumerate a remote (`RedisConnector.list()`
@@ -197,7 +197,8 @@ def _read_batch(client, bases: list[bytes], metas: set[bytes], rep: Remote, by_f
         idle_s = float(idle) if isinstance(idle, int) else None  # an error under LFU policies
         last_use = now - (idle_s or 0.0)
         fp = by_fp.setdefault(bytes(h.fingerprint), FpDir(Path(h.fingerprint.hex())))
-        fp.files.append(RemoteChunk(Path(key), h.group, h.key.hex(), size, last_use, last_use, h, problem, idle_s))
+        fp.files.append(RemoteChunk(Path(key), h.group, h.key.hex(), size, last_use, last_use, h, problem,
+                                    idle_s=idle_s))
 
 
 def _attach_layout(fp: FpDir, layout_dirs: list[Path]) -> None:

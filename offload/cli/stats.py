@@ -17,7 +17,7 @@ With --config (a kv-transfer-config: its lmcache tier's remote_url) or
 Redis: objects and bytes, chunks, the longest chain, objects that LMCache or
 the loader would refuse (header, name, length or LMCache metadata record
 wrong), and how long since they were last used (Redis's idle time). Reads each
-object's 128-byte header and LMCache's metadata record only. Model and layout
+object's `HEADER_LEN`-byte header and LMCache's metadata record only. Model and layout
 come from a file tier of the config holding the same fingerprint, if any.
 
 Exit codes: 0; 2 not a cache directory, no lmcache remote in CONFIG, or the

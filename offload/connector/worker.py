@@ -88,8 +88,8 @@ def _describe(name: str, t: torch.Tensor, num_blocks: int) -> str:
 
 # A failed request's reason when several of its files failed: the gravest
 # first (a bug, then a file that is bad for good, then one that may be fine).
-_GRAVITY = (MissReason.ERROR, MissReason.UNSAFE, MissReason.CORRUPT, MissReason.IO_ERROR, MissReason.MISSING,
-            MissReason.ALLOCATION_MISMATCH)
+_GRAVITY = (MissReason.ERROR, MissReason.UNSAFE, MissReason.UNAUTHENTICATED, MissReason.CORRUPT,
+            MissReason.IO_ERROR, MissReason.MISSING, MissReason.ALLOCATION_MISMATCH)
 
 
 @dataclass

@@ -45,6 +45,10 @@ class MissReason(str, Enum):
 
     MISSING = "missing"  # gone from the tier (evicted, deleted) after the lookup
     CORRUPT = "corrupt"  # failed verification; files are quarantined
+    # No key of this deployment vouches for the entry (no MAC, another
+    # deployment's key, a bad MAC, or a valid MAC on another chunk's entry);
+    # those claiming our key are quarantined, the others left alone.
+    UNAUTHENTICATED = "unauthenticated"
     IO_ERROR = "io_error"  # a transient read error: the entry may be fine
     UNSAFE = "unsafe"  # a path resolving outside the cache directory
     ERROR = "error"  # an unexpected exception in the load

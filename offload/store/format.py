@@ -1,10 +1,14 @@
-"""On-disk format of one (chunk, group) file, version 1. See docs/format.md.
+"""On-disk format of one (chunk, group) file. See docs/format.md.
 
-A file is a fixed 128-byte little-endian header followed by the payload: the
-group's pages for that chunk, layer-major (layer, then block, then segment),
-exactly as `offload.copier.GroupPages.gather` lays them out. A reader trusts
-nothing it has not verified: magic, version, every identity field against what
-it asked for, the header's own CRC, the payload length and the payload CRC.
+A file is a fixed `HEADER_LEN`-byte little-endian header followed by the
+payload: the group's pages for that chunk, layer-major (layer, then block,
+then segment), exactly as `offload.copier.GroupPages.gather` lays them out. A
+reader trusts nothing it has not verified: magic, version, every identity
+field against what it asked for, the header's own CRC, the payload length and
+the payload CRC, and, with a deployment key, the MAC (offload/store/auth.py).
+
+`HEADER_LEN` is the only place the header's size lives; everything else
+(plans, tools, buffers, tests) derives from it.
 """
 
 from __future__ import annotations
@@ -16,11 +20,19 @@ from offload.keys import FORMAT_VERSION, ChunkKey, Fingerprint
 from offload.planner import GroupKind
 
 MAGIC = b"KVOFFLD\x00"
-HEADER_LEN = 128
+HEADER_LEN = 192
 # magic, version, header_len, group, kind, fingerprint, key, token_start,
-# token_end, num_pages, page_bytes, payload_len, payload_crc, parent, header_crc
-_STRUCT = struct.Struct("<8sHHHH32s32sQQIIQI8sI")
+# token_end, num_pages, page_bytes, payload_len, payload_crc, parent, key_id,
+# reserved (zeros), mac, header_crc
+_STRUCT = struct.Struct("<8sHHHH32s32sQQIIQI8s8s24s32sI")
 assert _STRUCT.size == HEADER_LEN
+KEY_ID_LEN = 8
+MAC_LEN = 32
+# The MAC covers the header bytes before it (every field but the MAC and the
+# header CRC, which covers the MAC) and then the payload.
+MAC_OFFSET = HEADER_LEN - 4 - MAC_LEN
+NO_KEY = bytes(KEY_ID_LEN)  # key_id of a file written without a deployment key (its MAC is zeros)
+_RESERVED = bytes(24)
 KIND_CODES = {GroupKind.FULL_ATTENTION: 1, GroupKind.SLIDING_WINDOW: 2, GroupKind.CHUNKED_LOCAL: 3, GroupKind.MAMBA: 4}
 
 
@@ -43,6 +55,11 @@ class ChunkHeader:
     # Not identity (the key already chains from the parent); it lets tools
     # such as `kvoffload gc` find a chunk's descendants without the prompts.
     parent: bytes = bytes(8)
+    # The deployment key that signed the file (offload/store/auth.py: derived
+    # from the key, reveals nothing of it), and the keyed BLAKE3 MAC over
+    # header bytes [0, MAC_OFFSET) and the payload; zeros without a key.
+    key_id: bytes = NO_KEY
+    mac: bytes = bytes(MAC_LEN)
 
     @property
     def payload_len(self) -> int:
@@ -54,7 +71,7 @@ class ChunkHeader:
         body = _STRUCT.pack(
             MAGIC, FORMAT_VERSION, HEADER_LEN, self.group, KIND_CODES[self.kind], self.fingerprint,
             self.key, self.token_start, self.token_end, self.num_pages, self.page_bytes,
-            self.payload_len, self.payload_crc, self.parent, 0,
+            self.payload_len, self.payload_crc, self.parent, self.key_id, _RESERVED, self.mac, 0,
         )
         return body[:-4] + struct.pack("<I", crc32c(body[:-4]))
 
@@ -64,7 +81,8 @@ class ChunkHeader:
 
         if len(raw) != HEADER_LEN:
             raise FormatError(f"header is {len(raw)} bytes, expected {HEADER_LEN}")
-        (magic, version, hlen, group, kind, fp, key, t0, t1, npages, pbytes, plen, pcrc, parent, hcrc) = _STRUCT.unpack(raw)
+        (magic, version, hlen, group, kind, fp, key, t0, t1, npages, pbytes, plen, pcrc, parent, key_id, reserved, mac,
+         hcrc) = _STRUCT.unpack(raw)
         if magic != MAGIC:
             raise FormatError("bad magic: not a kvoffload chunk file")
         if version != FORMAT_VERSION:
@@ -72,9 +90,10 @@ class ChunkHeader:
         if hlen != HEADER_LEN or crc32c(raw[:-4]) != hcrc:
             raise FormatError("header checksum mismatch")
         kinds = {v: k for k, v in KIND_CODES.items()}
-        if kind not in kinds or plen != npages * pbytes:
+        if kind not in kinds or plen != npages * pbytes or reserved != _RESERVED:
             raise FormatError("inconsistent header fields")
-        return cls(Fingerprint(fp), ChunkKey(key), group, kinds[kind], t0, t1, npages, pbytes, pcrc, parent)
+        return cls(Fingerprint(fp), ChunkKey(key), group, kinds[kind], t0, t1, npages, pbytes, pcrc, parent,
+                   key_id, mac)
 
     @staticmethod
     def peek_parent(raw: bytes) -> tuple[bytes | None, bool]:

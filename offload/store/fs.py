@@ -1,6 +1,6 @@
 """Filesystem tier: one canonical file per (chunk, group), shared over NFS.
 
-Layout (version 1, see docs/format.md):
+Layout (version 2, see docs/format.md):
     <path>/kvoffload-v2/<fingerprint hex>/layout.json
     <path>/kvoffload-v2/<fingerprint hex>/g<group>/<key[:2]>/<key hex>.kv
 Files appear under their final name only when complete (temporary file in the
@@ -28,11 +28,13 @@ from offload import copier
 from offload.keys import FORMAT_VERSION, ChunkKey, Fingerprint
 from offload.planner import GroupKind
 from offload.store import hygiene
+from offload.store.auth import AuthRef, KeyConfigError, Keyring, Unauthenticated, check_entry, frame, load_keyring
 from offload.store.base import (Backed, ChunkMiss, HostChunk, MissReason, OptionError, Placement, TierData,
                                 TierIndex, TierSpec, TierUsage)
 from offload.store.buffers import BufferPool, probe_o_direct
 from offload.store.budget import DEFAULT_RECONCILE_S, DirBudget, account_for
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
+from offload.store.ledger import LEDGER_DIR
 from offload.store.housekeeper import Housekeeper
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,7 @@ class FsOptions:
     orphan_tmp_age_s: float = DEFAULT_ORPHAN_AGE_S
     reconcile_interval_s: float = DEFAULT_RECONCILE_S
     direct_reads: bool = False  # O_DIRECT reads, falling back to buffered where refused
+    auth: AuthRef | None = None  # the deployment key (by reference); None: CRC only
 
 
 @dataclass(frozen=True)
@@ -78,15 +81,19 @@ class FileStore:
     _safe_dirs: set = field(default_factory=set, compare=False, repr=False)
     # The directory's usage account (the ledger this process appends to); `budget` is it when max_bytes is set.
     account: DirBudget | None = field(default=None, compare=False, repr=False)
+    # The deployment's keys: writes are signed, reads verified (offload/store/auth.py); None: CRC only.
+    keyring: Keyring | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def open(cls, path: str, fp: Fingerprint, fsync: bool = False, options: FsOptions | None = None) -> FileStore:
         """Open (and, in the background, tidy) the fingerprint directory under `path`.
 
-        `options` give modes, the byte budget and the orphan age (defaults without them).
-        A world-writable cache directory is refused (OptionError naming `path`).
+        `options` give modes, the byte budget, the orphan age and the key
+        (defaults without them). A world-writable cache directory is refused,
+        and so is a key that cannot be used (OptionError naming the option).
         """
         cfg = options
+        keyring = open_keyring(cfg.auth) if cfg is not None else None
         base = Path(path)
         for d in (base, base / LAYOUT_VERSION_DIR, base / LAYOUT_VERSION_DIR / fp.hex()):
             mode = hygiene.world_writable(d)
@@ -103,7 +110,8 @@ class FileStore:
         store = cls(root, fp, fsync or (cfg is not None and cfg.fsync),
                     cfg.file_mode if cfg is not None else FILE_MODE,
                     cfg.dir_mode if cfg is not None else DIR_MODE,
-                    account if account.max_bytes else None, os.path.realpath(root), account=account)
+                    account if account.max_bytes else None, os.path.realpath(root), account=account,
+                    keyring=keyring)
         store._tidy_once(cfg.orphan_tmp_age_s if cfg is not None else DEFAULT_ORPHAN_AGE_S)
         return store
 
@@ -224,9 +232,10 @@ class FileStore:
 
     def write_framed(self, header: ChunkHeader, chunk: HostChunk, direct: bool) -> tuple[bool, bool]:
         """The one chunk writer: write `chunk` (a pooled buffer with the
-        header's room in front) atomically; the payload CRC is computed here,
-        on the I/O thread. Returns (written, O_DIRECT used); written is False
-        if the file existed (same key, same bytes)."""
+        header's room in front) atomically; the payload CRC (and, with a key,
+        the MAC) is computed here, on the I/O thread. Returns (written,
+        O_DIRECT used); written is False if the file existed (same key, same
+        bytes)."""
         assert chunk.buf is not None
         n = chunk.payload.numel()
         if n != header.payload_len:
@@ -235,8 +244,8 @@ class FileStore:
         if final.exists():
             return False, False  # another request or instance stored it
         self.prepare_dir(final)  # modes, and no planted symlink leads out of the cache
-        full = ChunkHeader(**{**header.__dict__, "payload_crc": copier.crc32c(chunk.payload)})
-        chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(full.pack()), dtype=torch.uint8))
+        raw = frame(header, chunk.payload, self.keyring)
+        chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         used = copier.write_file_direct(str(self.tmp_path(final)), str(final), chunk.buf, HEADER_LEN + n,
                                         self.fsync, self.file_mode, direct=direct)
         # A Mamba state stands alone: no parent, whatever its header carries.
@@ -255,7 +264,8 @@ class FileStore:
             # good file is not reported corrupt and quarantined.
             raise ValueError(f"out must be a contiguous uint8 CPU tensor of {expected.payload_len} bytes, "
                              f"got {out.numel()} x {out.dtype} on {out.device}")
-        self._read(expected, lambda path: copier.read_file(path, HEADER_LEN, out))
+        crc = self.keyring is None  # with a key the MAC is checked instead (check_entry)
+        self._read(expected, lambda path: copier.read_file(path, HEADER_LEN, out, crc), out)
 
     def read_framed(self, expected: ChunkHeader, chunk: HostChunk) -> bool:
         """Read the whole file into `chunk` (a pooled buffer: header room, then
@@ -266,15 +276,19 @@ class FileStore:
         used = [False]
 
         def direct(path: str) -> tuple[bytes, int]:
-            raw, crc, used[0] = copier.read_file_direct(path, HEADER_LEN, chunk.buf, expected.payload_len)
+            raw, crc, used[0] = copier.read_file_direct(path, HEADER_LEN, chunk.buf, expected.payload_len,
+                                                        self.keyring is None)
             return raw, crc
-        self._read(expected, direct)
+        self._read(expected, direct, chunk.payload)
         return used[0]
 
-    def _read(self, expected: ChunkHeader, read: Callable[[str], tuple[bytes, int]]) -> None:
+    def _read(self, expected: ChunkHeader, read: Callable[[str], tuple[bytes, int]], payload: torch.Tensor) -> None:
         """Run `read(path)` -> (header bytes, payload CRC) on the chunk's file
-        and verify the result; every way it can fail is a ChunkMiss, and a
-        file that is bad for good goes to quarantine."""
+        (the payload lands in `payload`) and verify the result; every way it
+        can fail is a ChunkMiss, and a file that is bad for good goes to
+        quarantine. Without a key the CRC is fused with the read (C++); with
+        one, the MAC is a second pass over the payload on this same I/O
+        thread, and the CRC is computed only if the MAC fails."""
         path = self.file_path(expected.group, expected.key)
         if not self._dir_ok(path.parent):
             raise ChunkMiss(MissReason.UNSAFE, f"{path.parent} resolves outside the cache directory")
@@ -294,13 +308,14 @@ class FileStore:
             self.quarantine(path)
             raise ChunkMiss(MissReason.CORRUPT, f"{path}: {e}") from None
         try:
-            header = ChunkHeader.unpack(raw)
-            header.check_matches(expected)
-            if header.payload_crc != crc:
-                raise FormatError("payload checksum mismatch")
+            check_entry(raw, None if self.keyring is not None else crc, expected, payload, self.keyring)
         except FormatError as e:
             self.quarantine(path)
             raise ChunkMiss(MissReason.CORRUPT, f"{path}: {e}") from None
+        except Unauthenticated as e:
+            if e.quarantine:  # claims our key: a forgery or a copy
+                self.quarantine(path)
+            raise ChunkMiss(MissReason.UNAUTHENTICATED, f"{path}: {e}") from None
         if self.budget is not None:
             try:
                 os.utime(path)  # recency for LRU eviction, visible to every instance
@@ -420,6 +435,48 @@ class FsData(TierData):
         return chunk
 
 
+def open_keyring(ref: AuthRef | None) -> Keyring | None:
+    """The keys `ref` names (None without it); OptionError naming the option otherwise."""
+    if ref is None:
+        return None
+    try:
+        return load_keyring(ref)
+    except KeyConfigError as e:
+        raise OptionError(str(e)) from None
+
+
+def unauthenticated_risks(path: str) -> list[str]:
+    """Why a cache directory without a key may hold entries that this user did
+    not write: directories writable by group or others, ledger logs of
+    other users or hosts. Empty when neither is seen."""
+    out = []
+    base = Path(path)
+    for d in (base, base / LAYOUT_VERSION_DIR):
+        try:
+            mode = stat.S_IMODE(os.stat(d).st_mode)
+        except OSError:
+            continue
+        if mode & 0o022:
+            out.append(f"{d} is writable by its group{' and others' if mode & 0o002 else ''} (mode {mode:04o})")
+    ledger = base / LAYOUT_VERSION_DIR / LEDGER_DIR
+    users, hosts = set(), set()
+    try:
+        for e in os.scandir(ledger):
+            if e.name.endswith(".log"):
+                try:
+                    users.add(e.stat(follow_symlinks=False).st_uid)
+                except OSError:
+                    continue
+                hosts.add(e.name.split("-", 1)[0])
+    except OSError:
+        pass
+    if users - {os.getuid()}:
+        out.append(f"the ledger ({ledger}) has logs of {len(users - {os.getuid()})} other user(s)")
+    if hosts - {hygiene.HOST_TAG}:
+        out.append(f"the ledger ({ledger}) has logs of {len(hosts - {hygiene.HOST_TAG})} other host(s)")
+    return out
+
+
 def check_directory(path: str, mode: int) -> None:
     """The cache directory exists (created with `mode` if missing), is a
     directory, and this user can write it; OptionError naming `path` otherwise."""
@@ -445,10 +502,19 @@ class FsTier(TierSpec[FsOptions]):
 
     def check(self) -> None:
         check_directory(self.options.path, self.options.dir_mode)
+        if self.options.auth is not None:
+            open_keyring(self.options.auth)  # fails start-up here, naming the option
+            return
+        risks = unauthenticated_risks(self.options.path)
+        if risks:
+            logger.warning("kvoffload: %s has no deployment key (option 'auth'), so entries are checked by CRC "
+                           "only and anyone who can write there can plant KV that requests restore: %s; set "
+                           "'auth' (docs/reliability.md, threat model)", self.options.path, "; ".join(risks))
 
     def describe(self) -> str:
         budget = f", max_bytes={self.options.max_bytes}" if self.options.max_bytes else ""
-        return f"{self.options.path}{budget}"
+        auth = f", MAC with {self.options.auth.describe()}" if self.options.auth else ", CRC only (no key)"
+        return f"{self.options.path}{budget}{auth}"
 
     def index(self, backed: Backed | None) -> FsIndex:
         # Rank 0's files stand for the request on every rank; a rank missing

@@ -2,9 +2,11 @@
 storage engine (offload/store/lmcache_objects.py).
 
 Our planner decides the entries and their keys exactly as for files; an
-object holds exactly what a chunk file holds (the 128-byte header with the
-payload's CRC32C, then the payload: `FileStore.write_framed`'s bytes), and a
-load checks header and CRC like a file read. An object that is missing,
+object holds exactly what a chunk file holds (the `HEADER_LEN`-byte header
+with the payload's CRC32C and, with a deployment key (`auth`), its MAC; then
+the payload: `FileStore.write_framed`'s bytes), and a load checks header, CRC
+and MAC like a file read (offload/store/auth.py). Objects have no quarantine:
+one that fails is a miss and stays where it is. An object that is missing,
 evicted, of another length or damaged is a `ChunkMiss`, never garbage: vLLM
 recomputes. LMCache's own settings come from the tier's keys: the local CPU
 pool size (`local_cpu_bytes`) and, optionally, a remote (`remote_url`, e.g.
@@ -32,8 +34,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from offload import copier
 from offload.keys import ChunkKey
+from offload.store.auth import AuthRef, Keyring, Unauthenticated, check_entry, frame
 from offload.store.base import (
     Backed,
     ChunkMiss,
@@ -61,6 +63,7 @@ class LMCacheOptions:
     local_cpu_bytes: int
     remote_url: str | None = None
     timeout_s: float = 2.0
+    auth: AuthRef | None = None  # the deployment key (by reference); None: CRC only
 
 
 # ---- one storage engine per process and options ------------------------------------
@@ -194,9 +197,10 @@ class LMCacheData(TierData):
     """Worker side: framed payloads (header + CRC, as a chunk file) in and out
     of the storage engine, on the worker's I/O threads."""
 
-    def __init__(self, objects: LMCacheObjects, options: LMCacheOptions) -> None:
+    def __init__(self, objects: LMCacheObjects, options: LMCacheOptions, keyring: Keyring | None = None) -> None:
         self.objects = objects
         self.options = options
+        self.keyring = keyring
         self._closed = False
 
     def holds(self, header: ChunkHeader, placement: Placement) -> bool:
@@ -214,8 +218,8 @@ class LMCacheData(TierData):
             framed.payload.copy_(chunk.payload)
             chunk = framed
         assert chunk.buf is not None
-        full = ChunkHeader(**{**header.__dict__, "payload_crc": copier.crc32c(chunk.payload)})
-        chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(full.pack()), dtype=torch.uint8))
+        raw = frame(header, chunk.payload, self.keyring)
+        chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         if not self.objects.put(name, chunk.buf[:HEADER_LEN + n]):
             raise OSError(f"LMCache local pool took no object of {HEADER_LEN + n} bytes (full, or an engine error)")
         return True
@@ -231,12 +235,11 @@ class LMCacheData(TierData):
                 # Gone (evicted, remote down or without it) or another length.
                 raise ChunkMiss(MissReason.MISSING, f"LMCache object {name}")
             try:
-                stored = ChunkHeader.unpack(bytes(framed[:HEADER_LEN].numpy()))
-                stored.check_matches(header)
-                if stored.payload_crc != copier.crc32c(chunk.payload):
-                    raise FormatError("payload checksum mismatch")
+                check_entry(bytes(framed[:HEADER_LEN].numpy()), None, header, chunk.payload, self.keyring)
             except FormatError as e:
                 raise ChunkMiss(MissReason.CORRUPT, f"LMCache object {name}: {e}") from None
+            except Unauthenticated as e:
+                raise ChunkMiss(MissReason.UNAUTHENTICATED, f"LMCache object {name}: {e}") from None
         except BaseException:
             chunk.release()
             raise
@@ -265,10 +268,19 @@ class LMCacheTier(TierSpec[LMCacheOptions]):
         except ImportError as e:
             raise OptionError(f"store='lmcache': LMCache is not importable ({e}); install lmcache==0.5.6 "
                               "(make setup)") from None
+        from offload.store.fs import open_keyring
+
+        if self.options.auth is not None:
+            open_keyring(self.options.auth)  # fails start-up here, naming the option
+        elif self.options.remote_url:
+            logger.warning("kvoffload: the LMCache remote %s has no deployment key (option 'auth'), so objects are "
+                           "checked by CRC only and anyone who can write to it can plant KV that requests restore; "
+                           "set 'auth' (docs/reliability.md, threat model)", self.options.remote_url)
 
     def describe(self) -> str:
         remote = f", remote {self.options.remote_url}" if self.options.remote_url else ", no remote"
-        return f"LMCache local CPU pool {self.options.local_cpu_bytes} bytes{remote}"
+        auth = f", MAC with {self.options.auth.describe()}" if self.options.auth else ", CRC only (no key)"
+        return f"LMCache local CPU pool {self.options.local_cpu_bytes} bytes{remote}{auth}"
 
     def index(self, backed: Backed | None) -> LMCacheIndex:
         if not self.ctx.separate_workers:
@@ -280,4 +292,7 @@ class LMCacheTier(TierSpec[LMCacheOptions]):
         return LMCacheIndex(shared_objects(remote), self.options, self.ctx, remote)
 
     def data(self, device: torch.device) -> LMCacheData:
-        return LMCacheData(shared_objects(self.options), self.options)
+        from offload.store.fs import open_keyring
+
+        keyring = open_keyring(self.options.auth)
+        return LMCacheData(shared_objects(self.options), self.options, keyring)
