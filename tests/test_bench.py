@@ -290,6 +290,7 @@ def _bench_multi_turn_small(models_dir: Path, tmp_path: Path) -> tuple[dict, Pat
 
 
 @pytest.mark.e2e
+@pytest.mark.long  # 12 server starts (a restart before every turn, 3 configurations): minutes on 2 cores
 @pytest.mark.prefetch.with_args(_bench_multi_turn_small)
 def test_bench_multi_turn_small(prefetched, tmp_path: Path) -> None:
     """The multi-turn race at a small size: each turn's prompt is the previous prompt, its greedy
