@@ -268,6 +268,7 @@ def test_attention_only_tails_a_short_prompt_a_next_turn_and_a_tail_vllm_cached(
     # The next turn: the earlier prompt's tail restored, then its own tail stored.
     a = prompt(22)
     store_prompt(eng, "a", a, tmp_path)
+    wait_for_files(tmp_path / "cache", 1 + entries(eng))  # the short prompt's file and all of a's
     turn = a + prompt(23, 150)
     run(eng, "t", turn)
     assert tier_params(eng, "t") == {"restored_tokens": hit(eng), "load_failed": False}
