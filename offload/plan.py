@@ -264,7 +264,14 @@ class ModelPlan:
         return [g.spec for g in self.groups]
 
     def planner(self) -> HybridOffloadPlanner:
-        return HybridOffloadPlanner(self.specs, self.hybrid_chunk_size)
+        """The planner the connector builds for these groups. Attention only,
+        vLLM's own cache hits at every block (its cache-hit alignment is the
+        blocks' LCM), so that is the tail unit; a hybrid's comes from
+        `--prefix-match-unit`, which the flags may or may not carry (none here)."""
+        specs = self.specs
+        attention_only = all(s.kind is GroupKind.FULL_ATTENTION for s in specs)
+        return HybridOffloadPlanner(specs, self.hybrid_chunk_size,
+                                    tail_unit=HybridOffloadPlanner.block_lcm(specs) if attention_only else None)
 
     @property
     def bytes_per_chunk(self) -> int:

@@ -43,9 +43,9 @@ from vllm_unit_utils import (
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]  # llama-tiny
 BS = 16
 CHUNK = 256  # attention-only default: the smallest multiple of the block size >= 256
-PROMPT = 600  # two whole chunks (512 tokens) can hit; a hit stops before the last prompt token
-HIT = 2 * CHUNK
+PROMPT = 600  # two whole chunks and a tail of whole blocks behind them (hit(): what the planner restores)
 CHUNK_BYTES = 2 * (CHUNK // BS) * 2 * BS * 2 * 32 * 2  # layers x blocks x (K+V, 16 tokens, 2 heads, 32 dims, bf16)
+BLOCK_BYTES = CHUNK_BYTES // (CHUNK // BS)
 WAITING_FOR_KV = RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
@@ -70,6 +70,19 @@ def make(vllm_config, tmp_path):
     yield _make
     for w in workers:
         w.connector.shutdown()
+
+
+def hit(eng: Engine, n: int = PROMPT) -> int:
+    """Tokens a repeat of a stored n-token prompt restores, as the connector's
+    planner states it: its whole chunks, or the tail of whole blocks behind
+    them up to vLLM's own last hittable block (attention only: 592 of 600)."""
+    return eng.scheduler.connector.planner.repeat_hit(n)
+
+
+def entries(eng: Engine, n: int = PROMPT) -> int:
+    """Entries (one group here: files) an n-token prompt stores: its whole chunks and at most one tail."""
+    p = eng.scheduler.connector.planner
+    return p.max_hit_chunks(n) + (1 if p.tail_boundary(n) else 0)
 
 
 def prompt(seed: int, n: int = PROMPT) -> list[int]:
@@ -126,9 +139,11 @@ def table_all(eng: Engine, req_id: str) -> tuple[list[int], ...]:
 
 
 def store_prompt(eng: Engine, req_id: str, tokens: list[int], tmp_path: Path) -> list[bytes]:
-    """Run a request to completion; return the bytes of its first HIT tokens'
-    blocks. vLLM's own prefix cache is then reset (so a repeat can only hit
-    our tier) and the KV cache scrambled (so only a load can restore it)."""
+    """Run a request to completion; return the bytes of the blocks of the
+    tokens a repeat restores. vLLM's own prefix cache is then reset (so a
+    repeat can only hit our tier) and the KV cache scrambled (so only a load
+    can restore it)."""
+    HIT = hit(eng, len(tokens))
     req = create_request(req_id, tokens, max_tokens=2, block_size=BS)
     eng.scheduler.add_request(req)
     snapshot = None
@@ -138,7 +153,7 @@ def store_prompt(eng: Engine, req_id: str, tokens: list[int], tmp_path: Path) ->
             snapshot = eng.worker.blocks_bytes(table(eng, req_id)[:HIT // BS])
     assert snapshot is not None
     if eng.scheduler.connector.cfg.tiers[0].store == "fs":
-        wait_for_files(tmp_path / "cache", HIT // CHUNK)
+        wait_for_files(tmp_path / "cache", entries(eng, len(tokens)))
     assert eng.scheduler.reset_prefix_cache()
     eng.worker.scramble()
     return snapshot
@@ -159,6 +174,8 @@ def tier_params(eng: Engine, req_id: str) -> dict:
 @pytest.mark.parametrize("store", ["cpu", "fs"])
 def test_store_then_hit_restores_the_exact_bytes(make, tmp_path, store):
     eng = make(store)
+    HIT = hit(eng)
+    assert HIT > PROMPT // CHUNK * CHUNK  # the tail of whole blocks behind the last whole chunk
     tokens = prompt(1)
     stored = store_prompt(eng, "a", tokens, tmp_path)
 
@@ -175,9 +192,9 @@ def test_store_then_hit_restores_the_exact_bytes(make, tmp_path, store):
     assert eng.scheduled["b"] == PROMPT - HIT + 2  # the tail and two decode steps; the hit was not recomputed
     assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
     t = eng.totals()
-    assert t.get("stored_tokens") == HIT  # the two whole chunks, not the 88-token tail
+    assert t.get("stored_tokens") == HIT  # the two whole chunks and the tail's whole blocks, not the rest
     assert t.get("lookups") == 2 and t.get("lookup_hit_tokens") == HIT
-    assert t.get("restored_tokens") == HIT and t.get("restored_bytes") == HIT // CHUNK * CHUNK_BYTES
+    assert t.get("restored_tokens") == HIT and t.get("restored_bytes") == HIT // BS * BLOCK_BYTES
     assert "failed_loads" not in t
     if store == "cpu":
         assert pinned(eng) == 0
@@ -190,6 +207,8 @@ def test_chunk_aligned_prompt_hits_whole_and_vllm_computes_its_last_token_again(
     the prompt and computes it again over the restored KV, which rewrites
     that slot with the same values; nothing else is recomputed."""
     eng = make("cpu")
+    HIT = 2 * CHUNK
+    assert hit(eng, HIT) == HIT and entries(eng, HIT) == 2  # whole chunks reach past any tail: no tail file
     tokens = prompt(7, HIT)
     stored = store_prompt(eng, "a", tokens, tmp_path)
     b = create_request("b", tokens, max_tokens=3, block_size=BS)
@@ -215,6 +234,76 @@ def test_chunk_aligned_prompt_hits_whole_and_vllm_computes_its_last_token_again(
     assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
     t = eng.totals()
     assert t.get("stored_tokens") == HIT and t.get("lookup_hit_tokens") == HIT  # the replay stores nothing again
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+
+
+def run(eng: Engine, req_id: str, tokens: list[int]) -> None:
+    eng.scheduler.add_request(create_request(req_id, tokens, max_tokens=2, block_size=BS))
+    eng.run_to_completion()
+
+
+def test_attention_only_tails_a_short_prompt_a_next_turn_and_a_tail_vllm_cached(make, tmp_path):
+    """Attention only, vLLM's own cache hits at every block, ours behind the
+    last whole chunk too, one tail entry per prompt:
+    - a prompt shorter than a chunk restores its last whole block before its
+      last token (nothing without tails);
+    - the next turn of a stored prompt restores the earlier prompt's tail
+      (probed inside the chunk where the stored chunks end) and stores its
+      own: chunks + one tail, never a file per block;
+    - a prompt whose tail vLLM's own cache already held (a longer prompt
+      computed it) stores that tail anyway: the whole blocks are computed KV,
+      so after a reset a repeat restores it with the exact bytes."""
+    eng = make("fs")
+    planner = eng.scheduler.connector.planner
+    files = lambda: sorted(tmp_path.glob("cache/kvoffload-v2/*/g*/*/*.kv"))  # noqa: E731
+    short = prompt(21, CHUNK - 50)
+    assert hit(eng, len(short)) == (len(short) - 1) // BS * BS > 0 and planner.max_hit_chunks(len(short)) == 0
+    store_prompt(eng, "s", short, tmp_path)
+    assert len(files()) == entries(eng, len(short)) == 1
+    run(eng, "s2", short)
+    assert tier_params(eng, "s2") == {"restored_tokens": hit(eng, len(short)), "load_failed": False}
+    assert eng.scheduled["s2"] == len(short) - hit(eng, len(short)) + 1  # the rest of the prompt, one decode step
+
+    # The next turn: the earlier prompt's tail restored, then its own tail stored.
+    a = prompt(22)
+    store_prompt(eng, "a", a, tmp_path)
+    wait_for_files(tmp_path / "cache", 1 + entries(eng))  # the short prompt's file and all of a's
+    turn = a + prompt(23, 150)
+    run(eng, "t", turn)
+    assert tier_params(eng, "t") == {"restored_tokens": hit(eng), "load_failed": False}
+    wait_for_files(tmp_path / "cache", 1 + entries(eng) + entries(eng, len(turn)) - planner.max_hit_chunks(PROMPT))
+    assert len(files()) == 1 + entries(eng) + entries(eng, len(turn)) - planner.max_hit_chunks(PROMPT)
+
+    # vLLM's own cache holds b's tail (long computed it): b stores it from there.
+    assert eng.scheduler.reset_prefix_cache()
+    before = len(files())
+    long = prompt(24, PROMPT + 100)
+    b = long[:PROMPT] + [1]  # vLLM's own hit stops at b's tail, the last block before its last token
+    assert planner.tail_boundary(len(b)) and planner.tail_boundary(len(b)) < PROMPT
+    req_long = create_request("long", long, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(req_long)
+    snapshot = None
+    while "long" in eng.scheduler.requests:
+        eng.step()
+        if snapshot is None and req_long.num_computed_tokens >= hit(eng, len(b)):
+            snapshot = eng.worker.blocks_bytes(table(eng, "long")[:hit(eng, len(b)) // BS])
+    run(eng, "b", b)
+    assert eng.scheduled["b"] == len(b) - planner.tail_boundary(len(b)) + 1, "vLLM's own cache did not hold b's tail"
+    assert tier_params(eng, "b") == {"restored_tokens": 0, "load_failed": False}
+    wait_for_files(tmp_path / "cache", before + entries(eng, len(long)) + 1)  # long's entries, then b's tail
+    assert len(files()) == before + entries(eng, len(long)) + 1
+    assert eng.scheduler.reset_prefix_cache()
+    eng.worker.scramble()
+    c = create_request("c", b, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(c)
+    eng.step()
+    assert eng.status("c") == WAITING_FOR_KV
+    dest = table(eng, "c")[:hit(eng, len(b)) // BS]
+    eng.run_until(lambda: eng.status("c") != WAITING_FOR_KV)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), snapshot, "b's chunks and tail, stored from vLLM's own cache")
+    eng.run_to_completion()
+    assert tier_params(eng, "c") == {"restored_tokens": hit(eng, len(b)), "load_failed": False}
     assert pinned(eng) == 0
     assert_scheduler_empty(eng.scheduler)
 
@@ -287,6 +376,7 @@ def test_allocation_mismatch_fails_the_load_and_the_request_recomputes(make, tmp
     such as a MultiConnector, can pass another count. The wrapper here is
     that wrapper.)"""
     eng = make("cpu")
+    HIT = hit(eng)
     tokens = prompt(2)
     store_prompt(eng, "a", tokens, tmp_path)
     conn = eng.scheduler.connector
@@ -345,11 +435,12 @@ def test_preemption_with_a_store_pending(make, tmp_path):
     eng.run_until(lambda: eng.status("a") != WAITING_FOR_KV)
     assert_same_bytes(eng.worker.blocks_bytes(dest), chunk0, "restored blocks")
     eng.run_to_completion()
+    HIT = hit(eng)  # what the whole prompt stores: its whole chunks and its tail
     wait_for_stored_tokens(eng, HIT)
 
     assert tier_params(eng, "a") == {"restored_tokens": CHUNK, "load_failed": False}
     t = eng.totals()
-    assert t.get("stored_tokens") == HIT and "stores_deduplicated" not in t  # each chunk stored once
+    assert t.get("stored_tokens") == HIT and "stores_deduplicated" not in t  # each entry stored once
     assert t.get("restored_tokens") == CHUNK and "failed_loads" not in t
     assert_scheduler_empty(eng.scheduler)
 
@@ -359,6 +450,7 @@ def test_preemption_after_a_load_loads_again(make, tmp_path):
     up and loads again on resume: both loads restore the exact bytes, both
     count (docs/metrics.md), and their pins are all released."""
     eng = make("cpu")
+    HIT = hit(eng)
     tokens = prompt(4)
     stored = store_prompt(eng, "a", tokens, tmp_path)
     b = create_request("b", tokens, max_tokens=3, block_size=BS)
@@ -379,7 +471,7 @@ def test_preemption_after_a_load_loads_again(make, tmp_path):
 
     assert tier_params(eng, "b") == {"restored_tokens": 2 * HIT, "load_failed": False}
     t = eng.totals()
-    assert t.get("restored_tokens") == 2 * HIT and t.get("restored_bytes") == 2 * HIT // CHUNK * CHUNK_BYTES
+    assert t.get("restored_tokens") == 2 * HIT and t.get("restored_bytes") == 2 * HIT // BS * BLOCK_BYTES
     assert t.get("lookups") == 2  # one per request, not per admission
     assert pinned(eng) == 0
     assert_scheduler_empty(eng.scheduler)
@@ -412,18 +504,19 @@ def test_abort_while_a_load_is_in_flight(make, tmp_path, held_loads):
     but no restored tokens, and the tier entries stay usable."""
     release, entered = held_loads
     eng = make("cpu")
+    HIT = hit(eng)
     tokens = prompt(5)
     stored = store_prompt(eng, "a", tokens, tmp_path)
     b = create_request("b", tokens, max_tokens=2, block_size=BS)
     eng.scheduler.add_request(b)
     eng.step()
     assert entered.wait(10) and eng.status("b") == WAITING_FOR_KV
-    assert pinned(eng) == HIT // CHUNK
+    assert pinned(eng) == entries(eng)
 
     eng.scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     assert "b" in eng.scheduler.requests  # blocks held: the load still writes into them
     eng.step()
-    assert "b" in eng.scheduler.requests and pinned(eng) == HIT // CHUNK
+    assert "b" in eng.scheduler.requests and pinned(eng) == entries(eng)
     release.set()
     eng.run_until(lambda: "b" not in eng.scheduler.requests)
 
@@ -431,7 +524,7 @@ def test_abort_while_a_load_is_in_flight(make, tmp_path, held_loads):
     assert_scheduler_empty(eng.scheduler)
     t = eng.totals()
     assert "restored_tokens" not in t and "failed_loads" not in t
-    assert t.get("restored_bytes") == HIT // CHUNK * CHUNK_BYTES  # every completed load, aborted or not
+    assert t.get("restored_bytes") == HIT // BS * BLOCK_BYTES  # every completed load, aborted or not
 
     # The entries are neither leaked nor lost: the next request restores them.
     eng.worker.scramble()
@@ -455,6 +548,7 @@ def test_local_prefix_hit_then_tier_hit_loads_only_the_rest(make, tmp_path):
     the first chunk in its own prefix cache and asks the connector from
     there: the connector offers, pins and loads only the second chunk."""
     eng = make("cpu", num_blocks=128)
+    HIT = hit(eng)
     tokens = prompt(7)
     stored = store_prompt(eng, "a", tokens, tmp_path)  # resets vLLM's prefix cache: run "a" again to refill it
     a2 = create_request("a2", tokens, max_tokens=2, block_size=BS)
@@ -479,11 +573,12 @@ def test_local_prefix_hit_then_tier_hit_loads_only_the_rest(make, tmp_path):
     b = create_request("b", tokens, max_tokens=2, block_size=BS)
     eng.scheduler.add_request(b)
     eng.step()
-    assert lookups == [(CHUNK, HIT - CHUNK)], lookups  # vLLM's hit: chunk 0; ours: chunk 1 only
+    assert lookups == [(CHUNK, HIT - CHUNK)], lookups  # vLLM's hit: chunk 0; ours: chunk 1 and the tail
     assert eng.status("b") == WAITING_FOR_KV
     dest = table(eng, "b")[CHUNK // BS:HIT // BS]
     eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV)
-    assert_same_bytes(eng.worker.blocks_bytes(dest), [s[len(s) // 2:] for s in stored], "restored chunk 1")
+    assert_same_bytes(eng.worker.blocks_bytes(dest), [s[CHUNK // BS * BLOCK_BYTES // len(LAYERS):] for s in stored],
+                      "restored chunk 1 and the tail")
     eng.run_to_completion()
     assert eng.scheduled["b"] == PROMPT - HIT + 1
     assert tier_params(eng, "b") == {"restored_tokens": HIT - CHUNK, "load_failed": False}
@@ -500,6 +595,7 @@ def test_reset_prefix_cache_while_a_load_is_in_flight(make, tmp_path, held_loads
     a hazard for any connector that loads asynchronously, ours included."""
     release, entered = held_loads
     eng = make("cpu")
+    HIT = hit(eng)
     tokens = prompt(9)
     stored = store_prompt(eng, "a", tokens, tmp_path)
     b = create_request("b", tokens, max_tokens=2, block_size=BS)
@@ -533,6 +629,7 @@ def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make,
     from offload.store.fs import FsData, FsIndex
 
     eng = make("fs")
+    HIT = hit(eng)
     reserved: set[tuple[int, bytes]] = set()
     real_reserve = FsIndex.reserve
 
@@ -557,7 +654,7 @@ def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make,
         eng.step()
         if snapshot is None and a.num_computed_tokens >= HIT:
             snapshot = eng.worker.blocks_bytes(table(eng, "a")[:HIT // BS])
-    assert snapshot is not None and len(reserved) == HIT // CHUNK
+    assert snapshot is not None and len(reserved) == entries(eng)
     assert not list((tmp_path / "cache").glob("kvoffload-v2/*/g*/*/*.kv")), "a write landed while held"
     assert eng.scheduler.reset_prefix_cache()
     eng.worker.scramble()
@@ -573,7 +670,7 @@ def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make,
     release.set()
     eng.run_to_completion()
     assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
-    wait_for_files(tmp_path / "cache", HIT // CHUNK)  # the held writes still land
+    wait_for_files(tmp_path / "cache", entries(eng))  # the held writes still land
     assert_scheduler_empty(eng.scheduler)
 
 

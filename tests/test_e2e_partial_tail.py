@@ -14,7 +14,9 @@ connector configured in each:
   own (vLLM's cache emptied in between): each restores exactly what vLLM's own
   cache hit, and greedy tokens equal the cold reference's.
 The tail files are canonical: the same prompt writes byte-identical files in
-two engines (D and the own run's directory).
+two engines (D and the own run's directory). Much the same on llama-tiny (attention
+only, default flags, three engines) checks the tail of whole blocks an
+attention-only model stores behind its last whole chunk.
 """
 
 from __future__ import annotations
@@ -119,6 +121,68 @@ def test_fsck_takes_tails_for_leaves_not_corruption(runs):
     tails = [c for c in linked.values() if any(f.header.token_end % CHUNK for f in c.files)]
     assert len(tails) == 1 and tails[0].complete and tails[0].orphan is None and not tails[0].children
     assert all(c.orphan is None for c in linked.values())
+
+
+# ---- attention only: the tail of whole blocks behind the last whole chunk ---------------------------------
+# llama-tiny with its default flags (no unit to set: vLLM's own cache hits an
+# attention-only model at every block). For any block size up to 128: A's last
+# whole block before its last token, 384, lies past its last whole chunk (256);
+# the next turn (+2 tokens) ends in the same block, so it stores no entry A did
+# not; the shared prefix (260 tokens) ends inside chunk 1 and its prompt's last
+# block before the last token is the chunk boundary, where vLLM's own cache hits
+# too (one tail per prompt: a prefix that is no stored prompt's tail restores
+# its whole chunks). So the own run's directory holds A's entries only, and is
+# the one the restart reads: three engines, not four.
+L_A = random_prompt(rng, 390)
+L_PROMPTS = [L_A, L_A + random_prompt(rng, 2), L_A[:260] + random_prompt(rng, 10)]
+
+
+def _llama_runs(models_dir, tmp_path):
+    from offload.plan import plan_for_model
+
+    llama, args = str(models_dir / "llama-tiny"), engine_args(False)
+    e, f = tmp_path / "e", tmp_path / "f"
+    e.mkdir()
+    f.mkdir()
+    own, ref, planner = side_by_side(
+        lambda: run_engine(RunSpec(llama, L_PROMPTS, shipped_config("fs.json", e), 12, args, order=[[0, 0, 1, 2]])),
+        lambda: run_engine(RunSpec(llama, L_PROMPTS, shipped_config("fs.json", f), 12, args, skip_prefix_cache=True)),
+        lambda: plan_for_model(llama).planner())
+    files = {name: {p.relative_to(d): p.read_bytes() for p in d.glob("kvoffload-v2/*/g*/*/*.kv")}
+             for name, d in (("e", e), ("f", f))}
+    restart = run_engine(RunSpec(llama, L_PROMPTS, shipped_config("fs.json", e), 12, args, order=[[0], [1], [2]]))
+    # The own run's first pass of A is cold (nothing cached, nothing restored): A's cold run.
+    return {"own": own, "ref": ref, "cold": own, "restart": restart, "files": files, "e": e, "planner": planner}
+
+
+@pytest.mark.prefetch.with_args(_llama_runs)
+def test_attention_only_restart_restores_the_tail_vllms_own_cache_hits(prefetched):
+    """After a restart, restored == vLLM's own in-process hit for A repeated,
+    its next turn and a shared prefix, greedy tokens == the cold reference's;
+    A's tail (past its whole chunks, as the plan's planner states) restored;
+    the files are A's chunk and tail, byte-identical in the two engines that
+    stored them, and fsck takes the tail for a leaf."""
+    runs = prefetched(_llama_runs)
+    planner = runs["planner"]
+    c, a_len = planner.chunk_size, len(L_A)
+    tail = planner.tail_boundary(a_len)
+    assert [planner.tail_boundary(len(p)) for p in L_PROMPTS] == [tail, tail, 0]  # see above
+    rows = check_restores(runs, c, a_len)
+    assert rows[0][1] == planner.repeat_hit(a_len) == tail > planner.max_hit_chunks(a_len) * c
+    e, f = runs["files"]["e"], runs["files"]["f"]
+    heads = sorted((h.group, h.token_start, h.token_end) for h in
+                   (ChunkHeader.unpack(data[:HEADER_LEN]) for data in e.values()))
+    assert heads == [(0, k * c, (k + 1) * c) for k in range(planner.max_hit_chunks(a_len))] + \
+        [(0, tail // c * c, tail)], heads
+    assert e == f, "two engines that stored the same prompts wrote different files"
+    # fsck: every file verifies, the tail is a leaf of A's chain, nothing is a hole.
+    from offload.cli.cache import chunks, scan
+
+    [fp] = scan(runs["e"], verify_payloads=True).dirs
+    assert fp.files and [x.problem for x in fp.files if x.problem] == []
+    linked = chunks(fp)
+    tails = [k for k in linked.values() if any(x.header.token_end % c for x in k.files)]
+    assert len(tails) == 1 and tails[0].complete and tails[0].orphan is None and not tails[0].children
 
 
 # ---- the issue's table on the Qwen3-Next-80B geometry (long) --------------------------------------------

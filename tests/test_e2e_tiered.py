@@ -22,10 +22,10 @@ pytestmark = pytest.mark.e2e
 rng = random.Random(5)
 PROMPTS = [random_prompt(rng, n) for n in (700, 900, 1100)]
 HITS = [(len(p) - 1) // CHUNK * CHUNK for p in PROMPTS]
-# Attention only: 256-token chunks by default, and a chunk-aligned prompt hits
-# whole (vLLM computes its last token again on top of the restored KV).
+# Attention only: whole chunks (a chunk-aligned prompt hits whole: vLLM computes
+# its last token again on top of the restored KV), or the tail of whole blocks
+# behind them, as the plan's planner states it for vLLM's blocks here.
 LLAMA_PROMPTS = PROMPTS + [random_prompt(rng, 768)]
-LLAMA_HITS = [len(p) // 256 * 256 for p in LLAMA_PROMPTS]
 
 
 def tiered(path, cpu_bytes: int | None = None) -> dict:
@@ -114,17 +114,24 @@ def test_weights_favour_the_filesystem_child_on_a_tie(runs):
 
 
 def _llama(models_dir, tmp_path):
+    from offload.plan import plan_for_model
+
     llama = str(models_dir / "llama-tiny")
-    cold = run_engine(RunSpec(llama, LLAMA_PROMPTS, tiered(tmp_path), 12, engine_args(False)))
+    cold, planner = side_by_side(lambda: run_engine(RunSpec(llama, LLAMA_PROMPTS, tiered(tmp_path), 12,
+                                                            engine_args(False))),
+                                 lambda: plan_for_model(llama).planner())
     warm = run_engine(RunSpec(llama, LLAMA_PROMPTS, tiered(tmp_path), 12, engine_args(False), passes=2))
-    return cold, warm
+    return cold, warm, planner
 
 
 @pytest.mark.prefetch.with_args(_llama)
 def test_llama_restart_restores_from_disk_then_from_promoted_cpu(prefetched):
     """The 768-token prompt is restored whole (vLLM computes its last token
-    again over the restored KV, and counts all 768 as cached)."""
-    cold, warm = prefetched(_llama)
+    again over the restored KV, and counts all 768 as cached); a prompt whose
+    last whole block lies past its last whole chunk is restored to that block."""
+    cold, warm, planner = prefetched(_llama)
+    LLAMA_HITS = [planner.repeat_hit(len(p)) for p in LLAMA_PROMPTS]
+    assert any(h > planner.max_hit_chunks(len(p)) * planner.chunk_size for h, p in zip(LLAMA_HITS, LLAMA_PROMPTS))
     assert cold.restored_tokens == 0
     n = len(LLAMA_PROMPTS)
     first, second = warm.results[:n], warm.results[n:]

@@ -263,3 +263,66 @@ def test_lookup_prefers_the_longest_tail_whose_every_group_is_stored():
     assert [(gc.chunk, gc.tail_end, list(gc.blocks)) for gc in needed] == [(1, None, [1]), (2, 2944, [2])]
     assert p.blocks_to_load(0, 2, 1152, tail=640) == {2}  # the state at 2944 sits in the block holding 2943
     assert p.needed(0, 2, 0, tail=640)[0].state_at == 2944
+
+
+# ---- attention only: tails of whole blocks behind the last whole chunk ---------------------------
+
+
+def test_attention_only_tail_unit_is_whole_blocks():
+    """vLLM's own cache hits an attention-only model at every block (its
+    cache-hit alignment is the block, or the blocks' LCM): a tail is whole
+    blocks, so a unit finer than a block is refused, and windowed groups
+    keep chunk-boundary hits."""
+    assert HybridOffloadPlanner(pure_attention(16), tail_unit=16).tail_unit == 16
+    assert HybridOffloadPlanner(pure_attention(128), tail_unit=128).tail_unit == 128  # vLLM-CPU: chunk 256
+    assert HybridOffloadPlanner(pure_attention(16), tail_unit=8).tail_unit is None  # inside a block
+    assert HybridOffloadPlanner(pure_attention(16), tail_unit=256).tail_unit is None  # the chunk itself
+    assert HybridOffloadPlanner(pure_attention(16), tail_unit=None).tail_unit is None
+    two = [GroupSpec(FULL, 16, 1, 1), GroupSpec(FULL, 32, 1, 1)]
+    assert HybridOffloadPlanner(two, tail_unit=32).tail_unit == 32
+    assert HybridOffloadPlanner(two, tail_unit=16).tail_unit is None  # not whole blocks of the 32-token group
+    assert HybridOffloadPlanner(gemma3_like(), tail_unit=16).tail_unit is None
+
+
+def test_attention_only_tail_boundary_is_the_last_block_before_the_last_token():
+    p = HybridOffloadPlanner(pure_attention(16), tail_unit=16)
+    c = p.chunk_size
+    for n in range(1, 4 * c):
+        t, vllm_hit = p.tail_boundary(n), (n - 1) // 16 * 16  # vLLM's own longest hit on a repeat
+        whole = n // c * c  # attention only: a stored prompt's whole chunks hit in full
+        if t:
+            assert t == vllm_hit and whole < t < n and t % c, n  # past the whole chunks, inside a chunk
+        else:
+            assert vllm_hit % c == 0 or vllm_hit < whole, n  # a chunk boundary, or the chunks reach further
+        assert p.repeat_hit(n) == max(whole, t)
+    assert (p.tail_boundary(600), p.repeat_hit(600)) == (592, 592)  # 512 without a tail
+    assert (p.tail_boundary(200), p.repeat_hit(200)) == (192, 192)  # shorter than a chunk: nothing without
+    assert (p.tail_boundary(512), p.repeat_hit(512)) == (0, 512)  # two whole chunks: no tail file (not 496)
+    assert p.tail_boundary(513) == 0  # 512 is a chunk boundary
+    cpu = HybridOffloadPlanner(pure_attention(128), tail_unit=128)
+    assert [cpu.repeat_hit(n) for n in (400, 390, 600, 768, 1100)] == [384, 384, 512, 768, 1024]
+
+
+def test_attention_only_lookup_restores_the_tail_only_behind_every_whole_chunk():
+    p = HybridOffloadPlanner(pure_attention(16), tail_unit=16)
+    c = p.chunk_size
+    stored = {(0, 0), (0, 1)}  # a 600-token prompt: two chunks and one tail entry, 3 files
+    tails = {(0, 592)}
+
+    def lookup(n, computed=0, stored=stored, tails=tails, prompt=None):
+        hit = p.lookup(n, lambda g, ch: (g, ch) in stored, computed, prompt,
+                       present_tail=lambda g, t: (g, t) in tails)
+        return hit.chunks * c + hit.tail
+
+    assert lookup(600) == 592  # the repeat
+    assert lookup(700) == 592  # the next turn: the tail probed inside chunk 2, where the chunks end
+    assert lookup(593) == 592 and lookup(592) == 512  # a hit stops before the last token
+    assert lookup(600, computed=512) == 592 and lookup(600, computed=592) == 0
+    assert lookup(600, stored={(0, 0)}) == 256  # the tail needs chunk 1: never reported without it
+    assert lookup(600, tails=set()) == 512
+    assert lookup(200, stored=set(), tails={(0, 192)}) == 192  # a prompt shorter than a chunk
+    # Needed entries past vLLM's own hit of 384: chunk 1, then the tail's blocks 32-36 (whole).
+    needed = p.needed(0, 2, 384, tail=80)
+    assert [(gc.chunk, gc.tail_end, list(gc.blocks)) for gc in needed] == [(0 + 1, None, list(range(16, 32))),
+                                                                            (2, 592, list(range(32, 37)))]
+    assert p.blocks_to_load(0, 2, 384, tail=80) == set(range(24, 37))

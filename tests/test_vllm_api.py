@@ -40,9 +40,7 @@ import check_vllm_api as api  # noqa: E402
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]  # llama-tiny
 BS = 16
-CHUNK = 256
-PROMPT = 600
-HIT = 2 * CHUNK
+PROMPT = 600  # two whole 256-token chunks and a tail of whole blocks: _hit() says how much a repeat restores
 WAITING_FOR_KV = "WAITING_FOR_REMOTE_KVS"
 
 
@@ -159,8 +157,14 @@ def _prompt(seed: int) -> list[int]:
     return torch.randint(1, 1000, (PROMPT,), generator=g).tolist()
 
 
+def _hit(eng: Engine) -> int:
+    """Tokens a repeat of a stored prompt restores, as the connector's planner states it."""
+    return eng.scheduler.connector.planner.repeat_hit(PROMPT)
+
+
 def _store(eng: Engine, req_id: str, tokens: list[int]) -> list[bytes]:
-    """Run a request to completion; the bytes of its first HIT tokens' blocks."""
+    """Run a request to completion; the bytes of the blocks a repeat restores."""
+    HIT = _hit(eng)
     req = create_request(req_id, tokens, max_tokens=2, block_size=BS)
     eng.scheduler.add_request(req)
     snapshot = None
@@ -177,7 +181,7 @@ def _load(eng: Engine, req_id: str, tokens: list[int]) -> tuple[list[int], dict]
     r = create_request(req_id, tokens, max_tokens=2, block_size=BS)
     eng.scheduler.add_request(r)
     eng.step()
-    dest = eng.scheduler.kv_cache_manager.get_block_ids(req_id)[0][:HIT // BS]
+    dest = eng.scheduler.kv_cache_manager.get_block_ids(req_id)[0][:_hit(eng) // BS]
     eng.run_until(lambda: eng.status(req_id) is None or eng.status(req_id).name != WAITING_FOR_KV)
     restored = eng.worker.blocks_bytes(dest)
     eng.run_to_completion()
@@ -215,7 +219,7 @@ def test_sleep_and_wake_keep_the_tiers_and_restore_after_wake(eng):
     conn.restore_kv_caches()  # idempotent
     restored, params = _load(eng, "b", tokens)
     # The host-memory tier kept its pool: a hit, restored byte for byte after wake-up.
-    assert params == {"restored_tokens": HIT, "load_failed": False}
+    assert params == {"restored_tokens": _hit(eng), "load_failed": False}
     assert restored == stored
     assert_scheduler_empty(eng.scheduler)
 
@@ -248,7 +252,7 @@ def test_a_load_while_asleep_is_a_miss_and_never_copies(eng):
     assert eng.scheduler.reset_prefix_cache()
     eng.worker.scramble()
     _, params = _load(eng, "c", tokens)
-    assert params == {"restored_tokens": HIT, "load_failed": False}
+    assert params == {"restored_tokens": _hit(eng), "load_failed": False}
 
 
 def test_unregister_waits_for_the_copy_in_progress(eng, monkeypatch):
@@ -279,12 +283,12 @@ def test_unregister_waits_for_the_copy_in_progress(eng, monkeypatch):
     sleeper.join(10)
     assert not sleeper.is_alive()
     # That copy had started, so it completed, whole, before the KV cache was released.
-    dest = eng.scheduler.kv_cache_manager.get_block_ids("b")[0][:HIT // BS]
+    dest = eng.scheduler.kv_cache_manager.get_block_ids("b")[0][:_hit(eng) // BS]
     assert eng.worker.blocks_bytes(dest) == stored
     eng.worker.connector.restore_kv_caches()
     eng.run_to_completion()
     [(_, params)] = eng.finished["b"].items()
-    assert params == {"restored_tokens": HIT, "load_failed": False}
+    assert params == {"restored_tokens": _hit(eng), "load_failed": False}
 
 
 def test_multi_connector_sleep(vllm_config, tmp_path):

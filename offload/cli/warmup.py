@@ -115,10 +115,10 @@ def run_engine_with_progress(spec: RunSpec, label: str, seed: str, timeout_s: fl
 
 def expected(prompt_len: int, planner: HybridOffloadPlanner) -> int:
     """Fewest cached tokens vLLM may report after a restart for a prompt stored
-    whole: its restorable chunk-aligned prefix. A prefix that is the whole
-    prompt counts one token less: vLLM computes that token again (0.32 still
-    reports it cached)."""
-    return min(prompt_len - 1, planner.max_hit_chunks(prompt_len) * planner.chunk_size)
+    whole: its restorable prefix (whole chunks, or its tail where the planner
+    has one). A prefix that is the whole prompt counts one token less: vLLM
+    computes that token again (0.32 still reports it cached)."""
+    return min(prompt_len - 1, planner.repeat_hit(prompt_len))
 
 
 def width(tier: str) -> int:

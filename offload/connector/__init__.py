@@ -108,7 +108,8 @@ def _flags_losing_hits(vllm_config: VllmConfig, planned: dict[str, Any]) -> list
 
 def _tail_unit(kv_cache_config: KVCacheConfig) -> int | None:
     """The token unit vLLM's own prefix cache hits at (`--prefix-match-unit`
-    on a hybrid in 'align' mode), set by the engine core on the KVCacheConfig
+    on a hybrid in 'align' mode; the block, or the blocks' LCM, on an
+    attention-only model), set by the engine core on the KVCacheConfig
     before any connector exists; None where it is not set. The planner uses
     it for partial tails only where it is finer than a chunk."""
     unit = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)

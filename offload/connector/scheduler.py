@@ -344,12 +344,16 @@ class SchedulerSide:
 
     def _plan_tail_store(self, meta: OffloadMetadata, st: _Req, before: int, after: int,
                          table: tuple[list[int], ...]) -> None:
-        """The attention half of the prompt's partial tail, in the step in
-        which vLLM computed up to it (not when a prefix-cache hit put it
-        there): the chunk's blocks up to the one holding the boundary's last
-        token (the worker zeroes that block's slots from the boundary on)."""
+        """The attention half of the prompt's partial tail: the chunk's
+        blocks up to the one holding the boundary's last token (the worker
+        zeroes that block's slots from the boundary on). On a hybrid only in
+        the step in which vLLM computed up to it, not when a prefix-cache hit
+        put it there (a sub-block hit copies the block, not always
+        completely); attention only, the tail is whole blocks, which vLLM's
+        prefix cache holds as computed, so like whole chunks it is stored
+        from wherever they came."""
         end = self.planner.tail_boundary(len(st.request.prompt_token_ids or []))
-        if st.tail_stored or not end or not before < end <= after:
+        if st.tail_stored or not end or after < end or (before >= end and not self.planner.full_prompt_hits):
             return
         st.tail_stored = True
         chunk = end // self.planner.chunk_size

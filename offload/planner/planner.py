@@ -69,7 +69,8 @@ class HybridOffloadPlanner:
 
     Invariants: `chunk_size` is a positive multiple of every group's block
     size, so chunk boundaries are block boundaries in every group; a reported
-    hit is a multiple of `chunk_size`, never passes the prompt, and unless
+    hit is a multiple of `chunk_size` or, with a `tail_unit`, a stored tail's
+    boundary (a multiple of the unit inside a chunk), never passes the prompt, and unless
     every group is full attention is at most `num_tokens - 1` (see
     `full_prompt_hits`).
     """
@@ -84,16 +85,22 @@ class HybridOffloadPlanner:
         self.validate_chunk_size(self.groups, chunk_size)
         self.chunk_size = chunk_size
         self.tail_unit: int | None = None
-        """Token unit of partial tails (vLLM's prefix-match unit), or None:
-        hits only at chunk boundaries. Set only when it can be used: it
-        divides every block size, is finer than the chunk, and the groups are
-        full attention and Mamba/GDN (with at least one of each); windowed
-        groups keep chunk-boundary hits."""
+        """Token unit of partial tails (vLLM's cache-hit alignment: its
+        prefix-match unit on a hybrid, the block on attention only), or None:
+        hits only at chunk boundaries. Set only when it can be used: it is
+        finer than the chunk and either the groups are full attention and
+        Mamba/GDN (with at least one of each) and it divides every block
+        size, or every group is full attention and it is a multiple of every
+        block size (a tail is then whole blocks). Windowed groups keep
+        chunk-boundary hits: vLLM frees their blocks behind the window, so
+        a tail would need a window-trimmed block set of its own."""
         kinds = {g.kind for g in self.groups}
-        if (isinstance(tail_unit, int) and 0 < tail_unit < chunk_size
-                and not any(g.block_size % tail_unit for g in self.groups)
-                and kinds == {GroupKind.FULL_ATTENTION, GroupKind.MAMBA}):
-            self.tail_unit = tail_unit
+        if isinstance(tail_unit, int) and 0 < tail_unit < chunk_size and chunk_size % tail_unit == 0:
+            if kinds == {GroupKind.FULL_ATTENTION, GroupKind.MAMBA}:
+                if not any(g.block_size % tail_unit for g in self.groups):
+                    self.tail_unit = tail_unit
+            elif kinds == {GroupKind.FULL_ATTENTION} and not any(tail_unit % g.block_size for g in self.groups):
+                self.tail_unit = tail_unit
         self._full = [GroupIndex(i) for i, g in enumerate(self.groups) if g.kind is GroupKind.FULL_ATTENTION]
         self._other = [GroupIndex(i) for i, g in enumerate(self.groups) if g.kind is not GroupKind.FULL_ATTENTION]
         self.full_prompt_hits = all(g.kind is GroupKind.FULL_ATTENTION for g in self.groups)
@@ -231,13 +238,25 @@ class HybridOffloadPlanner:
         return out
 
     def tail_boundary(self, prompt_tokens: int) -> int:
-        """The partial-tail boundary vLLM materialises for a prompt (the last
-        unit-aligned boundary before its last token, where its scheduler
-        stops a prefill), or 0 when it is a chunk boundary or there is none."""
+        """The partial-tail boundary of a prompt: the last unit-aligned
+        boundary before its last token (a hybrid: where vLLM's scheduler
+        stops a prefill and keeps the state; attention only: the longest hit
+        vLLM's own prefix cache can give a repeat), or 0 when it is a chunk
+        boundary, there is none, or (attention only) a whole-chunk hit of
+        the prompt reaches past it (a 512-token prompt hits both chunks)."""
         if self.tail_unit is None or prompt_tokens < 2:
             return 0
         t = (prompt_tokens - 1) // self.tail_unit * self.tail_unit
-        return t if t % self.chunk_size else 0
+        if t % self.chunk_size == 0:
+            return 0
+        if self.full_prompt_hits and t < self.max_hit_chunks(prompt_tokens) * self.chunk_size:
+            return 0
+        return t
+
+    def repeat_hit(self, prompt_tokens: int) -> int:
+        """Tokens a repeat of a stored prompt restores: its whole chunks (up
+        to `max_hit_chunks`), or its tail when that reaches further."""
+        return max(self.max_hit_chunks(prompt_tokens) * self.chunk_size, self.tail_boundary(prompt_tokens))
 
     # ---- lookup -------------------------------------------------------------------
 
