@@ -102,7 +102,7 @@ def fix_header_crc(raw: bytearray) -> None:
 
 CORRUPTIONS = ["bitflip", "truncate", "zero_page", "header_field", "header_crc_only"]
 N_CORRUPT = int(os.environ.get("KVOFFLOAD_CORRUPT_FILES", "200"))  # two per prompt: its g0 and g1 files
-VERSIONS = [0, 2, 0, 2, 7]
+VERSIONS = [0, 1, 0, 3, 7]  # never FORMAT_VERSION (2)
 
 
 def corrupt(path: Path, how: str, rng: random.Random) -> None:
@@ -194,7 +194,7 @@ def test_corrupt_and_foreign_version_files_are_all_detected_counted_and_healed(b
     # Pass 1 found both bad files of each prompt and its recompute stored them again:
     # pass 2 restores them all, identical.
     for i in list(b["idx"]["corrupt"]) + list(b["idx"]["version"]):
-        assert p2[i]["restored_tokens"] == _hit(b["prompts"][i]) and not p2[i]["load_failed"], f"prompt {i}"
+        assert p2[i]["restored_tokens"] == _hit(b["prompts"][i]) and not p2[i]["load_failed"], f"prompt {i}: {p2[i]}"
         assert p2[i]["output_ids"] == cold[i]["output_ids"], f"prompt {i}: output differs after healing"
     detected = sum(1 for _, _, _, path in b["damaged"]
                    if list(path.parents[2].glob(f"quarantine/{path.name}.*")))

@@ -76,10 +76,10 @@ def _install() -> None:
     if eio:
         read_file = copier.read_file
 
-        def faulty_read(path, header_len, out):
+        def faulty_read(path, header_len, out, *args, **kwargs):
             if os.path.basename(str(path)).removesuffix(".kv") in eio:
                 raise OSError(errno.EIO, "Input/output error (injected)", str(path))
-            return read_file(path, header_len, out)
+            return read_file(path, header_len, out, *args, **kwargs)
 
         copier.read_file = faulty_read
 
