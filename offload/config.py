@@ -6,18 +6,13 @@ valid, so an operator can fix a kv-transfer-config without reading our code.
 
 from __future__ import annotations
 
-import os
 import threading
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Annotated, Any
 
-from offload.store.hygiene import not_a_directory
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-if TYPE_CHECKING:
-    from offload.store.cpu import CpuOptions
-    from offload.store.fs import FsOptions
-    from offload.store.lmcache import LMCacheOptions
+from offload.store.options import (FROM_CONFIG, STORE_HELP, STORES, AuthConfig, ByteCount, CpuOptions, FsOptions,
+                                   LMCacheOptions, keys, misplaced)
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 
@@ -26,222 +21,43 @@ class ConfigError(ValueError):
     """A kv-transfer-config that cannot work; the message says how to fix it."""
 
 
-_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# The tier union's members are the stores' own options; `store` picks one.
+TierConfig = FsOptions | CpuOptions | LMCacheOptions
+STORE_KINDS = tuple(STORES)
+TIER_KEYS = tuple(dict.fromkeys(k for o in STORES.values() for k in keys(o)))
+
+# Keys every tier took when one flat model held all stores' keys, kept on the stores that ignore them so
+# such configs still start: key -> the store whose field checks its value.
+_TOLERATED: dict[str, dict[str, str]] = {
+    "fs": {"remote_timeout_s": "lmcache"},
+    "cpu": {**dict.fromkeys(("fsync", "file_mode", "dir_mode", "orphan_tmp_age_s", "reconcile_interval_s"), "fs"),
+            "remote_timeout_s": "lmcache"},
+    "lmcache": dict.fromkeys(("fsync", "file_mode", "dir_mode", "orphan_tmp_age_s", "reconcile_interval_s"), "fs"),
+}
 
 
-class AuthConfig(BaseModel):
-    """The deployment key of a tier, by reference (never the key itself):
-    entries are signed with the current key and restored only when a key of
-    this deployment's verifies them (docs/reliability.md, threat model)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    key_file: str | None = Field(
-        default=None, description="absolute path of a file holding the current key (at least 32 bytes; mode 0600, "
-        "owner only); new entries are signed with it")
-    key_env: str | None = Field(
-        default=None, pattern=_ENV_NAME,
-        description="or: the name of an environment variable holding the current key (at least 32 bytes)")
-    previous_key_files: list[str] = Field(
-        default_factory=list, max_length=8,
-        description="files of earlier keys, for reads only (rotation: entries they signed still restore)")
-    previous_key_envs: list[str] = Field(
-        default_factory=list, max_length=8,
-        description="environment variables of earlier keys, for reads only")
-
-    @field_validator("key_file", "previous_key_files")
-    @classmethod
-    def _absolute(cls, v):
-        for p in ([v] if isinstance(v, str) else v or []):
-            if not Path(p).is_absolute():
-                raise ValueError("must be an absolute path to the key file, e.g. /etc/kvoffload/key")
-        return v
-
-    @field_validator("previous_key_envs")
-    @classmethod
-    def _env_names(cls, v: list[str]) -> list[str]:
-        import re
-
-        for name in v:
-            if not re.match(_ENV_NAME, name):
-                raise ValueError(f"{name!r} is not an environment variable name")
-        return v
-
-    @model_validator(mode="after")
-    def _one_current(self) -> AuthConfig:
-        if (self.key_file is None) == (self.key_env is None):
-            raise ValueError("key_file: give exactly one of key_file (a file holding the key) or key_env (the name "
-                             "of an environment variable holding it)")
-        return self
-
-    def ref(self):
-        from offload.store.auth import AuthRef
-
-        return AuthRef(self.key_file, self.key_env, tuple(self.previous_key_files), tuple(self.previous_key_envs))
+def _key_adapter(store: str, key: str) -> TypeAdapter:
+    info = keys(STORES[store])[key]
+    return TypeAdapter(Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation)
 
 
-class TierConfig(BaseModel):
-    """Options of one tier of the stack; `options()` gives the store's own dataclass."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    store: Literal["fs", "cpu", "lmcache"] = Field(
-        description="tier backend: 'fs' (files on a local or NFS directory), 'cpu' (host memory) or "
-        "'lmcache' (LMCache's storage engine: a local CPU pool, optionally a remote)")
-    path: str | None = Field(default=None, description="absolute cache directory, created if missing "
-                             "(required for store 'fs')")
-    cpu_bytes: int | None = Field(default=None, ge=1 << 20, le=1 << 44,
-                                  description="host memory for store 'cpu', in bytes (required for it)")
-    local_cpu_bytes: int | None = Field(
-        default=None, ge=1 << 20, le=1 << 44,
-        description="LMCache's local CPU pool for store 'lmcache', in bytes (required for it; LMCache's "
-        "max_local_cpu_size)")
-    remote_url: str | None = Field(
-        default=None, pattern=r"^[a-z][a-z0-9+.-]*://\S+$",
-        description="LMCache remote for store 'lmcache', e.g. 'redis://127.0.0.1:6379' (LMCache's remote_url; "
-        "default: none, the local pool only)")
-    remote_timeout_s: float = Field(
-        default=2.0, gt=0, le=60,
-        description="bound on one LMCache remote operation for store 'lmcache' (seconds, up to 60); "
-        "beyond it the lookup or load is a miss")
-    fsync: bool = Field(default=False, description="fsync each file and its directory before it becomes visible")
-    direct_reads: bool = Field(
-        default=False,
-        description="store 'fs': read files with O_DIRECT (no page-cache copy: less CPU per load, but no page "
-        "cache either); a filesystem that refuses O_DIRECT gets buffered reads")
-    name: str | None = Field(
-        default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
-        description="this tier's name in per-request results and logs (default: the store kind)")
-    file_mode: str = Field(
-        default="0640", pattern=r"^0?[0-7]{3}$",
-        description="permissions of cache files, an octal string such as '0640' or '0660' (owner read+write "
-        "required; never writable by others)",
-    )
-    dir_mode: str = Field(
-        default="0750", pattern=r"^0?[0-7]{3}$",
-        description="permissions of cache directories, an octal string such as '0750' or '0770' (owner rwx "
-        "required; never writable by others)",
-    )
-    max_bytes: int | None = Field(
-        default=None, ge=1 << 20, le=1 << 50,
-        description="byte budget of the cache directory for store 'fs' (1 MiB to 1 PiB; default: no budget); "
-        "beyond it the least recently used chunks are evicted, descendants first",
-    )
-    orphan_tmp_age_s: float = Field(
-        default=3600.0, ge=60, le=7 * 86400,
-        description="age after which a temporary file of any host is an orphan and removed (60 s to 7 days); "
-        "this host's temporary files are removed at start-up as soon as their writer is gone",
-    )
-    auth: AuthConfig | None = Field(
-        default=None,
-        description="stores 'fs' and 'lmcache': the deployment key, by reference: {\"key_file\": \"/etc/kvoffload/key\"} "
-        "or {\"key_env\": \"KVOFFLOAD_KEY\"}, plus previous_key_files / previous_key_envs for rotation; every "
-        "entry then carries a MAC and only entries a key of this deployment signed are restored (default: none, "
-        "CRC only)")
-    reconcile_interval_s: float = Field(
-        default=21600.0, ge=60, le=30 * 86400,
-        description="store 'fs': how often one instance walks the whole cache directory to correct the "
-        "ledger's usage accounting (60 s to 30 days; default 6 h); between walks usage comes from the ledger",
-    )
-
-    @property
-    def file_mode_bits(self) -> int:
-        return int(self.file_mode, 8)
-
-    @property
-    def dir_mode_bits(self) -> int:
-        return int(self.dir_mode, 8)
-
-    @property
-    def tier_name(self) -> str:
-        return self.name or self.store
-
-    def options(self) -> CpuOptions | FsOptions | LMCacheOptions:
-        """The store's own options (stores never see this config)."""
-        # Imported here: `kvoffload plan` and `check-config` import this module without torch.
-        from offload.store.cpu import CpuOptions
-        from offload.store.fs import FsOptions
-        from offload.store.lmcache import LMCacheOptions
-
-        if self.store == "lmcache":
-            assert self.local_cpu_bytes is not None
-            return LMCacheOptions(local_cpu_bytes=self.local_cpu_bytes, remote_url=self.remote_url,
-                                  timeout_s=self.remote_timeout_s, auth=self.auth.ref() if self.auth else None)
-        if self.store == "cpu":
-            assert self.cpu_bytes is not None
-            return CpuOptions(cpu_bytes=self.cpu_bytes)
-        assert self.path is not None
-        return FsOptions(path=self.path, fsync=self.fsync, max_bytes=self.max_bytes, file_mode=self.file_mode_bits,
-                         dir_mode=self.dir_mode_bits, orphan_tmp_age_s=self.orphan_tmp_age_s,
-                         reconcile_interval_s=self.reconcile_interval_s,
-                         direct_reads=self.direct_reads, auth=self.auth.ref() if self.auth else None)
-
-    @model_validator(mode="after")
-    def _tier_keys(self) -> TierConfig:
-        if self.store == "fs" and self.path is None:
-            raise ValueError("path: required for store 'fs' (an absolute cache directory, created if missing)")
-        if self.store == "cpu" and self.cpu_bytes is None:
-            raise ValueError("cpu_bytes: required for store 'cpu' (the host memory budget in bytes)")
-        if self.store == "cpu" and self.path is not None:
-            raise ValueError("path: only for store 'fs'; remove it, or set \"store\": \"fs\"")
-        if self.store == "fs" and self.cpu_bytes is not None:
-            raise ValueError("cpu_bytes: only for store 'cpu'; remove it, or set \"store\": \"cpu\" "
-                             "(the file tier's budget is max_bytes)")
-        if self.store == "cpu" and self.auth is not None:
-            raise ValueError("auth: not for store 'cpu': host memory is this process's own and needs no MAC; "
-                             "remove it")
-        if self.store == "cpu" and self.max_bytes is not None:
-            raise ValueError("max_bytes: only for store 'fs'; the host-memory budget is cpu_bytes")
-        if self.store != "fs" and "direct_reads" in self.model_fields_set:
-            raise ValueError(f"direct_reads: only for store 'fs' (files); store '{self.store}' reads no files, "
-                             "remove it")
-        if self.store == "lmcache":
-            if self.local_cpu_bytes is None:
-                raise ValueError("local_cpu_bytes: required for store 'lmcache' (LMCache's local CPU pool in "
-                                 "bytes; its remote backend buffers through it too)")
-            for key, hint in (("path", "files are store 'fs': add a tier"), ("cpu_bytes", "its pool is local_cpu_bytes"),
-                              ("max_bytes", "its pool is local_cpu_bytes")):
-                if getattr(self, key) is not None:
-                    raise ValueError(f"{key}: not a key of store 'lmcache' ({hint}); remove it")
-        else:
-            for key in ("local_cpu_bytes", "remote_url"):
-                if getattr(self, key) is not None:
-                    raise ValueError(f"{key}: only for store 'lmcache'; remove it, or set \"store\": \"lmcache\"")
-        return self
-
-    @field_validator("file_mode", "dir_mode")
-    @classmethod
-    def _mode(cls, v: str, info) -> str:
-        bits = int(v, 8)
-        if bits & 0o002:
-            raise ValueError("must not be writable by others (anyone could plant or replace cache files); "
-                             "use e.g. '0660'/'0770' to share with a group")
-        need = 0o600 if info.field_name == "file_mode" else 0o700
-        if bits & need != need:
-            raise ValueError(f"the owner needs {'read+write' if need == 0o600 else 'rwx'} "
-                             f"(at least {need:04o})")
-        return f"{bits:04o}"
-
-    @field_validator("path")
-    @classmethod
-    def _absolute(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        p = Path(v)
-        if not p.is_absolute():
-            raise ValueError("must be an absolute path, e.g. /var/cache/kvoffload")
-        if ".." in p.parts:
-            raise ValueError("must not contain '..'")
-        if "\x00" in v:
-            raise ValueError("must not contain NUL bytes")
-        v = os.path.normpath(v)
-        problem = not_a_directory(v)
-        if problem:
-            raise ValueError(problem)
-        return v
+def _drop_tolerated(tier: Any) -> Any:
+    """A tier without the keys its store ignores (`_TOLERATED`), once their values pass their own store's check."""
+    if not isinstance(tier, dict) or not isinstance(tier.get("store"), str):
+        return tier
+    tolerated = _TOLERATED.get(tier["store"], {})
+    found = [k for k in tier if k in tolerated]
+    for key in found:
+        try:
+            _key_adapter(tolerated[key], key).validate_python(tier[key], context=FROM_CONFIG)
+        except ValidationError as e:
+            msg = e.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ValueError(f"{key}={tier[key]!r}: {msg}; it has no effect on store '{tier['store']}': "
+                             "remove it") from None
+    return {k: v for k, v in tier.items() if k not in found} if found else tier
 
 
-TIER_KEYS = tuple(TierConfig.model_fields)
+Tier = Annotated[TierConfig, Field(discriminator="store"), BeforeValidator(_drop_tolerated)]
 
 
 class OffloadConfig(BaseModel):
@@ -250,7 +66,7 @@ class OffloadConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    tiers: list[TierConfig] = Field(
+    tiers: list[Tier] = Field(
         min_length=1, max_length=8,
         description="the tier stack, fastest first, e.g. [{\"store\": \"cpu\", \"cpu_bytes\": ...}, "
         "{\"store\": \"fs\", \"path\": ...}]; or give one tier's keys at the top level instead")
@@ -260,9 +76,10 @@ class OffloadConfig(BaseModel):
         "(default: the smallest such multiple >= 256)",
     )
     io_threads: int = Field(default=4, ge=1, le=64, description="file I/O threads per worker")
-    max_pending_store_bytes: int = Field(
+    max_pending_store_bytes: ByteCount = Field(
         default=1 << 30, ge=1 << 20,
-        description="bytes of gathered pages waiting to be written; stores beyond it are dropped",
+        description="bytes of gathered pages waiting to be written (an integer or e.g. \"1GiB\"); stores beyond "
+        "it are dropped",
     )
     # Bounded: concurrent.futures.wait overflows (and shutdown crashes) on inf or beyond TIMEOUT_MAX.
     shutdown_timeout_s: float = Field(
@@ -281,43 +98,99 @@ class OffloadConfig(BaseModel):
             if n in names[:i]:
                 raise ValueError(f"tiers[{i}].name: tier name {n!r} is also tiers[{names.index(n)}]'s; "
                                  "give each tier a distinct 'name'")
-        paths = [t.path for t in self.tiers]
+        paths = [t.path if isinstance(t, FsOptions) else None for t in self.tiers]
         for i, p in enumerate(paths):
             if p is not None and p in paths[:i]:
                 raise ValueError(f"tiers[{i}].path={p!r}: also tiers[{paths.index(p)}]'s; one directory per tier")
         return self
 
 
-def _describe(err: dict[str, Any], flat: bool) -> str:
+_EXTRA = ("extra_forbidden", "unexpected_keyword_argument")  # a model's and a dataclass's unknown key
+_CONNECTOR_KEYS = tuple(k for k in OffloadConfig.model_fields if k != "tiers")
+
+
+def _store_of(tier: Any) -> str | None:
+    store = tier.get("store") if isinstance(tier, dict) else None
+    return store if isinstance(store, str) and store in STORES else None
+
+
+def _line(key: str, err: dict[str, Any], fields: dict[str, Any], field: str) -> str:
+    """`key=value: what is wrong (what the key is)`, or `key: required (...)`."""
+    info = fields.get(field)
+    hint = f" ({info.description})" if info is not None and info.description else ""
+    if err["type"] == "missing":
+        return f"{EXTRA_CONFIG}.{key}: required{hint}"
+    return f"{EXTRA_CONFIG}.{key}={err.get('input')!r}: {err['msg'].removeprefix('Value error, ')}{hint}"
+
+
+def _describe(err: dict[str, Any], flat: bool, doc: dict[str, Any]) -> str:
     """One operator-facing line: the key path as the user wrote it, the
     value, and what would be valid. In the one-tier form (tier keys at the
     top level) `tiers[0].` is not what the user wrote, so it is dropped."""
     msg = err["msg"].removeprefix("Value error, ")
     loc = list(err["loc"])
-    model: type[BaseModel] = OffloadConfig
-    prefix = ""
+    fields: dict[str, Any] = dict(OffloadConfig.model_fields)
+    prefix, store = "", None
     if len(loc) >= 2 and loc[0] == "tiers" and isinstance(loc[1], int):
-        model = TierConfig
         prefix = "" if flat else f"tiers[{loc[1]}]."
-        loc = loc[2:]
+        tier = doc["tiers"][loc[1]]
+        if not isinstance(tier, dict):
+            return (f"{EXTRA_CONFIG}.{prefix.rstrip('.')}={tier!r}: must be an object of tier keys, e.g. "
+                    "{\"store\": \"fs\", \"path\": \"/var/cache/kvoffload\"}")
+        if err["type"] == "union_tag_not_found":
+            return f"{EXTRA_CONFIG}.{prefix}store: required ({STORE_HELP})"
+        if err["type"] == "union_tag_invalid":
+            kinds = ", ".join(repr(k) for k in STORES)
+            return f"{EXTRA_CONFIG}.{prefix}store={tier.get('store')!r}: must be one of {kinds} ({STORE_HELP})"
+        if len(loc) >= 3 and loc[2] in STORES:
+            store = str(loc[2])
+            fields = keys(STORES[store])
+            loc = loc[3:]
+        else:
+            loc = loc[2:]
+    elif flat:
+        store = _store_of(doc["tiers"][0])
     if not loc:  # a rule across keys; its message starts with the key
         if flat and msg.startswith("tiers[0]."):
             msg = msg.removeprefix("tiers[0].")
         return f"{EXTRA_CONFIG}.{prefix}{msg}"
     key = prefix + ".".join(str(p) for p in loc)
-    if loc[0] == "auth" and len(loc) > 1 and (model is TierConfig or flat):
-        model, loc = AuthConfig, loc[1:]  # a key inside `auth`: its own keys and descriptions
+    if loc[0] == "auth" and len(loc) > 1 and store is not None:
+        fields, loc = dict(AuthConfig.model_fields), loc[1:]  # a key inside `auth`: its own keys and descriptions
         flat = False
-    if err["type"] == "extra_forbidden":
-        fields = [*TIER_KEYS, *(k for k in OffloadConfig.model_fields if k != "tiers")] if flat \
-            else list(model.model_fields)
-        valid = ", ".join(fields)
-        return f"{EXTRA_CONFIG}.{key}: unknown key; valid keys are: {valid}"
-    field = model.model_fields.get(str(loc[0]))
-    hint = f" ({field.description})" if field is not None and field.description else ""
-    if err["type"] == "missing":
-        return f"{EXTRA_CONFIG}.{key}: required{hint}"
-    return f"{EXTRA_CONFIG}.{key}={err.get('input')!r}: {msg}{hint}"
+    if err["type"] in _EXTRA:
+        why = misplaced(store, str(loc[0])) if store is not None and len(loc) == 1 and fields is not \
+            OffloadConfig.model_fields else None
+        if why is not None:
+            return f"{EXTRA_CONFIG}.{key}: {why}"
+        if flat:
+            valid = [*(keys(STORES[store]) if store is not None else TIER_KEYS), *_CONNECTOR_KEYS]
+        else:
+            valid = list(fields)
+        return f"{EXTRA_CONFIG}.{key}: unknown key; valid keys are: {', '.join(valid)}"
+    return _line(key, err, fields, str(loc[0]))
+
+
+def _storeless(tier: dict[str, Any], prefix: str) -> list[str]:
+    """Problems of a tier's other keys when its `store` is missing or unknown (the union then checks none):
+    each key against the store that has it, as when every store's keys were checked at once."""
+    lines = []
+    for key, value in tier.items():
+        owners = [s for s, o in STORES.items() if key in keys(o)]
+        if key == "store":
+            continue
+        if not owners:
+            lines.append(f"{EXTRA_CONFIG}.{prefix}{key}: unknown key; valid keys are: {', '.join(TIER_KEYS)}")
+            continue
+        try:
+            _key_adapter(owners[0], key).validate_python(value, context=FROM_CONFIG)
+        except ValidationError as e:
+            fields = keys(STORES[owners[0]])
+            for err in e.errors():
+                sub = "".join(f".{p}" for p in err["loc"])
+                inner = dict(AuthConfig.model_fields) if sub else fields
+                lines.append(_line(f"{prefix}{key}{sub}", err, inner, str(err["loc"][0]) if sub else key))
+    return lines
 
 
 def parse_config(extra: dict[str, Any] | None) -> OffloadConfig:
@@ -340,9 +213,14 @@ def parse_config(extra: dict[str, Any] | None) -> OffloadConfig:
                               "'tiers'; move it into the tier it belongs to (tiers[i]) or drop 'tiers'") from None
         doc = extra
     try:
-        cfg = OffloadConfig.model_validate(doc)
+        # by_name=False: a key is what the docs call it (`remote_timeout_s`), not a store's attribute name.
+        cfg = OffloadConfig.model_validate(doc, by_alias=True, by_name=False, context=FROM_CONFIG)
     except ValidationError as e:
-        lines = [_describe(err, flat) for err in e.errors()]
+        lines = []
+        for err in e.errors():
+            lines.append(_describe(err, flat, doc))
+            if err["type"] in ("union_tag_not_found", "union_tag_invalid"):
+                lines += _storeless(doc["tiers"][err["loc"][1]], "" if flat else f"tiers[{err['loc'][1]}].")
         raise ConfigError("invalid OffloadConnector config:\n  " + "\n  ".join(lines)) from None
     return cfg
 

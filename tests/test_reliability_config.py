@@ -163,10 +163,11 @@ def test_start_up_refuses_a_path_that_is_not_a_directory(vllm_setup, tmp_path, m
     """The start-up check on its own (the config validated elsewhere, or the file created since): a path that
     exists and is not a directory is refused with the key, the value and the fix (issue 11 item 6)."""
     import offload.config
+    import offload.store.options
 
     (tmp_path / "afile").write_text("not a directory")
     path = _subst(target, tmp_path)
-    monkeypatch.setattr(offload.config, "not_a_directory", lambda p: None)  # what parse_config saw
+    monkeypatch.setattr(offload.store.options, "not_a_directory", lambda p: None)  # what parse_config saw
     cfg = offload.config.parse_config({"store": "fs", "path": path})
     monkeypatch.undo()
     monkeypatch.setattr("offload.connector.parse_config", lambda extra: cfg)

@@ -28,13 +28,7 @@ from offload.store.base import (Backed, ChunkMiss, HostChunk, MissReason, Option
                                 TierIndex, TierSpec, TierUsage)
 from offload.store.buffers import BufferPool
 from offload.store.format import ChunkHeader
-
-
-@dataclass(frozen=True)
-class CpuOptions:
-    """Options of the host-memory tier (`"store": "cpu"`)."""
-
-    cpu_bytes: int
+from offload.store.options import CpuOptions
 
 
 @dataclass(frozen=True)

@@ -32,18 +32,15 @@ from offload.store.auth import AuthRef, KeyConfigError, Keyring, Unauthenticated
 from offload.store.base import (Backed, ChunkMiss, HostChunk, MissReason, OptionError, Placement, TierData,
                                 TierIndex, TierSpec, TierUsage)
 from offload.store.buffers import BufferPool, probe_o_direct
-from offload.store.budget import DEFAULT_RECONCILE_S, DirBudget, account_for
+from offload.store.budget import DirBudget, account_for
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
 from offload.store.ledger import LEDGER_DIR
 from offload.store.housekeeper import Housekeeper
+from offload.store.options import DEFAULT_ORPHAN_AGE_S, DEFAULT_RECONCILE_S, DIR_MODE, FILE_MODE, FsOptions
 
 logger = logging.getLogger(__name__)
 
 LAYOUT_VERSION_DIR = f"kvoffload-v{FORMAT_VERSION}"
-# Defaults of the `dir_mode` / `file_mode` config keys: owner and group only.
-DIR_MODE = 0o750
-FILE_MODE = 0o640
-DEFAULT_ORPHAN_AGE_S = 3600.0
 # Read errors after which the file may still be good: a miss, not a quarantine.
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE,
                               errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EACCES, errno.EPERM})
@@ -51,21 +48,6 @@ _UMASK = hygiene.umask()
 # Directories tidied by this process (a record, not a thread).
 _TIDIED: set[str] = set()
 _TIDIED_LOCK = threading.Lock()
-
-
-@dataclass(frozen=True)
-class FsOptions:
-    """Options of the file tier (`"store": "fs"`); see docs/operations.md."""
-
-    path: str
-    fsync: bool = False
-    max_bytes: int | None = None
-    file_mode: int = FILE_MODE
-    dir_mode: int = DIR_MODE
-    orphan_tmp_age_s: float = DEFAULT_ORPHAN_AGE_S
-    reconcile_interval_s: float = DEFAULT_RECONCILE_S
-    direct_reads: bool = False  # O_DIRECT reads, falling back to buffered where refused
-    auth: AuthRef | None = None  # the deployment key (by reference); None: CRC only
 
 
 @dataclass(frozen=True)

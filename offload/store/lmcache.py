@@ -30,12 +30,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from offload.keys import ChunkKey
-from offload.store.auth import AuthRef, Keyring, Unauthenticated, check_entry, frame
+from offload.store.auth import Keyring, Unauthenticated, check_entry, frame
 from offload.store.base import (
     Backed,
     ChunkMiss,
@@ -52,18 +52,9 @@ from offload.store.base import (
 from offload.store.buffers import BufferPool
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
 from offload.store.lmcache_objects import LMCacheObjects, object_name
+from offload.store.options import LMCacheOptions
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LMCacheOptions:
-    """Options of the LMCache tier (`"store": "lmcache"`); see docs/operations.md."""
-
-    local_cpu_bytes: int
-    remote_url: str | None = None
-    timeout_s: float = 2.0
-    auth: AuthRef | None = None  # the deployment key (by reference); None: CRC only
 
 
 # ---- one storage engine per process and options ------------------------------------
