@@ -20,11 +20,11 @@ from __future__ import annotations
 import hmac
 import os
 import stat
-from dataclasses import dataclass, field
 
 import blake3
 
 from offload.store.format import MAC_LEN, MAC_OFFSET, NO_KEY, ChunkHeader, FormatError
+from offload.store.options import AuthRef  # the tier option lives with the others; imported from here too
 
 MIN_SECRET_BYTES = 32
 # BLAKE3 derive_key contexts: globally unique, fixed for the life of the format.
@@ -47,23 +47,6 @@ class Unauthenticated(Exception):
     def __init__(self, detail: str, quarantine: bool) -> None:
         super().__init__(detail)
         self.quarantine = quarantine
-
-
-@dataclass(frozen=True)
-class AuthRef:
-    """Where the keys are, never the keys: the tier option `auth`.
-    `field` prefixes error messages (the config key path of the option)."""
-
-    key_file: str | None = None
-    key_env: str | None = None
-    previous_key_files: tuple[str, ...] = ()
-    previous_key_envs: tuple[str, ...] = ()
-    field: str = field(default="auth", compare=False)
-
-    def describe(self) -> str:
-        cur = f"key file {self.key_file}" if self.key_file else f"key from ${self.key_env}"
-        n = len(self.previous_key_files) + len(self.previous_key_envs)
-        return cur + (f", {n} previous key{'s' if n != 1 else ''} for reads" if n else "")
 
 
 class _Key:

@@ -41,10 +41,10 @@ from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.ledger import (CHUNK_REL, LEDGER_DIR, LOG_NAME, SNAPSHOT_NAME, SNAPSHOT_TMP, Lease, LedgerWriter,
                                   Snapshot, parse, parse_header, read_lines, read_snapshot, valid_rel, write_snapshot,
                                   writer_gone)
+from offload.store.options import DEFAULT_RECONCILE_S
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RECONCILE_S = 6 * 3600.0
 TOMB_S = 600.0  # how long a removal overrides older additions that arrive late (NFS lag, slow tails)
 COMPACT_MIN_BYTES = 8 << 20  # log bytes since the newest snapshot before a checkpoint is worth writing
 FOLDED_IDLE_S = 60.0  # a folded log must be this idle before it goes (every reader has tailed it)
