@@ -46,7 +46,6 @@ between a lookup and its load is a failed load (a recompute).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 from offload.store.budget import DirBudget
@@ -54,15 +53,15 @@ from offload.store.fs import DEFAULT_ORPHAN_AGE_S
 from offload.cli.cache import (Chunk, FpDir, NotACache, chunks, human, is_stale_tmp, record_removal, remove_empty_dirs,
                                scan, unlink)
 from offload.planner import GroupKind
-
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+from offload.store.options import parse_bytes
 
 
 def parse_size(s: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", s.upper())
-    if not m:
-        raise argparse.ArgumentTypeError(f"{s!r}: expected bytes, optionally with K, M, G or T (e.g. 512M, 2G)")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
+    """Bytes as the config's byte keys take them (offload/store/options.py)."""
+    try:
+        return parse_bytes(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{s!r}: {e}") from None
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
