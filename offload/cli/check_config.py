@@ -7,9 +7,10 @@ an engine (it imports vLLM's config classes, which takes some seconds):
   `kv_role`, `kv_load_failure_policy`), plus the connector name and the
   `kv_connector_module_path` vLLM needs to find it;
 - an `OffloadConnector`'s `kv_connector_extra_config`, with the connector's
-  own parser (`offload.config.parse_config`);
-- an `OffloadMultiConnector`'s `children` (`parse_children`, `check_children`),
-  and each OffloadConnector child as above.
+  own parser (`offload.config.parse_config`: the same pydantic types, byte
+  sizes with units included);
+- an `OffloadMultiConnector`'s `children` (`offload.multi_connector.config`'s
+  `parse_children`, then `check_children`), and each OffloadConnector child as above.
 
 Every problem is printed on one line: the key, its value and what is valid.
 Checks that need the model (chunk size against block sizes, LMCache on a
@@ -81,13 +82,14 @@ def check_offload(extra: Any, where: str = "") -> list[str]:
 
 def check_multi(extra: Any) -> tuple[list[str], list[str]]:
     """Problems of a MultiConnector's `children`, every child checked on its own."""
-    from offload.multi_connector.connector import check_children, parse_children
+    from offload.multi_connector.config import parse_children
+    from offload.multi_connector.connector import check_children
 
     try:
         parse_children(extra)
     except ConfigError as e:
         if f"{CHILDREN}[" not in str(e):  # the list itself: missing, empty, unknown keys
-            return [str(e)], []
+            return str(e).splitlines(), []
     problems, notes = [], []
     names: dict[str, int] = {}
     for i, raw in enumerate(extra[CHILDREN]):
