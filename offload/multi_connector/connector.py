@@ -21,8 +21,6 @@ hybrid (HMA) support.
 from __future__ import annotations
 
 import copy
-import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -33,6 +31,7 @@ from vllm.logger import init_logger
 from offload.config import EXTRA_CONFIG, ConfigError
 from offload.connector import OffloadConnector
 from offload.connector.metadata import OffloadMetadata
+from offload.multi_connector.config import CHILDREN, Child, parse_children
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
@@ -41,40 +40,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
-
-CHILDREN = "children"
-
-
-@dataclass(frozen=True)
-class Child:
-    ktc: dict[str, Any]  # the child's own kv-transfer-config
-    load_weight: float
-    store: bool
-
-
-def parse_children(extra: dict[str, Any] | None) -> list[Child]:
-    """Validate `children`; every problem names its key, value and fix."""
-    if not isinstance(extra, dict) or not isinstance(extra.get(CHILDREN), list) or not extra[CHILDREN]:
-        raise ConfigError(f"{EXTRA_CONFIG}.{CHILDREN}: required, a non-empty list of kv-transfer-configs, "
-                          'e.g. [{"kv_connector": "OffloadConnector", ...}]')
-    unknown = set(extra) - {CHILDREN}
-    if unknown:
-        raise ConfigError(f"{EXTRA_CONFIG}: unknown keys {sorted(unknown)}; the only key is '{CHILDREN}'")
-    out = []
-    for i, raw in enumerate(extra[CHILDREN]):
-        where = f"{EXTRA_CONFIG}.{CHILDREN}[{i}]"
-        if not isinstance(raw, dict) or not isinstance(raw.get("kv_connector"), str):
-            raise ConfigError(f"{where}: must be a kv-transfer-config object with a 'kv_connector' name")
-        ktc = dict(raw)
-        weight = ktc.pop("load_weight", 1.0)
-        store = ktc.pop("store", True)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
-            raise ConfigError(f"{where}.load_weight={weight!r}: must be a positive number (default 1.0)")
-        if not isinstance(store, bool):
-            raise ConfigError(f"{where}.store={store!r}: must be true or false")
-        out.append(Child(ktc, float(weight), store))
-    return out
-
 
 def _is_ours(ktc: dict[str, Any]) -> bool:
     return ktc.get("kv_connector") == "OffloadConnector"
