@@ -114,13 +114,25 @@ def _store_of(tier: Any) -> str | None:
     return store if isinstance(store, str) and store in STORES else None
 
 
-def _line(key: str, err: dict[str, Any], fields: dict[str, Any], field: str) -> str:
+def _written(doc: Any, path: list[Any], default: Any) -> Any:
+    """The value at `path` as the user wrote it ("1K", where a check after parsing reports 1024)."""
+    for p in path:
+        if isinstance(doc, dict) and p in doc or isinstance(doc, list) and isinstance(p, int) and p < len(doc):
+            doc = doc[p]
+        else:
+            return default
+    return doc
+
+
+def _line(key: str, err: dict[str, Any], fields: dict[str, Any], field: str, written: Any = None,
+          path: list[Any] | None = None) -> str:
     """`key=value: what is wrong (what the key is)`, or `key: required (...)`."""
     info = fields.get(field)
     hint = f" ({info.description})" if info is not None and info.description else ""
     if err["type"] == "missing":
         return f"{EXTRA_CONFIG}.{key}: required{hint}"
-    return f"{EXTRA_CONFIG}.{key}={err.get('input')!r}: {err['msg'].removeprefix('Value error, ')}{hint}"
+    value = err.get("input") if path is None else _written(written, path, err.get("input"))
+    return f"{EXTRA_CONFIG}.{key}={value!r}: {err['msg'].removeprefix('Value error, ')}{hint}"
 
 
 def _describe(err: dict[str, Any], flat: bool, doc: dict[str, Any]) -> str:
@@ -130,10 +142,10 @@ def _describe(err: dict[str, Any], flat: bool, doc: dict[str, Any]) -> str:
     msg = err["msg"].removeprefix("Value error, ")
     loc = list(err["loc"])
     fields: dict[str, Any] = dict(OffloadConfig.model_fields)
-    prefix, store = "", None
+    prefix, store, written = "", None, doc
     if len(loc) >= 2 and loc[0] == "tiers" and isinstance(loc[1], int):
         prefix = "" if flat else f"tiers[{loc[1]}]."
-        tier = doc["tiers"][loc[1]]
+        tier = written = doc["tiers"][loc[1]]
         if not isinstance(tier, dict):
             return (f"{EXTRA_CONFIG}.{prefix.rstrip('.')}={tier!r}: must be an object of tier keys, e.g. "
                     "{\"store\": \"fs\", \"path\": \"/var/cache/kvoffload\"}")
@@ -142,7 +154,7 @@ def _describe(err: dict[str, Any], flat: bool, doc: dict[str, Any]) -> str:
         if err["type"] == "union_tag_invalid":
             kinds = ", ".join(repr(k) for k in STORES)
             return f"{EXTRA_CONFIG}.{prefix}store={tier.get('store')!r}: must be one of {kinds} ({STORE_HELP})"
-        if len(loc) >= 3 and loc[2] in STORES:
+        if len(loc) >= 3 and loc[2] in STORES:  # a key of the store `store` picked
             store = str(loc[2])
             fields = keys(STORES[store])
             loc = loc[3:]
@@ -155,12 +167,13 @@ def _describe(err: dict[str, Any], flat: bool, doc: dict[str, Any]) -> str:
             msg = msg.removeprefix("tiers[0].")
         return f"{EXTRA_CONFIG}.{prefix}{msg}"
     key = prefix + ".".join(str(p) for p in loc)
+    path = list(loc)  # where the value is in `written`, the tier (or the whole config)
     if loc[0] == "auth" and len(loc) > 1 and store is not None:
         fields, loc = dict(AuthConfig.model_fields), loc[1:]  # a key inside `auth`: its own keys and descriptions
         flat = False
     if err["type"] in _EXTRA:
-        why = misplaced(store, str(loc[0])) if store is not None and len(loc) == 1 and fields is not \
-            OffloadConfig.model_fields else None
+        in_tier = written is not doc and len(loc) == 1
+        why = misplaced(store, str(loc[0])) if in_tier and store is not None else None
         if why is not None:
             return f"{EXTRA_CONFIG}.{key}: {why}"
         if flat:
@@ -168,7 +181,7 @@ def _describe(err: dict[str, Any], flat: bool, doc: dict[str, Any]) -> str:
         else:
             valid = list(fields)
         return f"{EXTRA_CONFIG}.{key}: unknown key; valid keys are: {', '.join(valid)}"
-    return _line(key, err, fields, str(loc[0]))
+    return _line(key, err, fields, str(loc[0]), written, path)
 
 
 def _storeless(tier: dict[str, Any], prefix: str) -> list[str]:
@@ -189,7 +202,8 @@ def _storeless(tier: dict[str, Any], prefix: str) -> list[str]:
             for err in e.errors():
                 sub = "".join(f".{p}" for p in err["loc"])
                 inner = dict(AuthConfig.model_fields) if sub else fields
-                lines.append(_line(f"{prefix}{key}{sub}", err, inner, str(err["loc"][0]) if sub else key))
+                lines.append(_line(f"{prefix}{key}{sub}", err, inner, str(err["loc"][0]) if sub else key, tier,
+                                   [key, *err["loc"]]))
     return lines
 
 

@@ -182,3 +182,88 @@ def test_stack_form():
     assert cfg.tiers[0].options().cpu_bytes == 1 << 30
     assert cfg.tiers[1].options().path == "/var/cache/kvoffload"
     assert cfg.tiers[1].options().file_mode == 0o640
+
+
+# ---- the tier members are the stores' own options -------------------------------------------
+
+
+def test_tiers_are_the_stores_options():
+    from offload.store.options import CpuOptions, FsOptions
+
+    cfg = parse_config({**STACK})
+    assert type(cfg.tiers[0]) is CpuOptions and type(cfg.tiers[1]) is FsOptions
+    assert cfg.tiers[1].options() is cfg.tiers[1]
+    assert cfg.tiers[1] == FsOptions(path="/var/cache/kvoffload")
+    # `name` labels a tier; two tiers with the same options are the same store's options (LMCache shares its
+    # engine per options), whatever they are called.
+    named = parse_config({"tiers": [{"store": "cpu", "cpu_bytes": 1 << 30, "name": "hot"}]}).tiers[0]
+    assert named.tier_name == "hot" and named == cfg.tiers[0] and hash(named) == hash(cfg.tiers[0])
+
+
+@pytest.mark.parametrize("text,value", [
+    ("512MiB", 512 << 20), ("512M", 512 << 20), ("512mb", 512 << 20), ("2GB", 2 << 30), ("1.5G", 3 << 29),
+    ("3 GiB", 3 << 30), ("1073741824", 1 << 30), ("1T", 1 << 40),
+])
+def test_byte_sizes_take_units_in_the_json_as_on_the_command_line(text, value):
+    from offload.cli.gc import parse_size
+
+    assert parse_size(text) == value  # `kvoffload gc --max-bytes`: the same type
+    fs_cfg = parse_config({**GOOD, "max_bytes": text, "max_pending_store_bytes": text})
+    assert fs_cfg.tiers[0].max_bytes == value and fs_cfg.max_pending_store_bytes == value
+    assert parse_config({"store": "cpu", "cpu_bytes": text}).tiers[0].cpu_bytes == value
+    lm = parse_config({"store": "lmcache", "local_cpu_bytes": text}).tiers[0]
+    assert lm.options().local_cpu_bytes == value
+
+
+@pytest.mark.parametrize("key,cfg,fragments", [
+    ("max_bytes", {**GOOD, "max_bytes": "lots"}, ["'lots'", "K, M, G", "1 MiB to 1 PiB"]),
+    ("max_bytes", {**GOOD, "max_bytes": "512KiB"}, ["'512KiB'", str(1 << 20)]),  # parsed, then bounded
+    ("max_bytes", {**GOOD, "max_bytes": "-1G"}, ["'-1G'"]),
+    ("max_bytes", {**GOOD, "max_bytes": 1.5e9}, ["1500000000.0", "integer"]),
+    ("max_bytes", {**GOOD, "max_bytes": True}, ["True"]),
+    ("cpu_bytes", {"store": "cpu", "cpu_bytes": "8 gigs"}, ["'8 gigs'", "host memory"]),
+    ("max_pending_store_bytes", {**GOOD, "max_pending_store_bytes": "1K"}, ["'1K'", str(1 << 20)]),
+])
+def test_bad_byte_sizes_name_key_value_and_fix(key, cfg, fragments):
+    test_bad_config_names_key_value_and_fix(cfg, key, fragments)
+
+
+def test_keys_every_tier_took_still_parse_on_stores_that_ignore_them():
+    """Configs written when one flat model held every store's keys keep their meaning: a key a store
+    never used is accepted there with no effect, once its value passes its own store's check."""
+    from offload.store.options import CpuOptions, LMCacheOptions
+
+    cpu = parse_config({"store": "cpu", "cpu_bytes": 1 << 30, "fsync": True, "file_mode": "0660",
+                        "dir_mode": "0770", "orphan_tmp_age_s": 600, "reconcile_interval_s": 600,
+                        "remote_timeout_s": 1}).tiers[0]
+    assert cpu == CpuOptions(1 << 30)
+    lm = parse_config({"store": "lmcache", "local_cpu_bytes": 1 << 26, "fsync": True}).tiers[0]
+    assert lm == LMCacheOptions(1 << 26)
+    assert parse_config({**GOOD, "remote_timeout_s": 5}).tiers[0] == parse_config(dict(GOOD)).tiers[0]
+    for bad, key in (({"file_mode": "0666"}, "file_mode"), ({"remote_timeout_s": 0}, "remote_timeout_s"),
+                     ({"fsync": "yes"}, "fsync")):
+        with pytest.raises(ConfigError) as ei:
+            parse_config({"store": "cpu", "cpu_bytes": 1 << 30, **bad})
+        assert f"kv_connector_extra_config.{key}={bad[key]!r}" in str(ei.value), str(ei.value)
+
+
+@pytest.mark.parametrize("cfg,line", [
+    ({**GOOD, "cpu_bytes": 1 << 30}, "cpu_bytes: only for store 'cpu'; remove it, or set \"store\": \"cpu\""),
+    ({**GOOD, "local_cpu_bytes": 1 << 30}, "local_cpu_bytes: only for store 'lmcache'"),
+    ({"store": "cpu", "cpu_bytes": 1 << 30, "max_bytes": 1 << 30}, "max_bytes: only for store 'fs'"),
+    ({"store": "lmcache", "local_cpu_bytes": 1 << 26, "direct_reads": True}, "direct_reads: only for store 'fs'"),
+    ({"store": "lmcache", "local_cpu_bytes": 1 << 26, "timeout_s": 1.0}, "timeout_s: unknown key"),
+])
+def test_a_key_of_another_store_is_refused_naming_its_store(cfg, line):
+    with pytest.raises(ConfigError) as ei:
+        parse_config(cfg)
+    assert f"kv_connector_extra_config.{line}" in str(ei.value), str(ei.value)
+
+
+def test_unknown_store_still_checks_the_other_keys():
+    with pytest.raises(ConfigError) as ei:
+        parse_config({"tiers": [{"store": "s3", "cpu_bytes": 5, "max_bytes": "lots", "bucket": 1}]})
+    msg = str(ei.value)
+    for frag in ("tiers[0].store='s3'", "tiers[0].cpu_bytes=5", "tiers[0].max_bytes='lots'", "tiers[0].bucket"):
+        assert f"kv_connector_extra_config.{frag}" in msg, msg
+    assert len(msg.strip().splitlines()) == 5

@@ -74,3 +74,23 @@ def test_lmcache_attention_config_parses():
     check_children(children, kv_cache_config(hybrid=False))
     with pytest.raises(ConfigError):
         check_children(children, kv_cache_config(hybrid=True))
+
+
+def test_every_child_problem_is_listed_after_the_lists_own():
+    with pytest.raises(ConfigError) as e:
+        parse_children({"children": [{**OURS, "load_weight": True}, "x", {**OURS, "store": 1}]})
+    assert str(e.value).splitlines() == [
+        "kv_connector_extra_config.children[0].load_weight=True: must be a positive number (default 1.0)",
+        "kv_connector_extra_config.children[1]: must be a kv-transfer-config object with a 'kv_connector' name",
+        "kv_connector_extra_config.children[2].store=1: must be true or false"]
+    with pytest.raises(ConfigError) as e:  # the list's own problem makes its children's moot
+        parse_children({"children": ["x"], "connectors": []})
+    assert str(e.value) == "kv_connector_extra_config: unknown keys ['connectors']; the only key is 'children'"
+
+
+def test_a_childs_own_keys_pass_through_unchanged():
+    raw = {"kv_connector": "X", "load_weight": 2, "kv_role": "kv_both", "extra": {"a": [1]}, "store": True}
+    [c] = parse_children({"children": [raw]})
+    assert c.ktc == {"kv_connector": "X", "kv_role": "kv_both", "extra": {"a": [1]}}
+    assert list(c.ktc) == ["kv_connector", "kv_role", "extra"] and c.load_weight == 2.0
+    assert type(c.load_weight) is float and c.store is True
