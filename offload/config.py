@@ -7,6 +7,7 @@ valid, so an operator can fix a kv-transfer-config without reading our code.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -38,7 +39,8 @@ _TOLERATED: dict[str, dict[str, str]] = {
 
 def _key_adapter(store: str, key: str) -> TypeAdapter:
     info = keys(STORES[store])[key]
-    return TypeAdapter(Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation)
+    form: Any = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+    return TypeAdapter(form)
 
 
 def _drop_tolerated(tier: Any) -> Any:
@@ -124,7 +126,7 @@ def _written(doc: Any, path: list[Any], default: Any) -> Any:
     return doc
 
 
-def _line(key: str, err: dict[str, Any], fields: dict[str, Any], field: str, written: Any = None,
+def _line(key: str, err: Mapping[str, Any], fields: dict[str, Any], field: str, written: Any = None,
           path: list[Any] | None = None) -> str:
     """`key=value: what is wrong (what the key is)`, or `key: required (...)`."""
     info = fields.get(field)
@@ -135,7 +137,7 @@ def _line(key: str, err: dict[str, Any], fields: dict[str, Any], field: str, wri
     return f"{EXTRA_CONFIG}.{key}={value!r}: {err['msg'].removeprefix('Value error, ')}{hint}"
 
 
-def _describe(err: dict[str, Any], flat: bool, doc: dict[str, Any]) -> str:
+def _describe(err: Mapping[str, Any], flat: bool, doc: dict[str, Any]) -> str:
     """One operator-facing line: the key path as the user wrote it, the
     value, and what would be valid. In the one-tier form (tier keys at the
     top level) `tiers[0].` is not what the user wrote, so it is dropped."""

@@ -20,7 +20,7 @@ import dataclasses
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, GetPydanticSchema,
                       PlainValidator, Strict, ValidationInfo, ValidatorFunctionWrapHandler, WrapValidator,
@@ -190,24 +190,21 @@ def _cache_dir(v: str) -> str:
 # Field-level strictness (not the dataclass config's): a strict pydantic dataclass refuses dicts, and a tier
 # arrives as one. Strict fields keep JSON's "1" from passing for 1 or 1 for true.
 _CONFIG = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
-STORE_HELP = ("tier backend: 'fs' (files on a local or NFS directory), 'cpu' (host memory) or 'lmcache' (LMCache's "
-          "storage engine: a local CPU pool, optionally a remote)")
-
-
-def _kw(default: Any, **kw: Any) -> Any:
-    """A keyword-only field: positional arguments stay the store's own options."""
-    return dataclasses.field(default=default, kw_only=True, **kw)
+STORE_HELP = ("tier backend: 'fs' (files on a local or NFS directory), 'cpu' (host memory) or 'lmcache' "
+              "(LMCache's storage engine: a local CPU pool, optionally a remote)")
 
 
 @dataclass(frozen=True, config=_CONFIG)
 class StoreOptions:
     """What every store's options have: the tier's `store` kind and `name`."""
 
-    store: ClassVar[str]
+    store: str = dataclasses.field(default="", kw_only=True)  # each store's own Literal, the union's tag
+    # Keyword-only, as `store`: positional arguments stay each store's own options. Outside equality: a
+    # label, so two tiers with the same options and other names still share LMCache's engine.
     name: Annotated[str | None, Strict(), Field(
         min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$",
         description="this tier's name in per-request results and logs (default: the store kind)")] = \
-        _kw(None, compare=False)  # a label: two tiers with other names and the same options share LMCache's engine
+        dataclasses.field(default=None, kw_only=True, compare=False)
 
     @property
     def tier_name(self) -> str:
@@ -255,7 +252,7 @@ class FsOptions(StoreOptions):
         "\"/etc/kvoffload/key\"} or {\"key_env\": \"KVOFFLOAD_KEY\"}, plus previous_key_files / "
         "previous_key_envs for rotation; every entry then carries a MAC and only entries a key of this "
         "deployment signed are restored (default: none, CRC only)")] = None
-    store: Literal["fs"] = _kw("fs")  # type: ignore[misc]
+    store: Literal["fs"] = dataclasses.field(default="fs", kw_only=True)
 
 
 @dataclass(frozen=True, config=_CONFIG)
@@ -266,7 +263,7 @@ class CpuOptions(StoreOptions):
         ge=1 << 20, le=1 << 44,
         description="the host memory budget in bytes for store 'cpu' (1 MiB to 16 TiB; an integer or e.g. "
         "\"8GiB\"; required for it)")]
-    store: Literal["cpu"] = _kw("cpu")  # type: ignore[misc]
+    store: Literal["cpu"] = dataclasses.field(default="cpu", kw_only=True)
 
 
 @dataclass(frozen=True, config=_CONFIG)
@@ -287,7 +284,7 @@ class LMCacheOptions(StoreOptions):
         "beyond it the lookup or load is a miss")] = DEFAULT_REMOTE_TIMEOUT_S
     auth: Annotated[AuthOption | None, Field(
         description="the deployment key, by reference, as for store 'fs' (default: none, CRC only)")] = None
-    store: Literal["lmcache"] = _kw("lmcache")  # type: ignore[misc]
+    store: Literal["lmcache"] = dataclasses.field(default="lmcache", kw_only=True)
 
 
 STORES: dict[str, type[StoreOptions]] = {"fs": FsOptions, "cpu": CpuOptions, "lmcache": LMCacheOptions}
