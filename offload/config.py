@@ -24,7 +24,6 @@ class ConfigError(ValueError):
 
 # The tier union's members are the stores' own options; `store` picks one.
 TierConfig = FsOptions | CpuOptions | LMCacheOptions
-STORE_KINDS = tuple(STORES)
 TIER_KEYS = tuple(dict.fromkeys(k for o in STORES.values() for k in keys(o)))
 
 # Keys every tier took when one flat model held all stores' keys, kept on the stores that ignore them so
