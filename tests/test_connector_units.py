@@ -37,6 +37,7 @@ from vllm_unit_utils import (
     create_scheduler,
     create_vllm_config,
     hybrid_kv_cache_config,
+    run_and_snapshot,
     set_connector,
 )
 
@@ -143,15 +144,7 @@ def store_prompt(eng: Engine, req_id: str, tokens: list[int], tmp_path: Path) ->
     tokens a repeat restores. vLLM's own prefix cache is then reset (so a
     repeat can only hit our tier) and the KV cache scrambled (so only a load
     can restore it)."""
-    HIT = hit(eng, len(tokens))
-    req = create_request(req_id, tokens, max_tokens=2, block_size=BS)
-    eng.scheduler.add_request(req)
-    snapshot = None
-    while req_id in eng.scheduler.requests:
-        eng.step()
-        if snapshot is None and req.num_computed_tokens >= HIT:
-            snapshot = eng.worker.blocks_bytes(table(eng, req_id)[:HIT // BS])
-    assert snapshot is not None
+    snapshot = run_and_snapshot(eng, req_id, tokens, block_size=BS)
     if eng.scheduler.connector.cfg.tiers[0].store == "fs":
         wait_for_files(tmp_path / "cache", entries(eng, len(tokens)))
     assert eng.scheduler.reset_prefix_cache()
