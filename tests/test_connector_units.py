@@ -1,4 +1,4 @@
-"""OffloadConnector under vLLM's real Scheduler, both roles in one process (issue 11 item 6).
+"""OffloadConnector under vLLM's real Scheduler, both roles in one process.
 
 vLLM's Scheduler builds the scheduler-role connector itself and calls it as
 in an engine (lookup, `update_state_after_alloc`, `build_connector_meta`,
@@ -694,7 +694,17 @@ def test_drain_runs_idle_priority_stores_at_normal_priority_then_yields_again(ma
         time.sleep(0.01)
     before = list(seen)
     assert before and {p for _, p in before} == {os.SCHED_IDLE}, before
-    threading.Timer(0.3, release.set).start()  # the drain below is waiting by then
+
+    def release_once_lifted() -> None:
+        """Let the held writes go once the drain below has lifted every store thread (or after 30 s)."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if {os.sched_getscheduler(t) for t in worker._store_tids} == {os.SCHED_OTHER}:
+                break
+            time.sleep(0.01)
+        release.set()
+
+    threading.Thread(target=release_once_lifted, daemon=True).start()
     assert worker.drain(30) == 0
     assert {p for k, p in seen if k == "draining"} == {os.SCHED_OTHER}, seen
     assert {os.sched_getscheduler(t) for t in worker._store_tids} == {os.SCHED_IDLE}, "yields again after the drain"

@@ -1,4 +1,4 @@
-"""A request's files are loaded in parallel (issue 13, item 3): the worker
+"""A request's files are loaded in parallel: the worker
 half's load path on real files, a real FileStore and real KV-cache-shaped
 tensors (no engine, no mock).
 

@@ -195,7 +195,7 @@ class WorkerSide:
     # ---- setup ------------------------------------------------------------------
 
     def share_gathers(self, share: SharedGathers) -> None:
-        """Store from `share` what a sibling gathered this step, and offer it
+        """Take from `share` what a sibling gathered this step, and offer it
         what this worker gathers (see SharedGathers). Call before the first
         `wait_for_save`; once set, for the worker's life."""
         self._share = share
