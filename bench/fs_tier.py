@@ -63,7 +63,7 @@ from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.auth import AuthRef
 from offload.store.fs import FileStore, FsData, FsOptions
 from offload.config import parse_config
-from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, TierSlot
+from offload.connector.metadata import FileRef, LoadEntry, LoadJob, OffloadMetadata, TierSlot
 from offload.connector.worker import WorkerSide
 from offload.metrics import Recorder
 from bench.tier_stack import planner_for
@@ -265,10 +265,9 @@ def load_worker(kv: HybridKV, data: FsData, threads: int) -> WorkerSide:
 def ours_load_parallel(kv: HybridKV, worker: WorkerSide) -> None:
     """The whole cache as ONE request's load job (every (chunk, group) file):
     its files are read, verified and scattered `io_threads` at a time."""
-    files = [FileRef(g.index, g.kind, kv.keys[c], c * CHUNK, (c + 1) * CHUNK, len(g.ids[c]))
-             for c, g in kv.files()]
-    pages = [tuple(enumerate(g.ids[c])) for c, g in kv.files()]
-    job = LoadJob("bench", tuple(files), tuple(pages), tuple(TierSlot(0) for _ in files))
+    job = LoadJob("bench", tuple(LoadEntry(FileRef(g.index, g.kind, kv.keys[c], c * CHUNK, (c + 1) * CHUNK,
+                                                   len(g.ids[c])), tuple(enumerate(g.ids[c])), TierSlot(0))
+                                 for c, g in kv.files()))
     worker.start_load_kv(OffloadMetadata(loads=[job]))
     wait(list(worker._loads.values()))  # blocks without polling: no CPU of ours counted
     r = worker.get_transfer_results()

@@ -38,8 +38,9 @@ import torch
 from bench.common import GB, drop_page_cache, median, table, write_results
 from bench.kvsynth import CHUNK, TINY, HybridKV, Shape
 from offload.config import parse_config
-from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob, TierSlot
-from offload.connector.worker import GatherShare, WorkerSide
+from offload.connector.metadata import FileRef, LoadEntry, LoadJob, OffloadMetadata, StoreJob, TierSlot
+from offload.connector.worker import WorkerSide
+from offload.multi_connector.share import GatherShare
 from offload.keys import Fingerprint
 from offload.metrics import Recorder
 from offload.planner import GroupSpec, HybridOffloadPlanner
@@ -143,7 +144,7 @@ def load_all(kv: HybridKV, worker: WorkerSide, indices: list[TierIndex]) -> tupl
     kv.zero()
     jobs, per_tier = [], {}
     for c in range(kv.chunks):
-        files, pages, sources, promote = [], [], [], []
+        entries = []
         for g in kv.groups:
             src = None
             for t, ix in enumerate(indices):
@@ -158,11 +159,8 @@ def load_all(kv: HybridKV, worker: WorkerSide, indices: list[TierIndex]) -> tupl
                 p = indices[t].reserve(g.index, kv.keys[c], kv.keys[c - 1] if c else None)
                 if p is not None:
                     ups.append(TierSlot(t, p.slot))
-            files.append(ref(kv, c, g))
-            pages.append(tuple(enumerate(g.ids[c])))
-            sources.append(src)
-            promote.append(tuple(ups))
-        jobs.append(LoadJob(f"r{c}", tuple(files), tuple(pages), tuple(sources), tuple(promote)))
+            entries.append(LoadEntry(ref(kv, c, g), tuple(enumerate(g.ids[c])), src, tuple(ups)))
+        jobs.append(LoadJob(f"r{c}", tuple(entries)))
     t0 = time.perf_counter()
     worker.start_load_kv(OffloadMetadata(loads=jobs))
     done: set[str] = set()
@@ -213,7 +211,7 @@ def run(gib: float, reps: int, tiny: bool, work: Path) -> dict:
             if name == "two-connectors-shared":
                 share = GatherShare()
                 for w, _ in workers:
-                    w.share = share
+                    w.share_gathers(share)
             counting.bytes, counting.seconds = 0, 0.0
             forward, complete = store_all(kv, workers, share)
             r = rows.setdefault(name, {})

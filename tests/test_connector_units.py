@@ -1,4 +1,4 @@
-"""OffloadConnector under vLLM's real Scheduler, both roles in one process (issue 11 item 6).
+"""OffloadConnector under vLLM's real Scheduler, both roles in one process.
 
 vLLM's Scheduler builds the scheduler-role connector itself and calls it as
 in an engine (lookup, `update_state_after_alloc`, `build_connector_meta`,
@@ -37,6 +37,7 @@ from vllm_unit_utils import (
     create_scheduler,
     create_vllm_config,
     hybrid_kv_cache_config,
+    run_and_snapshot,
     set_connector,
 )
 
@@ -143,15 +144,7 @@ def store_prompt(eng: Engine, req_id: str, tokens: list[int], tmp_path: Path) ->
     tokens a repeat restores. vLLM's own prefix cache is then reset (so a
     repeat can only hit our tier) and the KV cache scrambled (so only a load
     can restore it)."""
-    HIT = hit(eng, len(tokens))
-    req = create_request(req_id, tokens, max_tokens=2, block_size=BS)
-    eng.scheduler.add_request(req)
-    snapshot = None
-    while req_id in eng.scheduler.requests:
-        eng.step()
-        if snapshot is None and req.num_computed_tokens >= HIT:
-            snapshot = eng.worker.blocks_bytes(table(eng, req_id)[:HIT // BS])
-    assert snapshot is not None
+    snapshot = run_and_snapshot(eng, req_id, tokens, block_size=BS)
     if eng.scheduler.connector.cfg.tiers[0].store == "fs":
         wait_for_files(tmp_path / "cache", entries(eng, len(tokens)))
     assert eng.scheduler.reset_prefix_cache()
@@ -701,7 +694,17 @@ def test_drain_runs_idle_priority_stores_at_normal_priority_then_yields_again(ma
         time.sleep(0.01)
     before = list(seen)
     assert before and {p for _, p in before} == {os.SCHED_IDLE}, before
-    threading.Timer(0.3, release.set).start()  # the drain below is waiting by then
+
+    def release_once_lifted() -> None:
+        """Let the held writes go once the drain below has lifted every store thread (or after 30 s)."""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if {os.sched_getscheduler(t) for t in worker._store_tids} == {os.SCHED_OTHER}:
+                break
+            time.sleep(0.01)
+        release.set()
+
+    threading.Thread(target=release_once_lifted, daemon=True).start()
     assert worker.drain(30) == 0
     assert {p for k, p in seen if k == "draining"} == {os.SCHED_OTHER}, seen
     assert {os.sched_getscheduler(t) for t in worker._store_tids} == {os.SCHED_IDLE}, "yields again after the drain"

@@ -185,7 +185,7 @@ def test_attention_only_restart_restores_the_tail_vllms_own_cache_hits(prefetche
     assert len(tails) == 1 and tails[0].complete and tails[0].orphan is None and not tails[0].children
 
 
-# ---- the table on the Qwen3-Next-80B geometry (long) --------------------------------------------
+# ---- vLLM's own hit vs ours on the Qwen3-Next-80B geometry (long) ---------------------------------------
 
 
 @pytest.mark.long

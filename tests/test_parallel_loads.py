@@ -1,4 +1,4 @@
-"""A request's files are loaded in parallel (issue 13, item 3): the worker
+"""A request's files are loaded in parallel: the worker
 half's load path on real files, a real FileStore and real KV-cache-shaped
 tensors (no engine, no mock).
 
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from offload.config import parse_config
-from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob, TierSlot
+from offload.connector.metadata import FileRef, LoadEntry, LoadJob, OffloadMetadata, StoreJob, TierSlot
 from offload.connector.worker import WorkerSide
 from offload.copier import GroupPages, LayerPages
 from offload.keys import ChunkKey, Fingerprint
@@ -124,9 +124,9 @@ def load(kv: KV, worker: WorkerSide, job: LoadJob) -> bool:
 
 def job_from(kv: KV, tier: int, promote: list[tuple[TierSlot, ...]] | None = None, req: str = "r") -> LoadJob:
     entries = kv.entries()
-    return LoadJob(req, tuple(kv.ref(c, g) for c, g in entries),
-                   tuple(tuple(enumerate(kv.ids[g][c])) for c, g in entries),
-                   tuple(TierSlot(tier) for _ in entries), tuple(promote) if promote else ())
+    ups = promote or [() for _ in entries]
+    return LoadJob(req, tuple(LoadEntry(kv.ref(c, g), tuple(enumerate(kv.ids[g][c])), TierSlot(tier), up)
+                              for (c, g), up in zip(entries, ups, strict=True)))
 
 
 def counters(worker: WorkerSide, tier: int = 0) -> dict[str, float]:
@@ -276,9 +276,8 @@ def test_promotion_fills_the_reserved_slots_of_every_verified_file(kv, tmp_path)
             assert held == (i != bad), f"file {i}: promoted={held}"
         # The promoted entries restore from host memory, byte for byte.
         good = [i for i in range(FILES) if i != bad]
-        job = LoadJob("h", tuple(kv.ref(*entries[i]) for i in good),
-                      tuple(tuple(enumerate(kv.ids[entries[i][1]][entries[i][0]])) for i in good),
-                      tuple(TierSlot(0, promote[i][0].slot) for i in good))
+        job = LoadJob("h", tuple(LoadEntry(kv.ref(*entries[i]), tuple(enumerate(kv.ids[entries[i][1]][entries[i][0]])),
+                                           TierSlot(0, promote[i][0].slot)) for i in good))
         kv.zero()
         assert load(kv, worker, job)
         got = kv.snapshot()

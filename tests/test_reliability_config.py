@@ -170,7 +170,7 @@ def test_start_up_refuses_a_path_that_is_not_a_directory(vllm_setup, tmp_path, m
     monkeypatch.setattr(offload.store.options, "not_a_directory", lambda p: None)  # what parse_config saw
     cfg = offload.config.parse_config({"store": "fs", "path": path})
     monkeypatch.undo()
-    monkeypatch.setattr("offload.connector.parse_config", lambda extra: cfg)
+    monkeypatch.setattr("offload.connector.connector.parse_config", lambda extra: cfg)
     with pytest.raises(ConfigError) as ei:
         _start(vllm_setup, {**OURS, "kv_connector_extra_config": {"store": "fs", "path": path}})
     msg = str(ei.value)

@@ -31,6 +31,7 @@ from vllm_unit_utils import (
     create_request,
     create_scheduler,
     create_vllm_config,
+    run_and_snapshot,
     set_connector,
 )
 
@@ -163,16 +164,8 @@ def _hit(eng: Engine) -> int:
 
 
 def _store(eng: Engine, req_id: str, tokens: list[int]) -> list[bytes]:
-    """Run a request to completion; the bytes of the blocks a repeat restores."""
-    HIT = _hit(eng)
-    req = create_request(req_id, tokens, max_tokens=2, block_size=BS)
-    eng.scheduler.add_request(req)
-    snapshot = None
-    while req_id in eng.scheduler.requests:
-        eng.step()
-        if snapshot is None and req.num_computed_tokens >= HIT:
-            snapshot = eng.worker.blocks_bytes(eng.scheduler.kv_cache_manager.get_block_ids(req_id)[0][:HIT // BS])
-    assert snapshot is not None
+    """Run a request to completion; the bytes of the blocks a repeat restores, once its stores landed."""
+    snapshot = run_and_snapshot(eng, req_id, tokens, block_size=BS)
     assert eng.worker.connector.wait_for_stores(30) == 0
     return snapshot
 
@@ -207,7 +200,7 @@ def test_sleep_and_wake_keep_the_tiers_and_restore_after_wake(eng):
     _sleep(eng)
     conn.unregister_kv_caches()  # idempotent
     # Nothing touches the released KV cache: every copy is refused.
-    from offload.connector import KVCacheReleased
+    from offload.connector.kv_gate import KVCacheReleased
 
     pages = conn._worker.pages[0]
     with pytest.raises(KVCacheReleased):
@@ -292,7 +285,7 @@ def test_unregister_waits_for_the_copy_in_progress(eng, monkeypatch):
 
 
 def test_multi_connector_sleep(vllm_config, tmp_path):
-    from offload.connector import KVCacheReleased
+    from offload.connector.kv_gate import KVCacheReleased
     from offload.multi_connector import MultiConnector
 
     children = [{"kv_connector": "OffloadConnector", "kv_connector_module_path": "offload.connector",

@@ -364,3 +364,21 @@ class Engine:
         both = OffloadStats(data={})
         both.aggregate(self.sched_stats)
         return both.reduce()
+
+
+def run_and_snapshot(eng: Engine, req_id: str, tokens: list[int], *, block_size: int) -> list[bytes]:
+    """Run a request to completion (2 output tokens); return the bytes, per
+    layer of group 0, of the blocks of the tokens a repeat of the prompt
+    restores (the connector's planner: `repeat_hit`), taken in the step that
+    computed them. Stores may still be landing when it returns."""
+    hit = eng.scheduler.connector.planner.repeat_hit(len(tokens))
+    req = create_request(req_id, tokens, max_tokens=2, block_size=block_size)
+    eng.scheduler.add_request(req)
+    snapshot = None
+    while req_id in eng.scheduler.requests:
+        eng.step()
+        if snapshot is None and req.num_computed_tokens >= hit:
+            blocks = eng.scheduler.kv_cache_manager.get_block_ids(req_id)[0][:hit // block_size]
+            snapshot = eng.worker.blocks_bytes(blocks)
+    assert snapshot is not None, f"{req_id}: never computed the {hit} tokens a repeat restores"
+    return snapshot

@@ -51,14 +51,14 @@ OUR_PACKAGES = ("offload/connector", "offload/multi_connector")
 IMPORT_SCOPE = "offload"  # every vLLM name imported anywhere in the package is checked
 # Our classes: (name, file, the vLLM classes they derive from, in MRO order).
 OURS = {
-    "OffloadConnector": ("offload/connector/__init__.py", [(BASE_MODULE, "KVConnectorBase_V1"),
-                                                          (BASE_MODULE, "SupportsHMA")]),
+    "OffloadConnector": ("offload/connector/connector.py", [(BASE_MODULE, "KVConnectorBase_V1"),
+                                                           (BASE_MODULE, "SupportsHMA")]),
     "MultiConnector": ("offload/multi_connector/connector.py", [(MULTI_MODULE, "MultiConnector"),
                                                                (BASE_MODULE, "KVConnectorBase_V1"),
                                                                (BASE_MODULE, "SupportsHMA")]),
 }
 # Public methods of ours that are not vLLM hooks (harnesses and tools call them).
-OWN = {"wait_for_stores"}
+OWN = {"wait_for_stores", "share_gathers"}
 # Hooks we implement for a newer vLLM than the oldest we support: absent from
 # an older vLLM's classes, which then never call them.
 NEWER_HOOKS = {"supports_sleep_mode": "0.33", "unregister_kv_caches": "0.33", "restore_kv_caches": "0.33"}

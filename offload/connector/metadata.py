@@ -37,19 +37,24 @@ class TierSlot:
 
 
 @dataclass(frozen=True)
-class LoadJob:
-    """Restore one request's hit: read each entry from its tier, scatter
-    chosen pages, and put the same bytes into the `promote` tiers.
+class LoadEntry:
+    """One file of a load: read `file` from `source`, scatter its `pages`
+    ((page index in the entry, destination block id) pairs), and put the same
+    bytes into the `promote` tiers (the slots the scheduler reserved there)."""
 
-    `pages[i]` pairs with `files[i]`: (page index in the entry, destination
-    block id). A job with `fail_reason` set is reported failed without I/O.
-    """
+    file: FileRef
+    pages: tuple[tuple[int, int], ...]
+    source: TierSlot
+    promote: tuple[TierSlot, ...] = ()
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """Restore one request's hit: every entry, or none (a miss). A job with
+    `fail_reason` set is reported failed without I/O."""
 
     req_id: str
-    files: tuple[FileRef, ...]
-    pages: tuple[tuple[tuple[int, int], ...], ...]
-    sources: tuple[TierSlot, ...] = ()  # per file
-    promote: tuple[tuple[TierSlot, ...], ...] = ()  # per file
+    entries: tuple[LoadEntry, ...] = ()
     fail_reason: MissReason | None = None
     fail_detail: str = ""
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
-from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob, TierSlot
+from offload.connector.metadata import FileRef, LoadEntry, LoadJob, OffloadMetadata, StoreJob, TierSlot
 from offload.keys import ChunkKey, Fingerprint, chunk_keys, request_root, tail_key
 from offload.metrics import Recorder
 from offload.planner import ChunkIndex, GroupChunk, GroupIndex, GroupKind, HybridOffloadPlanner
@@ -213,15 +213,12 @@ class SchedulerSide:
         if hit is None or hit[0] * c + hit[2] != hit[1] + num_external_tokens:
             # The scheduler took a different count than we offered: refuse to
             # guess which bytes belong where; the request recomputes.
-            self._loads.append(LoadJob(request.request_id, (), (), fail_reason=MissReason.ALLOCATION_MISMATCH,
+            self._loads.append(LoadJob(request.request_id, fail_reason=MissReason.ALLOCATION_MISMATCH,
                                        fail_detail=f"offered {hit}, vLLM allocated {num_external_tokens} tokens"))
             return
         n, computed, tail = hit
         end = n * c + tail
-        files: list[FileRef] = []
-        pages: list[tuple[tuple[int, int], ...]] = []
-        sources: list[TierSlot] = []
-        promote: list[tuple[TierSlot, ...]] = []
+        entries: list[LoadEntry] = []
         chunk_tier: dict[int, int] = {}  # chunk -> slowest tier it is read from
         fail: tuple[MissReason, str] | None = None
         for g, spec in enumerate(self.planner.groups):
@@ -250,17 +247,14 @@ class SchedulerSide:
                     placement = self.indices[t].reserve(g, key, parent)
                     if placement is not None:
                         ups.append(TierSlot(t, placement.slot))
-                files.append(self._ref(st, g, gc.chunk, gc))
-                pages.append(pairs)
-                sources.append(source)
-                promote.append(tuple(ups))
+                entries.append(LoadEntry(self._ref(st, g, gc.chunk, gc), pairs, source, tuple(ups)))
                 chunk_tier[gc.chunk] = max(chunk_tier.get(gc.chunk, 0), source.tier)
             if fail:
                 break
         if fail:
             self._unpin(request.request_id)
         st.loading_tokens = num_external_tokens
-        st.hit_tier = max((s.tier for s in sources), default=0)
+        st.hit_tier = max((e.source.tier for e in entries), default=0)
         st.loading_by_tier = {}
         for chunk in range(n + (1 if tail else 0)):  # a hit's tokens, by the tier its chunk comes from
             chunk_end = min((chunk + 1) * c, end)
@@ -272,8 +266,8 @@ class SchedulerSide:
         st.restored_end = end if not fail else 0
         if tail and end == self.planner.tail_boundary(len(request.prompt_token_ids or [])):
             st.tail_stored = True  # its own tail's attention is what was just restored
-        self._loads.append(LoadJob(request.request_id, tuple(files), tuple(pages), tuple(sources), tuple(promote),
-                                   fail_reason=fail[0] if fail else None, fail_detail=fail[1] if fail else ""))
+        self._loads.append(LoadJob(request.request_id, tuple(entries), fail_reason=fail[0] if fail else None,
+                                   fail_detail=fail[1] if fail else ""))
 
     def _pin(self, req_id: str, group: int, key: ChunkKey) -> TierSlot | None:
         """Pin the entry in the fastest tier that holds it."""

@@ -15,18 +15,22 @@ one is found (and quarantined) in the same pass.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
+from offload.connector.kv_gate import GatedPages, KVGate
 from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob, TierSlot
 from offload.copier import GroupPages, LayerPages
 from offload.keys import ChunkKey, Fingerprint
@@ -106,30 +110,32 @@ class _LoadRun:
     moved: list[tuple[int, str, int]] = field(default_factory=list)  # (tier, group kind, bytes) scattered
 
     def __post_init__(self) -> None:
-        self.left = len(self.job.files)
+        self.left = len(self.job.entries)
 
 
-class GatherShare:
-    """Host copies gathered in the current step, by (group, key), shared by
-    the OffloadConnector children of one MultiConnector in one worker: the
-    first child to store an entry gathers it from the KV cache, the next ones
-    copy its host bytes (a memcpy, never a second device transfer). The
-    MultiConnector clears it after each step's `wait_for_save`."""
+class SharedGathers(ABC):
+    """Host copies of entries gathered in the current step, shared by sibling
+    WorkerSides in one worker (a MultiConnector's OffloadConnector children):
+    the first to store an entry gathers it from the KV cache and offers its
+    host copy; the next ones copy those bytes (a memcpy, never a second
+    device transfer). Its owner clears it after each step's `wait_for_save`
+    of every sibling."""
 
-    def __init__(self) -> None:
-        self._chunks: dict[tuple[int, bytes], HostChunk] = {}
-
+    @abstractmethod
     def get(self, group: int, key: bytes) -> HostChunk | None:
-        return self._chunks.get((group, key))
+        """The entry's host copy offered this step, or None; valid until the owner clears it."""
 
+    @abstractmethod
     def offer(self, group: int, key: bytes, chunk: HostChunk) -> None:
-        if (group, key) not in self._chunks:
-            self._chunks[(group, key)] = chunk.hold()
+        """Keep a copy of `chunk` (a held reference of its own) unless the entry has one;
+        the caller keeps and releases its own reference."""
 
-    def clear(self) -> None:
-        chunks, self._chunks = self._chunks, {}
-        for c in chunks.values():
-            c.release()
+
+class _Direct(NamedTuple):
+    """A store's gather target in a tier's host memory (its slot)."""
+
+    slot: TierSlot
+    buffer: torch.Tensor
 
 
 class WorkerSide:
@@ -155,7 +161,8 @@ class WorkerSide:
         self._make_data = make_data
         self.tiers: list[TierData] = []
         self.layer_names = layer_names
-        self.pages: list[GroupPages] = []
+        self.pages: list[GatedPages] = []  # per group, behind the sleep-mode gate
+        self._gate = KVGate()
         self.buffers = BufferPool()
         # Reads before writes: a load blocks a request, a store blocks nobody.
         # Loads get their own threads, so they never queue behind a burst of
@@ -178,18 +185,20 @@ class WorkerSide:
         self._writing: dict[tuple[int, int, bytes], HostChunk] = {}
         self._pending_store_bytes = 0
         self._closed = False
-        self.share: GatherShare | None = None  # set by a MultiConnector with several of us
+        self._share: SharedGathers | None = None
         # Partial tails: per attention group, which token owns each byte of a
         # page (built at the first tail store; None where it cannot be known).
         self._token_map = token_map
         self._token_maps: dict[int, list[TokenMap] | None] = {}
         self._tensors: dict[int, list[torch.Tensor]] = {}
 
-    @property
-    def recorder(self) -> Recorder:
-        return self.recorders[0]
-
     # ---- setup ------------------------------------------------------------------
+
+    def share_gathers(self, share: SharedGathers) -> None:
+        """Take from `share` what a sibling gathered this step, and offer it
+        what this worker gathers (see SharedGathers). Call before the first
+        `wait_for_save`; once set, for the worker's life."""
+        self._share = share
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                            layout: dict) -> None:
@@ -211,12 +220,34 @@ class WorkerSide:
                     f"KV cache group {g}: registered tensors hold {pages.page_bytes} bytes per block, "
                     f"the KV cache spec says {expected}; this backend's layout is not supported"
                 )
-            self.pages.append(pages)
+            self.pages.append(GatedPages(pages, self._gate))
         # Pinned where the copy kernel reads or writes host memory from CUDA.
         self.buffers = BufferPool(pinned=device.type == "cuda")
         self.tiers = self._make_data(device)
         for tier in self.tiers:
             tier.record_layout({**layout, "tensors": tensors})
+
+    def release_kv_caches(self) -> bool:
+        """vLLM is about to release the KV cache (sleep mode): wait for the
+        copies in progress, refuse later ones (KVCacheReleased: a load becomes
+        a miss, a store is dropped) and drop the page tables with their raw
+        addresses. False where it is released already."""
+        if not self._gate.open:
+            return False
+        self._gate.close()
+        for p in self.pages:
+            p.drop()
+        return True
+
+    def retake_kv_caches(self) -> bool:
+        """vLLM mapped the KV cache again: page tables from the same tensors'
+        current addresses, then copies are allowed. False where it was not released."""
+        if self._gate.open:
+            return False
+        for p in self.pages:
+            p.retake()
+        self._gate.reopen()
+        return True
 
     # ---- loads ------------------------------------------------------------------
 
@@ -240,14 +271,14 @@ class WorkerSide:
         for job in meta.loads:
             run = _LoadRun(job)
             self._loads[job.req_id] = run.result
-            if job.fail_reason is not None or not job.files:
+            if job.fail_reason is not None or not job.entries:
                 self._finish(run)
                 continue
             # One task per file, all on the load pool: a request's files are
             # read at once (up to io_threads), and no task ever waits for
             # another, so the pool cannot deadlock. Files of earlier requests
             # are queued first.
-            for i in range(len(job.files)):
+            for i in range(len(job.entries)):
                 self.load_pool.submit(self._load_file, run, i)
 
     def _load_file(self, run: _LoadRun, i: int) -> None:
@@ -260,7 +291,7 @@ class WorkerSide:
             failed = self._read_and_scatter(run, i)
         except Exception as e:  # a load must never take the engine down
             logger.exception("kvoffload: load of request %s failed (%s)", run.job.req_id, type(e).__name__)
-            failed = (run.job.sources[i].tier, MissReason.ERROR)
+            failed = (run.job.entries[i].source.tier, MissReason.ERROR)
         with run.lock:
             if failed is not None:
                 run.failures[i] = failed
@@ -271,8 +302,8 @@ class WorkerSide:
 
     def _read_and_scatter(self, run: _LoadRun, i: int) -> tuple[int, MissReason] | None:
         job = run.job
-        ref, pairs, src = job.files[i], job.pages[i], job.sources[i]
-        ups = job.promote[i] if job.promote else ()
+        entry = job.entries[i]
+        ref, pairs, src = entry.file, entry.pages, entry.source
         header = self._header(ref)
         kind = ref.kind.value
         t0 = time.perf_counter()
@@ -301,7 +332,7 @@ class WorkerSide:
                 self.recorders[src.tier].inc("kvoffload_load_scatter_seconds", t2 - t1, group_kind=kind)
                 with run.lock:
                     run.moved.append((src.tier, ref.kind.value, len(pairs) * self.pages[ref.group].page_bytes))
-            for up in ups:
+            for up in entry.promote:
                 self._promote(up, header, chunk)
         finally:
             chunk.release()
@@ -313,7 +344,8 @@ class WorkerSide:
         if job.fail_reason is not None:
             logger.info("kvoffload: load of request %s is a miss (%s: %s); it will be recomputed",
                         job.req_id, job.fail_reason.value, job.fail_detail)
-            failed: tuple[int, MissReason] | None = ((job.sources[-1].tier if job.sources else 0), job.fail_reason)
+            failed: tuple[int, MissReason] | None = (job.entries[-1].source.tier if job.entries else 0,
+                                                     job.fail_reason)
         elif run.failures:
             # Every file was read, so every bad one was found (and counted,
             # and quarantined) in this pass; the request's reason is the
@@ -325,7 +357,7 @@ class WorkerSide:
                 self._count(tier, "bytes_read", moved)
                 self.recorders[tier].inc("kvoffload_restored_bytes", moved, group_kind=kind)
             elapsed = time.perf_counter() - (run.t0 if run.t0 is not None else time.perf_counter())
-            for t in {s.tier for s in job.sources} or {0}:
+            for t in {e.source.tier for e in job.entries} or {0}:
                 self.recorders[t].observe("kvoffload_load_seconds", elapsed)
         if failed is not None:
             tier, reason = failed
@@ -381,71 +413,108 @@ class WorkerSide:
     def _save(self, job: StoreJob) -> None:
         """One gather on the forward path; the other targets are written from
         that host copy on the store threads."""
-        pages = self.pages[job.file.group]
         header = self._header(job.file)
         t0 = time.perf_counter()
-        n = len(job.block_ids) * pages.page_bytes
-        direct, rest = None, []
-        for t in job.targets:
-            target = self.tiers[t.tier].gather_target(header, Placement(t.slot)) if direct is None else None
-            if target is not None:
-                direct = (t, target)
-            else:
-                rest.append(t)
-        shared = self.share.get(header.group, header.key) if self.share is not None else None
+        n = len(job.block_ids) * self.pages[job.file.group].page_bytes
+        shared = self._share.get(header.group, header.key) if self._share is not None else None
+        direct, rest = self._split_targets(header, job.targets)
         if direct is not None:
-            t, target = direct
-            self._wait_reading(t, header.group)
-            if shared is not None:
-                target.copy_(shared.payload)  # a sibling connector gathered it this step
-            else:
-                pages.gather(job.block_ids, out=target)
-                self._mask_tail(job.file, target)
-                if self.share is not None:
-                    # A pooled copy, not the slot: a later store or promotion may reuse the slot.
-                    copy = HostChunk.pooled(self.buffers, n)
-                    copy.payload.copy_(target)
-                    self.share.offer(header.group, header.key, copy)
-                    copy.release()
-            self.tiers[t.tier].gathered(header, Placement(t.slot))
-            self._stored(t.tier, header, n, t0)
-        # Skip the gather where every other tier holds the entry already (one
-        # stat, e.g. an earlier run stored a prefix vLLM's own cache held).
-        rest = [t for t in rest if not self.tiers[t.tier].holds(header, Placement(t.slot))] if direct is None \
-            else rest
+            self._gather_direct(job, header, direct, shared, n, t0)
+        else:
+            # Skip the gather where every other tier holds the entry already (one
+            # stat, e.g. an earlier run stored a prefix vLLM's own cache held).
+            rest = [t for t in rest if not self.tiers[t.tier].holds(header, Placement(t.slot))]
         if not rest:
             return
-        with self._lock:
-            over = self._pending_store_bytes + n > self.cfg.max_pending_store_bytes
-            if not over:
-                self._pending_store_bytes += n
-        if over:
+        if not self._admit(n):
             for t in rest:
                 self._drop(t.tier, "backpressure")
             return
-        if direct is None:
-            chunk = HostChunk.pooled(self.buffers, n)
-            try:
-                if shared is not None:
-                    chunk.payload.copy_(shared.payload)  # a sibling connector gathered it this step
-                else:
-                    pages.gather(job.block_ids, out=chunk.payload)
-                    self._mask_tail(job.file, chunk.payload)
-                    if self.share is not None:
-                        self.share.offer(header.group, header.key, chunk)
-            except BaseException:
-                chunk.release()
-                self._release(n)
-                raise
-            with self._lock:
-                for t in rest:
-                    self._writing[(t.tier, header.group, bytes(header.key))] = chunk
-            fut = self.store_pool.submit(self._write, header, chunk, rest, n, t0)
-        else:
-            t, target = direct
-            fut = self.store_pool.submit(self._write_through, header, target, rest, n, t0)
-            with self._lock:
-                self._reading[(t.tier, header.group, t.slot)] = fut
+        if direct is not None:
+            self._dispatch_write_through(header, direct, rest, n, t0)
+            return
+        try:
+            chunk = self._gather_pooled(job, header, shared, n)
+        except BaseException:
+            self._release(n)
+            raise
+        self._dispatch_write(header, chunk, rest, n, t0)
+
+    def _split_targets(self, header: ChunkHeader,
+                       targets: tuple[TierSlot, ...]) -> tuple[_Direct | None, list[TierSlot]]:
+        """The first target that offers its host memory to gather into, and the others."""
+        direct: _Direct | None = None
+        rest: list[TierSlot] = []
+        for t in targets:
+            buffer = self.tiers[t.tier].gather_target(header, Placement(t.slot)) if direct is None else None
+            if buffer is not None:
+                direct = _Direct(t, buffer)
+            else:
+                rest.append(t)
+        return direct, rest
+
+    def _gather(self, job: StoreJob, out: torch.Tensor, shared: HostChunk | None) -> bool:
+        """The entry's bytes into `out`: a sibling connector's copy of this
+        step where there is one, else one gather from the KV cache (a partial
+        tail masked). True where it gathered."""
+        if shared is not None:
+            out.copy_(shared.payload)
+            return False
+        self.pages[job.file.group].gather(job.block_ids, out=out)
+        self._mask_tail(job.file, out)
+        return True
+
+    def _gather_direct(self, job: StoreJob, header: ChunkHeader, direct: _Direct, shared: HostChunk | None,
+                       n: int, t0: float) -> None:
+        """Gather into a host tier's slot: that tier's store is done."""
+        self._wait_reading(direct.slot, header.group)
+        if self._gather(job, direct.buffer, shared) and self._share is not None:
+            # A pooled copy, not the slot: a later store or promotion may reuse the slot.
+            copy = HostChunk.pooled(self.buffers, n)
+            copy.payload.copy_(direct.buffer)
+            self._share.offer(header.group, header.key, copy)
+            copy.release()
+        self.tiers[direct.slot.tier].gathered(header, Placement(direct.slot.slot))
+        self._stored(direct.slot.tier, header, n, t0)
+
+    def _gather_pooled(self, job: StoreJob, header: ChunkHeader, shared: HostChunk | None, n: int) -> HostChunk:
+        """Gather into a pooled host buffer (no tier offered its memory)."""
+        chunk = HostChunk.pooled(self.buffers, n)
+        try:
+            if self._gather(job, chunk.payload, shared) and self._share is not None:
+                self._share.offer(header.group, header.key, chunk)
+        except BaseException:
+            chunk.release()
+            raise
+        return chunk
+
+    def _admit(self, nbytes: int) -> bool:
+        """Count a store's bytes as pending, unless that passes max_pending_store_bytes."""
+        with self._lock:
+            if self._pending_store_bytes + nbytes > self.cfg.max_pending_store_bytes:
+                return False
+            self._pending_store_bytes += nbytes
+            return True
+
+    def _dispatch_write(self, header: ChunkHeader, chunk: HostChunk, targets: list[TierSlot], n: int,
+                        t0: float) -> None:
+        """Write a pooled host copy to `targets` on the store threads; a load
+        planned meanwhile reads the queued copy (`_queued`)."""
+        with self._lock:
+            for t in targets:
+                self._writing[(t.tier, header.group, bytes(header.key))] = chunk
+        self._track(self.store_pool.submit(self._write, header, chunk, targets, n, t0))
+
+    def _dispatch_write_through(self, header: ChunkHeader, direct: _Direct, targets: list[TierSlot], n: int,
+                                t0: float) -> None:
+        """Write a host tier's slot through to `targets` on the store threads;
+        a later gather into the same slot waits for it (`_wait_reading`)."""
+        fut = self.store_pool.submit(self._write_through, header, direct.buffer, targets, n, t0)
+        with self._lock:
+            self._reading[(direct.slot.tier, header.group, direct.slot.slot)] = fut
+        self._track(fut)
+
+    def _track(self, fut: Future[None]) -> None:
         with self._lock:
             self._stores.add(fut)
         fut.add_done_callback(self._forget)
@@ -520,7 +589,7 @@ class WorkerSide:
                         self.recorders[t.tier].inc("kvoffload_stores_deduplicated", group_kind=header.kind.value)
                 except OSError as e:
                     logger.warning("kvoffload: store of %s dropped: %s", header.key.hex()[:16], e)
-                    self._drop(t.tier, "no_space" if e.errno == 28 else "error")
+                    self._drop(t.tier, "no_space" if e.errno == errno.ENOSPC else "error")
                 except Exception:
                     logger.exception("kvoffload: store of %s failed", header.key.hex()[:16])
                     self._drop(t.tier, "error")

@@ -11,7 +11,7 @@ and merges their outputs) and changes what ours must do differently:
   that a slower child loaded (promotion), and never stores an entry its tier
   already holds;
 - an LMCache child is refused on hybrid models: LMCache restores attention KV
-  without the Mamba state (seed 002, LMCache issue 2845), which corrupts output.
+  without the Mamba state (LMCache issue 2845), which corrupts output.
 
 Select it as `"kv_connector": "OffloadMultiConnector"`: vLLM special-cases the
 name `MultiConnector` and would look for its own `connectors` key to decide
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from offload.multi_connector.share import GatherShare
 
 logger = init_logger(__name__)
 
@@ -87,14 +89,14 @@ class MultiConnector(VllmMultiConnector):
         super().__init__(inner, role, kv_cache_config)
         self._children = children
         # Our children share one gather per entry and step (GatherShare).
-        self._share = None
-        ours = [c for c in self._connectors if isinstance(c, OffloadConnector) and c._worker is not None]
-        if len(ours) > 1:
-            from offload.connector.worker import GatherShare
+        self._share: GatherShare | None = None
+        ours = [c for c in self._connectors if isinstance(c, OffloadConnector)]
+        if role != KVConnectorRole.SCHEDULER and len(ours) > 1:
+            from offload.multi_connector.share import GatherShare
 
             self._share = GatherShare()
             for c in ours:
-                c._worker.share = self._share
+                c.share_gathers(self._share)
         if role == KVConnectorRole.SCHEDULER:
             logger.info("OffloadMultiConnector: %s", ", ".join(
                 f"[{i}] {c.ktc['kv_connector']}"
