@@ -404,12 +404,14 @@ def test_lmcache_objects_carry_the_same_mac(tmp_path):
 
     from offload.store.buffers import BufferPool
     from offload.store.base import Placement
-    from offload.store.lmcache import LMCacheData, LMCacheOptions, shared_objects
+    from offload.store.cachedir import CacheDirs
+    from offload.store.lmcache import LMCacheData, LMCacheOptions, open_objects
     from offload.store.lmcache_objects import lmcache_key, object_name
 
     kf1, kf2 = key_file(tmp_path, "k1", K1), key_file(tmp_path, "k2", K2)
     opts = LMCacheOptions(local_cpu_bytes=8 << 20, auth=AuthRef(kf1))
-    d1 = LMCacheData(shared_objects(opts), opts, load_keyring(AuthRef(kf1)))
+    dirs = CacheDirs()
+    d1 = LMCacheData(open_objects(dirs, opts), opts, load_keyring(AuthRef(kf1)), dirs)
     d2 = LMCacheData(d1.objects, opts, load_keyring(AuthRef(kf2)))  # same objects, another deployment's key
     rot = LMCacheData(d1.objects, opts, load_keyring(AuthRef(kf2, previous_key_files=(kf1,))))
     try:

@@ -321,7 +321,7 @@ def test_housekeeper_drives_its_account_and_seals_its_log_on_stop(tmp_path):
     keeper.stop()
     [log] = logs(top)
     lines, _, _ = lg.read_lines(log, 0)
-    assert lg.parse(lines[-1])[0] == "end", "a clean stop seals the log"
+    assert isinstance(lg.parse(lines[-1]), lg.End), "a clean stop seals the log"
     assert not acct.loaded
 
 
