@@ -328,7 +328,7 @@ def test_housekeeper_drives_its_account_and_seals_its_log_on_stop(tmp_path):
 def test_many_finished_logs_are_folded_even_without_many_records(tmp_path):
     """Each engine start leaves a log, and every pass opens every log: past MAX_LOGS
     the housekeeper writes a snapshot that folds the finished ones, which then go."""
-    from offload.store import budget as bmod
+    from offload.store import compaction as bmod
 
     top = tmp_path / "kvoffload-v2"
     a = DirBudget(top, folded_idle_s=0.0)

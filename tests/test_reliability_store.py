@@ -29,6 +29,7 @@ from faults.store_writer import ATTN, FP, GDN, KvCache, expected_payload, key_of
 from offload.copier import crc32c
 from offload.store import hygiene
 from offload.store.budget import DirBudget
+from offload.store.cachedir import CacheDirs
 from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.base import OptionError
 from offload.store.fs import ChunkMiss, FileStore
@@ -58,7 +59,8 @@ def test_kill9_of_store_writer_never_leaves_a_loadable_corrupt_file(tmp_path):
     totals = {"files_verified": 0, "corrupt_loads": 0, "orphans_removed": 0, "kills_mid_write": 0}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1"}
     root = cache / "kvoffload-v2" / FP.hex()
-    FileStore.open(str(cache), FP)
+    dirs = CacheDirs()  # one owner for the test, as for one engine: FileStore.open tidies once, here
+    FileStore.open(str(cache), FP, dirs=dirs)
     # Each writer is a new process, forked from a parent that imported torch
     # once (an interpreter start per kill would cost ~4 s).
     zygote = subprocess.Popen([sys.executable, str(REPO / "tests" / "faults" / "store_writer.py"), "--zygote"],
@@ -79,7 +81,7 @@ def test_kill9_of_store_writer_never_leaves_a_loadable_corrupt_file(tmp_path):
             os.kill(pid, signal.SIGKILL)
             status = zygote.stdout.readline().split()
             assert status[0] == "EXIT" and os.WIFSIGNALED(int(status[1])) and os.WTERMSIG(int(status[1])) == 9
-            _verify_after_kill(cache, root, cycle, kv, totals)
+            _verify_after_kill(cache, root, cycle, kv, totals, dirs)
     finally:
         zygote.kill()
         zygote.wait()
@@ -94,11 +96,11 @@ def test_kill9_of_store_writer_never_leaves_a_loadable_corrupt_file(tmp_path):
            orphans_removed=totals["orphans_removed"], kills_mid_write=totals["kills_mid_write"])
 
 
-def _verify_after_kill(cache: Path, root: Path, cycle: int, kv: KvCache, totals: dict) -> None:
+def _verify_after_kill(cache: Path, root: Path, cycle: int, kv: KvCache, totals: dict, dirs: CacheDirs) -> None:
     """What a restart sees: FileStore.open's tidy, then every file verified."""
     if True:
         orphans = _tmp_files(root)
-        store = FileStore.open(str(cache), FP)  # tidies once per process: before the first cycle
+        store = FileStore.open(str(cache), FP, dirs=dirs)  # tidies once per owner: before the first cycle
         removed, kept = store.tidy()
         assert kept == 0 and removed == len(orphans) and not _tmp_files(root), "orphans left behind"
         totals["orphans_removed"] += removed
