@@ -22,6 +22,7 @@ import torch
 
 from test_format_store import FIELD_OFFSETS, FP, LAYOUT, crc32c_ref, header, key_of, payload
 
+from offload.store.paths import LAYOUT_DIR
 from offload import cli
 from offload.store.auth import (KEY_ID_CONTEXT, MAC_CONTEXT, AuthRef, KeyConfigError, Keyring, Unauthenticated,
                                 check_entry, frame, load_keyring)
@@ -454,14 +455,14 @@ def test_without_a_key_group_writable_dirs_and_other_writers_are_found(tmp_path)
     s = store(tmp_path, None)
     s.write(header(key=key_of("w")), payload(0))  # our own ledger log
     os.chmod(path, 0o750)
-    os.chmod(path / "kvoffload-v2", 0o750)
+    os.chmod(path / LAYOUT_DIR, 0o750)
     assert unauthenticated_risks(str(path)) == [], "only our own writes, owner-and-group-read directories"
-    os.chmod(path / "kvoffload-v2", 0o770)
+    os.chmod(path / LAYOUT_DIR, 0o770)
     risks = unauthenticated_risks(str(path))
     assert len(risks) == 1 and "writable by its group" in risks[0]
-    os.chmod(path / "kvoffload-v2", 0o750)
+    os.chmod(path / LAYOUT_DIR, 0o750)
     other = "0123abcd" if HOST_TAG != "0123abcd" else "fedc4321"
-    (path / "kvoffload-v2" / "ledger-v1" / f"{other}-4242-00000000.log").write_text("")
+    (path / LAYOUT_DIR / "ledger-v1" / f"{other}-4242-00000000.log").write_text("")
     risks = unauthenticated_risks(str(path))
     assert len(risks) == 1 and "1 other host" in risks[0]
 

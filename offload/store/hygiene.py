@@ -23,7 +23,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import socket
 import stat
 import time
