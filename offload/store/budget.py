@@ -306,19 +306,19 @@ class DirBudget:
                 base = self._snap.offsets.get(name, 0) if self._snap is not None else 0
                 pending += max(0, size - base)
             elif SNAPSHOT_NAME.match(name):
-                size = self._snap_sizes.get(name)
-                if size is None:
+                snap_size = self._snap_sizes.get(name)
+                if snap_size is None:
                     try:
-                        size = self._snap_sizes[name] = os.stat(self.ledger_dir / name).st_size
+                        snap_size = self._snap_sizes[name] = os.stat(self.ledger_dir / name).st_size
                     except OSError:
                         continue
-                total += size
+                total += snap_size
                 if name > newest:
                     head = read_snapshot(self.ledger_dir / name, head_only=True)
                     if head is not None:
                         if head.walked > self._walked and self.loaded:
                             self._adopt = name  # another instance walked: take its corrections
-                        self._snap, self._snap_bytes, newest = head, size, name
+                        self._snap, self._snap_bytes, newest = head, snap_size, name
         for name in list(self._offsets):
             if name not in seen:
                 del self._offsets[name]

@@ -86,9 +86,10 @@ class UsageIndex:
             fig[1] -= e.size
             if e.parent is not None:
                 prel = self.queue.unlink((self._gdir(c.group_dir), e.parent))
-                pe = self.entries.get(prel) if prel is not None else None
-                if pe is not None:
-                    self.queue.push(pe.t, prel)
+                if prel is not None:
+                    pe = self.entries.get(prel)
+                    if pe is not None:
+                        self.queue.push(pe.t, prel)
 
     def add(self, rel: str, e: IndexEntry) -> None:
         old = self.entries.get(rel)
