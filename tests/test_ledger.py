@@ -346,3 +346,24 @@ def test_many_finished_logs_are_folded_even_without_many_records(tmp_path):
     b = DirBudget(top)
     b.ensure_loaded()
     assert b.usage == a.usage and b.walks == 0
+
+
+def test_leaf_queue_pops_the_oldest_leaf_and_requeues_a_parent_its_last_child_frees():
+    from offload.store.evictor import LeafQueue
+
+    recency = {"root": 1.0, "child": 2.0, "alone": 3.0}
+    links = {"root": "R", "child": None, "alone": None}
+    q: LeafQueue[str, str] = LeafQueue()
+    for n, t in recency.items():
+        q.push(t, n)
+    q.link("R")  # child chains from root
+    current = recency.get
+    assert q.pop(current, links.get) == "child", "root is older but not a leaf: parked"
+    del recency["child"]
+    parked = q.unlink("R")
+    assert parked == "root" and not q.has_children("R")
+    q.push(recency["root"], "root")
+    recency["alone"] = 0.5  # used since it was queued at 3.0: that entry is stale
+    q.push(0.5, "alone")
+    assert q.pop(current, links.get) == "alone" and q.pop(current, links.get) == "root"
+    assert q.pop(current, links.get) is None, "the stale entry of 'alone' is skipped"
