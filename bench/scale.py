@@ -12,7 +12,8 @@ faster. Measured per operation, medians of --reps:
   ledger record), with this instance's account loaded, and without any;
 - eviction: the budget evicting ~1% of the files, per evicted file, by the
   ledger's incremental queue and by the pre-ledger implementation
-  (`bench/legacy_budget.py`, which walks and rebuilds its heap every round);
+  (offload/store/budget.py at `LEGACY_REV`, read from git: it walks and
+  rebuilds its heap every round);
 - accounting: one pass of the pre-ledger walk (what it ran every
   max(0.1 s, 20 x its duration), and inline in a writer every second), against
   the ledger's pass (tail of every log; idle, and with another instance's new
@@ -27,20 +28,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import os
 import random
+import importlib.util
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from bench.common import drop_page_cache, filesystem_of, table, write_results
-from bench.legacy_budget import LegacyDirBudget
 from offload import copier
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind
@@ -49,6 +53,7 @@ from offload.store.budget import DirBudget
 from offload.store.buffers import BufferPool
 from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.fs import FileStore
+from offload.store.paths import chunk_path, chunk_rel
 
 FP = Fingerprint(hashlib.sha256(b"kvoffload bench scale").digest())
 DEPTH = 8
@@ -56,18 +61,46 @@ GDN, ATTN = 0, 1
 PAYLOAD = {GDN: 128, ATTN: 256}  # bytes; small, so that the directory is metadata-bound
 
 
+# offload/store/budget.py before the ledger: every pass walks the whole
+# layout directory and every eviction round rebuilds its leaf heap.
+LEGACY_REV = "719a14d"
+REPO = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def legacy_budget_class() -> Any:
+    """The pre-ledger `DirBudget` class, loaded from `git show LEGACY_REV:offload/store/budget.py`
+    (it imports only offload.store.format and offload.store.hygiene.walk, both unchanged since)."""
+    try:
+        src = subprocess.run(["git", "show", f"{LEGACY_REV}:offload/store/budget.py"], cwd=REPO, check=True,
+                             capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"bench.scale needs the git history (commit {LEGACY_REV}) for its baseline: {e}") from None
+    name = "bench_legacy_budget"
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / f"{name}.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # dataclasses resolve annotations through it
+        spec.loader.exec_module(mod)
+    return mod.DirBudget
+
+
 def new_index_bytes(b: DirBudget) -> int:
     """Python object sizes (sys.getsizeof) of the ledger index: entries, LRU heap, child counts."""
     size = sys.getsizeof
-    n = size(b._index) + size(b._heap) + size(b._children) + size(b._parked)
-    for rel, e in b._index.items():
+    ix, q = b.index, b.index.queue
+    n = size(ix.entries) + size(q._heap) + size(q._children) + size(q._parked)
+    for rel, e in ix.entries.items():
         n += size(rel) + size(e) + size(e.t) + size(e.size) + (size(e.parent) if e.parent is not None else 0)
-    n += sum(size(x) for x in b._heap)
-    n += sum(size(k) + size(k[1]) for k in b._children)
+    n += sum(size(x) for x in q._heap)
+    n += sum(size(k) + size(k[1]) for k in q._children)
     return n
 
 
-def old_index_bytes(old: LegacyDirBudget) -> int:
+def old_index_bytes(old: Any) -> int:
     """The same for the pre-ledger index (path -> entry; its heap is rebuilt per eviction round, not kept)."""
     size = sys.getsizeof
     n = size(old._entries)
@@ -102,7 +135,7 @@ def build(base: Path, n_files: int) -> tuple[FileStore, int, float]:
     acct = DirBudget(store.root.parent)  # the writing "engine": records only
     for g in (GDN, ATTN):
         for i in range(256):
-            os.makedirs(store.root / f"g{g}" / f"{i:02x}", 0o750, exist_ok=True)
+            os.makedirs(chunk_path(store.root, g, f"{i:02x}").parent, 0o750, exist_ok=True)
     prompts = n_files // (2 * DEPTH)
     t0 = time.perf_counter()
     for p in range(prompts):
@@ -163,7 +196,7 @@ def run(files: int, reps: int, dir: str | None = None, out_dir: Path | None = No
         rng = random.Random(5)
 
         # ---- accounting: the old walk --------------------------------------------------------
-        old = LegacyDirBudget(top, max_bytes=1 << 60)
+        old = legacy_budget_class()(top, max_bytes=1 << 60)
         first_s, _ = timed(old.enforce)  # its first pass also reads every header
         passes = [timed(old.enforce)[0] for _ in range(reps)]
         res["old: walk pass (first, reads every header)"] = {"s": first_s}
@@ -198,15 +231,14 @@ def run(files: int, reps: int, dir: str | None = None, out_dir: Path | None = No
         n_rec = min(10000, files)
         # The same chunks stored again by another engine: records of files that exist, at their sizes.
         gdn_size = HEADER_LEN + PAYLOAD[GDN]
-        recs = [(f"{FP.hex()}/g{GDN}/{key(p % prompts, 0).hex()[:2]}/{key(p % prompts, 0).hex()}.kv", gdn_size, None)
-                for p in range(n_rec)]
+        recs = [(chunk_rel(FP.hex(), GDN, key(p % prompts, 0).hex()), gdn_size, None) for p in range(n_rec)]
         for rel, size, parent in recs:
             other.note_write(rel, size, parent)
         t_rec, _ = timed(b.sync)
         res[f"new: pass reading {n_rec} new records"] = {"s": t_rec, "per_record_us": t_rec / n_rec * 1e6}
         # The accounting's own cost per store, without the file I/O: a record appended and folded into
         # the loaded index (names of files that do not exist, taken out again untimed).
-        fake = [f"{FP.hex()}/g{ATTN}/{h[:2]}/{h}.kv"
+        fake = [chunk_rel(FP.hex(), ATTN, h)
                 for h in (hashlib.sha256(f"fake{i}".encode()).hexdigest() for i in range(2000 * reps))]
         out = []
         for r in range(reps):
@@ -280,7 +312,7 @@ def run(files: int, reps: int, dir: str | None = None, out_dir: Path | None = No
         doc["final_usage_walked"] = sum(os.lstat(os.path.join(d, n)).st_size for d, ds, ns in os.walk(top)
                                         if "ledger-v1" not in d for n in ns)
         doc["stored_during_bench"] = stored_new
-        legacy = LegacyDirBudget(top, max_bytes=1 << 60, low_water=1.0)
+        legacy = legacy_budget_class()(top, max_bytes=1 << 60, low_water=1.0)
         legacy.enforce()  # its index (first pass reads every header), not timed
         legacy.max_bytes = legacy.target = int(legacy.usage - n_evict * avg)
         t_old, _ = timed(legacy.enforce)

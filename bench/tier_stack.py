@@ -46,6 +46,7 @@ from offload.metrics import Recorder
 from offload.planner import GroupSpec, HybridOffloadPlanner
 from offload.store import tier_spec
 from offload.store.base import TierContext, TierIndex, TierSpec
+from offload.store.paths import CHUNK_SUFFIX
 
 FP = Fingerprint(b"\x07" * 32)
 
@@ -98,7 +99,7 @@ def build(kv: HybridKV, tiers: list[dict], cache: Path) -> tuple[WorkerSide, lis
 
 
 def kv_files(cache: Path) -> list[str]:
-    return [str(p) for p in cache.rglob("*.kv")]
+    return [str(p) for p in cache.rglob(f"*{CHUNK_SUFFIX}")]
 
 
 def ref(kv: HybridKV, c: int, g) -> FileRef:

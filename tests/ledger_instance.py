@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from offload.store.paths import LAYOUT_DIR
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind
 from offload.store.budget import DirBudget
@@ -47,7 +48,7 @@ LEDGER = "ledger-v1"
 
 def true_bytes(top: Path) -> int:
     """What is on disk, measured independently of the code under test: every
-    regular file under kvoffload-v2/ but the ledger and temporary files in flight."""
+    regular file under the layout directory  but the ledger and temporary files in flight."""
     total = 0
     for d, dirs, names in os.walk(top):
         if d == str(top) and LEDGER in dirs:
@@ -81,7 +82,7 @@ def write_prompt(store: FileStore, owner: str, prompt: int) -> None:
 def main() -> None:
     path, name, prompts, max_bytes, flag = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     forever = "--forever" in sys.argv
-    top = Path(path) / "kvoffload-v2"
+    top = Path(path) / LAYOUT_DIR
     acct = DirBudget(top, max_bytes or None)
     store = dataclasses.replace(FileStore.open(path, FP), account=acct, budget=acct if max_bytes else None)
     keeper = Housekeeper(store.root, 2, acct).start()
@@ -114,8 +115,13 @@ def main() -> None:
     while (sum(1 for n in os.listdir(os.path.dirname(flag) or ".") if ".done." in n) < len(others)
            and time.monotonic() < deadline):
         time.sleep(0.02)
-    time.sleep(0.3)  # the other housekeepers' last evictions
+    # The other housekeepers' last evictions: poll until this account agrees with the files (or a deadline;
+    # the test then reports the difference).
+    deadline = time.monotonic() + 10
     acct.sync()
+    while acct.usage != true_bytes(top) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        acct.sync()
     final = {"name": name, "samples": samples, "usage": acct.usage, "true": true_bytes(top),
              "evicted_files": acct.evicted_files, "bad_lines": acct.bad_lines, "scan_s": acct.scan_s}
     keeper.stop()

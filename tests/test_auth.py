@@ -22,6 +22,7 @@ import torch
 
 from test_format_store import FIELD_OFFSETS, FP, LAYOUT, crc32c_ref, header, key_of, payload
 
+from offload.store.paths import LAYOUT_DIR
 from offload import cli
 from offload.store.auth import (KEY_ID_CONTEXT, MAC_CONTEXT, AuthRef, KeyConfigError, Keyring, Unauthenticated,
                                 check_entry, frame, load_keyring)
@@ -404,12 +405,14 @@ def test_lmcache_objects_carry_the_same_mac(tmp_path):
 
     from offload.store.buffers import BufferPool
     from offload.store.base import Placement
-    from offload.store.lmcache import LMCacheData, LMCacheOptions, shared_objects
+    from offload.store.cachedir import CacheDirs
+    from offload.store.lmcache import LMCacheData, LMCacheOptions, open_objects
     from offload.store.lmcache_objects import lmcache_key, object_name
 
     kf1, kf2 = key_file(tmp_path, "k1", K1), key_file(tmp_path, "k2", K2)
     opts = LMCacheOptions(local_cpu_bytes=8 << 20, auth=AuthRef(kf1))
-    d1 = LMCacheData(shared_objects(opts), opts, load_keyring(AuthRef(kf1)))
+    dirs = CacheDirs()
+    d1 = LMCacheData(open_objects(dirs, opts), opts, load_keyring(AuthRef(kf1)), dirs)
     d2 = LMCacheData(d1.objects, opts, load_keyring(AuthRef(kf2)))  # same objects, another deployment's key
     rot = LMCacheData(d1.objects, opts, load_keyring(AuthRef(kf2, previous_key_files=(kf1,))))
     try:
@@ -452,14 +455,14 @@ def test_without_a_key_group_writable_dirs_and_other_writers_are_found(tmp_path)
     s = store(tmp_path, None)
     s.write(header(key=key_of("w")), payload(0))  # our own ledger log
     os.chmod(path, 0o750)
-    os.chmod(path / "kvoffload-v2", 0o750)
+    os.chmod(path / LAYOUT_DIR, 0o750)
     assert unauthenticated_risks(str(path)) == [], "only our own writes, owner-and-group-read directories"
-    os.chmod(path / "kvoffload-v2", 0o770)
+    os.chmod(path / LAYOUT_DIR, 0o770)
     risks = unauthenticated_risks(str(path))
     assert len(risks) == 1 and "writable by its group" in risks[0]
-    os.chmod(path / "kvoffload-v2", 0o750)
+    os.chmod(path / LAYOUT_DIR, 0o750)
     other = "0123abcd" if HOST_TAG != "0123abcd" else "fedc4321"
-    (path / "kvoffload-v2" / "ledger-v1" / f"{other}-4242-00000000.log").write_text("")
+    (path / LAYOUT_DIR / "ledger-v1" / f"{other}-4242-00000000.log").write_text("")
     risks = unauthenticated_risks(str(path))
     assert len(risks) == 1 and "1 other host" in risks[0]
 

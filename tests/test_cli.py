@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from offload.store.paths import LAYOUT_DIR
 from offload import cli
 from offload.cli.gc import parse_size
 from offload.cli.prompts import PromptFileError, load, token_ids
@@ -168,7 +169,7 @@ def test_usage_errors_exit_2(capsys, tmp_path):
     for cmd in ("stats", "fsck", "gc"):
         extra = ["--max-bytes", "1G"] if cmd == "gc" else []
         rc, out = run_cli(capsys, cmd, str(tmp_path), *extra)
-        assert rc == 2 and "kvoffload-v2" in out, (cmd, out)
+        assert rc == 2 and LAYOUT_DIR in out, (cmd, out)
     rc, _ = run_cli(capsys, "gc", str(tmp_path), "--max-bytes", "lots")
     assert rc == 2
 
@@ -229,7 +230,7 @@ def _ledger_cache(tmp_path: Path):
     from offload.store.budget import DirBudget
     from offload.store.fs import FileStore
 
-    top = tmp_path / "kvoffload-v2"
+    top = tmp_path / LAYOUT_DIR
     live = DirBudget(top)
     import dataclasses
     store = dataclasses.replace(FileStore.open(str(tmp_path), FP), account=live)

@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from offload.keys import FORMAT_VERSION
+from offload.store.paths import LAYOUT_DIR
 from offload.planner import GroupKind
 from offload.store.format import HEADER_LEN, MAGIC, ChunkHeader, FormatError
 from offload.store.base import HostChunk
@@ -233,8 +235,9 @@ def store(tmp_path: Path) -> FileStore:
 def test_file_path_follows_documented_layout(tmp_path):
     s = FileStore.open(str(tmp_path), FP)
     k = key_of("A")
-    assert s.root == tmp_path / "kvoffload-v2" / FP.hex()
-    assert s.file_path(3, k) == tmp_path / "kvoffload-v2" / FP.hex() / "g3" / k.hex()[:2] / f"{k.hex()}.kv"
+    assert LAYOUT_DIR == f"kvoffload-v{FORMAT_VERSION}", "the layout directory names the format version"
+    assert s.root == tmp_path / LAYOUT_DIR / FP.hex()
+    assert s.file_path(3, k) == tmp_path / LAYOUT_DIR / FP.hex() / "g3" / k.hex()[:2] / f"{k.hex()}.kv"
 
 
 @pytest.mark.parametrize("fsync", [False, True])

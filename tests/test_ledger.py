@@ -22,6 +22,7 @@ import torch
 
 from conftest import REPO
 from ledger_instance import ATTN, FP, GDN, key, true_bytes, write_prompt
+from offload.store.paths import LAYOUT_DIR
 from offload.planner import GroupKind
 from offload.store import ledger as lg
 from offload.store.budget import DirBudget
@@ -64,7 +65,7 @@ def test_records_round_trip_and_a_damaged_or_torn_line_is_never_misread(tmp_path
     for i in range(len(good)):
         bad = good[:i] + ("0" if good[i] != "0" else "1") + good[i + 1:]
         assert lg.parse(bad) is None, i
-    # A record may only name a cache file: nothing outside kvoffload-v2/ is ever reached through one.
+    # A record may only name a cache file: nothing outside the layout directory  is ever reached through one.
     for evil in ("../../etc/passwd", f"{'ab' * 32}/../../x", f"{'ab' * 32}/quarantine/..", "/etc/passwd",
                  f"{'ab' * 32}/g1/cd/x.kv"):
         assert lg.parse(lg.put_line(evil, 1, 1.0, None).rstrip("\n")) is None, evil
@@ -93,7 +94,7 @@ def _run_instances(tmp_path: Path, n: int, prompts: int, max_bytes: int) -> tupl
     while sum(1 for p in tmp_path.iterdir() if ".ready." in p.name) < n:
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "instances did not start"
         time.sleep(0.05)
-    top = cache / "kvoffload-v2"
+    top = cache / LAYOUT_DIR
     peaks: list[int] = []
     flag.touch()
     while any(p.poll() is None for p in procs):  # the directory, sampled while they write
@@ -123,7 +124,7 @@ def _within(samples: list[list[int]], frac: float) -> list[tuple]:
 
 def test_three_instances_writing_concurrently_account_within_5_percent(tmp_path):
     outs, _ = _run_instances(tmp_path, 3, 24, 0)
-    truth = true_bytes(tmp_path / "cache" / "kvoffload-v2")
+    truth = true_bytes(tmp_path / "cache" / LAYOUT_DIR)
     for o in outs:
         assert o["samples"], o["name"]
         assert not _within(o["samples"], 0.05), (o["name"], _within(o["samples"], 0.05))
@@ -136,7 +137,7 @@ def test_three_instances_writing_concurrently_account_within_5_percent(tmp_path)
 def test_three_instances_under_one_budget_keep_the_directory_under_it(tmp_path):
     budget = 3 << 20  # ~15 MB written in all
     outs, peaks = _run_instances(tmp_path, 3, 24, budget)
-    top = tmp_path / "cache" / "kvoffload-v2"
+    top = tmp_path / "cache" / LAYOUT_DIR
     truth = true_bytes(top)
     assert sum(o["evicted_files"] for o in outs) > 0, "the budget never had to evict: the test proves nothing"
     assert truth <= budget, truth
@@ -157,7 +158,7 @@ def test_three_instances_under_one_budget_keep_the_directory_under_it(tmp_path):
 
 
 def test_two_accounts_in_one_process_see_each_others_writes_and_evictions(tmp_path):
-    top = tmp_path / "kvoffload-v2"
+    top = tmp_path / LAYOUT_DIR
     a = DirBudget(top)
     b = DirBudget(top, max_bytes=1 << 20)
     sa, sb = instance(tmp_path, a), instance(tmp_path, b)
@@ -187,7 +188,7 @@ def test_two_accounts_in_one_process_see_each_others_writes_and_evictions(tmp_pa
 
 def test_a_killed_instance_leaves_a_readable_ledger_and_a_torn_line_is_tolerated(tmp_path):
     cache, flag = tmp_path / "cache", tmp_path / "go"
-    top = cache / "kvoffload-v2"
+    top = cache / LAYOUT_DIR
     p = subprocess.Popen([sys.executable, str(REPO / "tests" / "ledger_instance.py"), str(cache), "k", "0", "0",
                           str(flag), "--forever"], env=ENV, cwd=REPO, stdout=subprocess.DEVNULL)
     try:
@@ -227,7 +228,7 @@ def test_a_killed_instance_leaves_a_readable_ledger_and_a_torn_line_is_tolerated
 
 
 def test_reconcile_corrects_what_the_ledger_missed_and_other_instances_adopt_it(tmp_path):
-    top = tmp_path / "kvoffload-v2"
+    top = tmp_path / LAYOUT_DIR
     a = DirBudget(top)
     sa = instance(tmp_path, a)
     for p in range(5):
@@ -259,7 +260,7 @@ def test_reconcile_corrects_what_the_ledger_missed_and_other_instances_adopt_it(
 
 
 def test_checkpoint_folds_the_logs_and_a_new_instance_starts_from_it(tmp_path):
-    top = tmp_path / "kvoffload-v2"
+    top = tmp_path / LAYOUT_DIR
     writers = [DirBudget(top) for _ in range(3)]
     for i, w in enumerate(writers):
         write_prompt(instance(tmp_path, w), f"w{i}", 0)
@@ -287,7 +288,7 @@ def test_checkpoint_folds_the_logs_and_a_new_instance_starts_from_it(tmp_path):
 
 def test_eviction_prefers_a_file_loaded_since_it_was_indexed(tmp_path):
     """Loads are not recorded: an eviction candidate's mtime is checked first."""
-    top = tmp_path / "kvoffload-v2"
+    top = tmp_path / LAYOUT_DIR
     a = DirBudget(top)
     store = instance(tmp_path, a)
     paths = []
@@ -306,7 +307,7 @@ def test_eviction_prefers_a_file_loaded_since_it_was_indexed(tmp_path):
 
 
 def test_housekeeper_drives_its_account_and_seals_its_log_on_stop(tmp_path):
-    top = tmp_path / "kvoffload-v2"
+    top = tmp_path / LAYOUT_DIR
     acct = DirBudget(top, max_bytes=1 << 20)
     store = instance(tmp_path, acct)
     keeper = Housekeeper(store.root, 2, acct).start()
@@ -321,16 +322,16 @@ def test_housekeeper_drives_its_account_and_seals_its_log_on_stop(tmp_path):
     keeper.stop()
     [log] = logs(top)
     lines, _, _ = lg.read_lines(log, 0)
-    assert lg.parse(lines[-1])[0] == "end", "a clean stop seals the log"
+    assert isinstance(lg.parse(lines[-1]), lg.End), "a clean stop seals the log"
     assert not acct.loaded
 
 
 def test_many_finished_logs_are_folded_even_without_many_records(tmp_path):
     """Each engine start leaves a log, and every pass opens every log: past MAX_LOGS
     the housekeeper writes a snapshot that folds the finished ones, which then go."""
-    from offload.store import budget as bmod
+    from offload.store import compaction as bmod
 
-    top = tmp_path / "kvoffload-v2"
+    top = tmp_path / LAYOUT_DIR
     a = DirBudget(top, folded_idle_s=0.0)
     a.ensure_loaded()
     for i in range(bmod.MAX_LOGS + 8):  # short-lived instances, each a few records, then a clean stop
@@ -345,3 +346,24 @@ def test_many_finished_logs_are_folded_even_without_many_records(tmp_path):
     b = DirBudget(top)
     b.ensure_loaded()
     assert b.usage == a.usage and b.walks == 0
+
+
+def test_leaf_queue_pops_the_oldest_leaf_and_requeues_a_parent_its_last_child_frees():
+    from offload.store.evictor import LeafQueue
+
+    recency = {"root": 1.0, "child": 2.0, "alone": 3.0}
+    links = {"root": "R", "child": None, "alone": None}
+    q: LeafQueue[str, str] = LeafQueue()
+    for n, t in recency.items():
+        q.push(t, n)
+    q.link("R")  # child chains from root
+    current = recency.get
+    assert q.pop(current, links.get) == "child", "root is older but not a leaf: parked"
+    del recency["child"]
+    parked = q.unlink("R")
+    assert parked == "root" and not q.has_children("R")
+    q.push(recency["root"], "root")
+    recency["alone"] = 0.5  # used since it was queued at 3.0: that entry is stale
+    q.push(0.5, "alone")
+    assert q.pop(current, links.get) == "alone" and q.pop(current, links.get) == "root"
+    assert q.pop(current, links.get) is None, "the stale entry of 'alone' is skipped"

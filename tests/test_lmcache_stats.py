@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import redis
-import torch
 
 from test_format_store import FP, FP2, key_of, payload
 from test_lmcache_objects import RedisServer
@@ -31,7 +30,8 @@ from offload.planner import GroupKind
 from offload.store.base import ChunkMiss, HostChunk, Placement
 from offload.store.buffers import BufferPool
 from offload.store.format import HEADER_LEN, ChunkHeader
-from offload.store.lmcache import LMCacheData, LMCacheOptions, shared_objects
+from offload.store.cachedir import CacheDirs
+from offload.store.lmcache import LMCacheData, LMCacheOptions, open_objects
 from offload.store.lmcache_objects import object_name, redis_key
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")
@@ -60,7 +60,7 @@ B = chain(FP2, "b", 2, B_CHUNK, [(0, GroupKind.FULL_ATTENTION, 2, 512)])  # atte
 def put_through_tier(url: str, headers: list[ChunkHeader]) -> None:
     """The lmcache tier's worker path: frame (header + CRC) and store; close flushes to Redis."""
     opts = LMCacheOptions(local_cpu_bytes=16 << 20, remote_url=url, timeout_s=1.0)
-    data = LMCacheData(shared_objects(opts), opts)
+    data = LMCacheData(open_objects(CacheDirs(), opts), opts)
     try:
         for i, h in enumerate(headers):
             chunk = HostChunk.pooled(BufferPool(), h.payload_len)
@@ -74,7 +74,7 @@ def put_through_tier(url: str, headers: list[ChunkHeader]) -> None:
 def get_through_tier(url: str, h: ChunkHeader) -> bool:
     """A fresh engine (empty local pool): the tier's own load, from the remote."""
     opts = LMCacheOptions(local_cpu_bytes=8 << 20, remote_url=url, timeout_s=1.0)
-    data = LMCacheData(shared_objects(opts), opts)
+    data = LMCacheData(open_objects(CacheDirs(), opts), opts)
     try:
         data.get(h, Placement(), BufferPool()).release()
         return True

@@ -13,7 +13,8 @@ from offload.config import ConfigError, parse_config
 from offload.store.base import ChunkMiss, HostChunk, MissReason, Placement, TierContext
 from offload.store.buffers import BufferPool
 from offload.store.format import HEADER_LEN
-from offload.store.lmcache import LMCacheData, LMCacheOptions, LMCacheTier, _SHARED, release_objects, shared_objects
+from offload.store.cachedir import CacheDirs
+from offload.store.lmcache import LMCacheData, LMCacheOptions, LMCacheTier, open_objects, release_objects
 from offload.store.lmcache_objects import object_name
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")
@@ -22,7 +23,8 @@ OPTS = LMCacheOptions(local_cpu_bytes=8 << 20)
 
 @pytest.fixture
 def data():
-    d = LMCacheData(shared_objects(OPTS), OPTS)
+    dirs = CacheDirs()
+    d = LMCacheData(open_objects(dirs, OPTS), OPTS, dirs=dirs)
     yield d
     d.close()
 
@@ -84,17 +86,22 @@ def test_missing_corrupt_and_mismatched_objects_are_misses(data):
     assert e.value.reason in (MissReason.MISSING, MissReason.CORRUPT)
 
 
-def test_one_engine_per_process_and_options():
-    a, b = shared_objects(OPTS), shared_objects(OPTS)
+def test_one_engine_per_cache_dirs_and_options():
+    dirs = CacheDirs()
+    a, b = open_objects(dirs, OPTS), open_objects(dirs, OPTS)
     assert a is b
     other = LMCacheOptions(local_cpu_bytes=4 << 20)
-    c = shared_objects(other)
+    c = open_objects(dirs, other)
     assert c is not a
-    release_objects(other)
-    release_objects(OPTS)
-    assert OPTS in _SHARED, "still used once"
-    release_objects(OPTS)
-    assert OPTS not in _SHARED and other not in _SHARED
+    elsewhere = CacheDirs()
+    d = open_objects(elsewhere, OPTS)
+    assert d is not a, "another CacheDirs shares nothing"
+    release_objects(elsewhere, OPTS)
+    release_objects(dirs, other)
+    release_objects(dirs, OPTS)
+    assert OPTS in dirs.engines and dirs.engines.users(OPTS) == 1, "still used once"
+    release_objects(dirs, OPTS)
+    assert OPTS not in dirs.engines and other not in dirs.engines
 
 
 def test_separate_worker_processes_keep_a_ledger_in_the_scheduler(ledger_ctx):

@@ -8,7 +8,6 @@ prints one RELIABILITY line (the row of docs/reliability.md it backs).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 import signal
@@ -26,9 +25,11 @@ import torch
 from conftest import REPO
 from faults.report import record
 from faults.store_writer import ATTN, FP, GDN, KvCache, expected_payload, key_of
+from offload.store.paths import LAYOUT_DIR
 from offload.copier import crc32c
 from offload.store import hygiene
 from offload.store.budget import DirBudget
+from offload.store.cachedir import CacheDirs
 from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.base import OptionError
 from offload.store.fs import ChunkMiss, FileStore
@@ -57,8 +58,9 @@ def test_kill9_of_store_writer_never_leaves_a_loadable_corrupt_file(tmp_path):
     kv = KvCache()
     totals = {"files_verified": 0, "corrupt_loads": 0, "orphans_removed": 0, "kills_mid_write": 0}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1"}
-    root = cache / "kvoffload-v2" / FP.hex()
-    FileStore.open(str(cache), FP)
+    root = cache / LAYOUT_DIR / FP.hex()
+    dirs = CacheDirs()  # one owner for the test, as for one engine: FileStore.open tidies once, here
+    FileStore.open(str(cache), FP, dirs=dirs)
     # Each writer is a new process, forked from a parent that imported torch
     # once (an interpreter start per kill would cost ~4 s).
     zygote = subprocess.Popen([sys.executable, str(REPO / "tests" / "faults" / "store_writer.py"), "--zygote"],
@@ -79,7 +81,7 @@ def test_kill9_of_store_writer_never_leaves_a_loadable_corrupt_file(tmp_path):
             os.kill(pid, signal.SIGKILL)
             status = zygote.stdout.readline().split()
             assert status[0] == "EXIT" and os.WIFSIGNALED(int(status[1])) and os.WTERMSIG(int(status[1])) == 9
-            _verify_after_kill(cache, root, cycle, kv, totals)
+            _verify_after_kill(cache, root, cycle, kv, totals, dirs)
     finally:
         zygote.kill()
         zygote.wait()
@@ -94,11 +96,11 @@ def test_kill9_of_store_writer_never_leaves_a_loadable_corrupt_file(tmp_path):
            orphans_removed=totals["orphans_removed"], kills_mid_write=totals["kills_mid_write"])
 
 
-def _verify_after_kill(cache: Path, root: Path, cycle: int, kv: KvCache, totals: dict) -> None:
+def _verify_after_kill(cache: Path, root: Path, cycle: int, kv: KvCache, totals: dict, dirs: CacheDirs) -> None:
     """What a restart sees: FileStore.open's tidy, then every file verified."""
     if True:
         orphans = _tmp_files(root)
-        store = FileStore.open(str(cache), FP)  # tidies once per process: before the first cycle
+        store = FileStore.open(str(cache), FP, dirs=dirs)  # tidies once per owner: before the first cycle
         removed, kept = store.tidy()
         assert kept == 0 and removed == len(orphans) and not _tmp_files(root), "orphans left behind"
         totals["orphans_removed"] += removed
@@ -188,7 +190,7 @@ def test_symlinked_group_dir_is_neither_written_nor_read_through(tmp_path):
     data = _payload(h)
     assert good.write(h, data)
     # An attacker's g1 points at a directory outside the cache, holding a valid file.
-    root = cache / "kvoffload-v2" / FP.hex()
+    root = cache / LAYOUT_DIR / FP.hex()
     root.mkdir(parents=True)
     (outside / h.key.hex()[:2]).mkdir()
     os.link(good.file_path(h.group, h.key), outside / h.key.hex()[:2] / f"{h.key.hex()}.kv")
@@ -259,7 +261,7 @@ for n, (umask, fm, dm) in enumerate({MODE_CASES!r}):
         files = [p for p in c.rglob("*") if p.is_file()]
         dirs = [p for p in c.rglob("*") if p.is_dir()] + [c]
         # A chunk file, layout.json and this process's ledger log; ledger-v1/ among the directories.
-        assert len(files) == 3 and len(dirs) == 6 and (c / "kvoffload-v2" / "ledger-v1").is_dir()
+        assert len(files) == 3 and len(dirs) == 6 and (c / LAYOUT_DIR / "ledger-v1").is_dir()
         assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {want_f}, (umask, file_mode)
         assert {stat.S_IMODE(p.stat().st_mode) for p in dirs} == {want_d}, (umask, dir_mode)
         assert all(stat.S_IMODE(p.stat().st_mode) & 0o007 == 0 for p in files + dirs)
@@ -288,7 +290,7 @@ def test_names_are_made_of_hashes_only(tmp_path):
 
     names = [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")]
     # The ledger's names are a host tag, a pid and random hex (docs/format.md "Ledger").
-    pat = re.compile(r"^kvoffload-v2(/[0-9a-f]{64}(/g\d+(/[0-9a-f]{2}(/[0-9a-f]{64}\.kv)?)?)?"
+    pat = re.compile(rf"^{re.escape(LAYOUT_DIR)}(/[0-9a-f]{{64}}(/g\d+(/[0-9a-f]{{2}}(/[0-9a-f]{{64}}\.kv)?)?)?"
                      r"|/ledger-v1(/[0-9a-f]{8}-\d+-[0-9a-f]{8}\.log)?)?$")
     assert names and all(pat.match(n) for n in names), names
 
@@ -330,7 +332,7 @@ def _chain(store: FileStore, first: int, n: int, group: int = ATTN) -> list[Path
 
 def test_budget_evicts_leaves_first_and_keeps_every_group_prefix_closed(tmp_path):
     store = FileStore.open(str(tmp_path), FP)
-    top = tmp_path / "kvoffload-v2"
+    top = tmp_path / LAYOUT_DIR
     a = _chain(store, 0, 6)  # one prompt's attention chunks 0..5
     b = _chain(store, 100, 6)  # another prompt's
     gdn = _chain(store, 0, 6, GDN)
@@ -366,7 +368,7 @@ def test_housekeeper_one_account_feeds_usage_and_budget_and_stops(tmp_path):
     assert u.entries[ATTN] == 4 and u.entries[GDN] == 2 and sum(u.bytes) == total
     assert u.bytes[ATTN] == sum(p.stat().st_size for p in a)
     # With a budget: the same figures, after its eviction.
-    budget = DirBudget(tmp_path / "kvoffload-v2", max_bytes=total - size, low_water=1.0)
+    budget = DirBudget(tmp_path / LAYOUT_DIR, max_bytes=total - size, low_water=1.0)
     keeper = Housekeeper(store.root, num_groups=2, budget=budget).start()
     deadline = time.monotonic() + 30
     while keeper.latest() is None and time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 """Read-only view of a cache directory, shared by `stats`, `fsck` and `gc`.
 
-`scan(PATH)` walks `<PATH>/kvoffload-v2/<fingerprint>/...` (docs/format.md),
+`scan(PATH)` walks the layout directory under PATH (offload/store/paths.py, docs/format.md),
 classifies every entry and reads each chunk file's `HEADER_LEN`-byte header. `chunks()`
 groups a fingerprint directory's good files by chunk key and links them into
 chains with the header's `parent` field, which is what `gc` needs to evict
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 import time
 from dataclasses import dataclass, field
@@ -26,14 +25,11 @@ from offload.store.auth import Keyring
 from offload.store.format import HEADER_LEN, MAC_OFFSET, NO_KEY, ChunkHeader, FormatError
 from offload.store import hygiene
 from offload.store.budget import DirBudget
-from offload.store.fs import LAYOUT_VERSION_DIR
-from offload.store.ledger import LEDGER_DIR
+from offload.store.paths import (CHUNK_FILE, CHUNK_TMP_FILE, GROUP_DIR, GROUP_PREFIX, HEX64, LAYOUT_DIR,
+                                 LAYOUT_DIR_GLOB, LAYOUT_FILE, LAYOUT_TMP_RE, LEDGER_DIR, PREFIX_DIR, QUARANTINE,
+                                 is_tmp_name, key_prefix_hex)
 
-HEX64 = re.compile(r"^[0-9a-f]{64}$")
-CHUNK_NAME = re.compile(r"^([0-9a-f]{64})\.kv$")
-TMP_NAME = re.compile(r"^([0-9a-f]{64})\.kv\.tmp\.(\d+)\.[0-9a-f]{8}(?:\.[0-9a-f]{8})?$")  # optional host tag
-LAYOUT_TMP = re.compile(r"^\.layout\.[0-9a-f]{32}\.tmp$")
-GROUP_DIR = re.compile(r"^g(\d+)$")
+LAYOUT_VERSION_DIR = LAYOUT_DIR
 NO_PARENT = bytes(8)
 # How a layout.json group spec repr names each kind (vLLM's KVCacheSpec class names).
 SPEC_KINDS = (("MambaSpec", GroupKind.MAMBA), ("SlidingWindow", GroupKind.SLIDING_WINDOW),
@@ -99,7 +95,7 @@ class FpDir:
 
 @dataclass
 class Cache:
-    root: Path  # <PATH>/kvoffload-v2
+    root: Path  # the layout directory under PATH
     dirs: list[FpDir]
     other: list[tuple[Path, str]]  # entries under root that are not fingerprint directories
     other_versions: list[Path]  # kvoffload-v<N> directories of another format version (not ours to judge)
@@ -107,7 +103,7 @@ class Cache:
 
 
 def find_root(path: str | Path) -> Path:
-    """Accept the configured `path`, its kvoffload-v2 directory, or a fingerprint directory."""
+    """Accept the configured `path`, its layout directory, or a fingerprint directory."""
     p = Path(path)
     if not p.is_dir():
         raise NotACache(f"{p}: not a directory")
@@ -133,7 +129,7 @@ def scan(path: str | Path, verify_payloads: bool = False, keyring: Keyring | Non
             ledger = e
         else:
             other.append((e, "not a fingerprint directory (64 hex digits)"))
-    versions = [d for d in sorted(root.parent.glob("kvoffload-v*")) if d.name != LAYOUT_VERSION_DIR and d.is_dir()]
+    versions = [d for d in sorted(root.parent.glob(LAYOUT_DIR_GLOB)) if d.name != LAYOUT_VERSION_DIR and d.is_dir()]
     return Cache(root, dirs, other, versions, ledger)
 
 
@@ -141,12 +137,12 @@ def scan(path: str | Path, verify_payloads: bool = False, keyring: Keyring | Non
 
 
 def tree_bytes(root: Path) -> tuple[int, int]:
-    """(files, bytes) of every regular file under kvoffload-v2/ `root` but
+    """(files, bytes) of every regular file under the layout directory `root` but
     temporary files in flight and the ledger: what the ledger accounts for,
     measured by a walk."""
     files = total = 0
     for _, e in hygiene.walk(root, skip=frozenset({LEDGER_DIR})):
-        if hygiene.TMP_RE.search(e.name) or hygiene.LAYOUT_TMP_RE.match(e.name):
+        if is_tmp_name(e.name):
             continue
         try:
             st = e.stat(follow_symlinks=False)
@@ -159,7 +155,7 @@ def tree_bytes(root: Path) -> tuple[int, int]:
 
 
 def ledger_view(root: Path, walk: bool = True) -> dict:
-    """What the connector's account says about kvoffload-v2/ `root`, read
+    """What the connector's account says about the layout directory `root`, read
     only: the newest snapshot and every log since (a walk only where there is
     no snapshot), per fingerprint and group, and the time it took. With
     `walk`, also what a walk finds and the difference (drift)."""
@@ -190,7 +186,7 @@ def record_removal(acct: DirBudget, path: Path) -> None:
 def _scan_fp(d: Path, verify: bool, keyring: Keyring | None = None) -> FpDir:
     fp = FpDir(d)
     try:
-        fp.layout = json.loads((d / "layout.json").read_text())
+        fp.layout = json.loads((d / LAYOUT_FILE).read_text())
         if not isinstance(fp.layout, dict) or not isinstance(fp.layout.get("groups"), list):
             fp.layout, fp.layout_problem = None, "layout.json has no 'groups' list"
     except FileNotFoundError:
@@ -202,11 +198,11 @@ def _scan_fp(d: Path, verify: bool, keyring: Keyring | None = None) -> FpDir:
         m = GROUP_DIR.match(e.name)
         if e.is_symlink():
             fp.unknown.append((e, "symbolic link (never followed)"))
-        elif e.name == "layout.json":
+        elif e.name == LAYOUT_FILE:
             continue
-        elif e.name == "quarantine" and e.is_dir():
+        elif e.name == QUARANTINE and e.is_dir():
             fp.quarantine.extend(sorted(q for q in e.iterdir() if q.is_symlink() or q.is_file()))
-        elif LAYOUT_TMP.match(e.name):
+        elif LAYOUT_TMP_RE.match(e.name):
             fp.tmp.append(e)
         elif m and e.is_dir():
             group = int(m.group(1))
@@ -224,14 +220,14 @@ def _scan_group(fp: FpDir, gdir: Path, group: int, unknown_layout: str | None, v
                 keyring: Keyring | None) -> None:
     kinds = fp.layout_kinds()
     for sub in sorted(gdir.iterdir()):
-        if sub.is_symlink() or not (sub.is_dir() and re.fullmatch(r"[0-9a-f]{2}", sub.name)):
+        if sub.is_symlink() or not (sub.is_dir() and PREFIX_DIR.match(sub.name)):
             fp.unknown.append((sub, "unrecognised entry"))
             continue
         for f in sorted(sub.iterdir()):
-            m = CHUNK_NAME.match(f.name)
+            m = CHUNK_FILE.match(f.name)
             if f.is_symlink():
                 fp.unknown.append((f, "symbolic link (never followed)"))
-            elif TMP_NAME.match(f.name):
+            elif CHUNK_TMP_FILE.match(f.name):
                 fp.tmp.append(f)
             elif not m or not f.is_file() or not f.name.startswith(sub.name):
                 fp.unknown.append((f, "unrecognised entry"))
@@ -366,7 +362,7 @@ def chunks(fp: FpDir) -> dict[str, Chunk]:
     by_prefix: dict[tuple[int, str], list[Chunk]] = {}
     for c in out.values():
         c.complete = full <= {f.group for f in c.files}
-        by_prefix.setdefault((c.pos, c.key[:16]), []).append(c)
+        by_prefix.setdefault((c.pos, key_prefix_hex(c.key)), []).append(c)
     good_at: set[int] = set()  # positions holding a complete chunk not below a hole
     for c in sorted(out.values(), key=lambda c: c.pos):
         if c.pos == 0:
@@ -415,7 +411,7 @@ def age(seconds: float) -> str:
 
 
 def remove_empty_dirs(fp: FpDir) -> None:
-    for gdir in fp.path.glob("g*"):
+    for gdir in fp.path.glob(f"{GROUP_PREFIX}*"):
         for sub in gdir.iterdir():
             try:
                 sub.rmdir()  # only if empty

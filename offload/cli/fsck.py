@@ -11,7 +11,7 @@ chunk range = layout.json), and the payload CRC-32C. Also finds:
 - files of unknown layout: chunk files in a fingerprint directory without a
   readable layout.json, or in a group that layout.json does not list;
   entries that are not named as the format says, and symbolic links
-  (never followed). Entries directly under kvoffload-v2/ that are not
+  (never followed). Entries directly under the layout directory that are not
   fingerprint directories are reported and left to the operator;
 - with the deployment key (--config, --key-file or --key-env; by reference,
   as the connector's `auth` option), MAC failures: "unauthenticated" files
@@ -23,7 +23,7 @@ chunk range = layout.json), and the payload CRC-32C. Also finds:
   a hit whose load fails (a recompute, never wrong output, but a waste).
 
 It also compares the usage the engines account for (the ledger:
-kvoffload-v2/ledger-v1/, docs/format.md) with what the walk found, and
+ledger-v1/ in the layout directory, docs/format.md) with what the walk found, and
 prints the difference; that is not a problem by itself (writes in flight,
 and the engines correct drift at each reconcile).
 
@@ -46,13 +46,13 @@ import argparse
 import json
 import os
 import sys
-import uuid
 from pathlib import Path
 
 from offload.store.auth import AuthRef, KeyConfigError, Keyring, load_keyring
 
 from offload.store.budget import DirBudget
 from offload.store.fs import DEFAULT_ORPHAN_AGE_S
+from offload.store.paths import LAYOUT_DIR, quarantine_dir, quarantined_path
 from offload.cli.cache import (Cache, FpDir, NotACache, chunks, human, is_stale_tmp, ledger_view, remove_empty_dirs,
                                scan, unlink)
 
@@ -62,7 +62,7 @@ EXIT_CLEAN, EXIT_PROBLEMS, EXIT_USAGE, EXIT_REPAIRED = 0, 1, 2, 3
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fsck", help="verify headers and checksums; find orphaned tmp files and unknown layouts",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", help="the connector's 'path' (or its kvoffload-v2/ or a fingerprint directory)")
+    p.add_argument("path", help=f"the connector's 'path' (or its {LAYOUT_DIR}/ or a fingerprint directory)")
     p.add_argument("--repair", action="store_true", help="quarantine bad files, delete orphaned tmp files and "
                    "chunks below chain holes")
     p.add_argument("--tmp-age", type=float, default=DEFAULT_ORPHAN_AGE_S, metavar="SECONDS",
@@ -78,10 +78,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def quarantine(fp: FpDir, path: Path) -> bool:
-    qdir = fp.path / "quarantine"
     try:
-        qdir.mkdir(mode=0o750, exist_ok=True)
-        os.replace(path, qdir / f"{path.name}.{uuid.uuid4().hex[:8]}")
+        quarantine_dir(fp.path).mkdir(mode=0o750, exist_ok=True)
+        os.replace(path, quarantined_path(fp.path, path.name))
         return True
     except OSError:
         return False

@@ -36,7 +36,7 @@ never). gc and fsck read headers with O_NOATIME, so they do not count as
 use. "--lru mtime" ignores atime.
 
 N accepts suffixes K, M, G, T (powers of 1024: 512M = 512 MiB) and counts
-every file under PATH but the ledger (kvoffload-v2/ledger-v1/, the usage
+every file under PATH but the ledger (ledger-v1/ in the layout directory, the usage
 accounting's records, outside the budget as in the connector). Every file gc
 deletes is recorded in its own ledger log, so the engines' usage accounting
 follows without a walk. Run gc while no engine serves from PATH, or accept that a chunk evicted
@@ -49,6 +49,8 @@ import argparse
 import sys
 
 from offload.store.budget import DirBudget
+from offload.store.evictor import LeafQueue
+from offload.store.paths import LAYOUT_DIR
 from offload.store.fs import DEFAULT_ORPHAN_AGE_S
 from offload.cli.cache import (Chunk, FpDir, NotACache, chunks, human, is_stale_tmp, record_removal, remove_empty_dirs,
                                scan, unlink)
@@ -67,7 +69,7 @@ def parse_size(s: str) -> int:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gc", help="evict least recently used chunks until the directory fits in N bytes",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("path", help="the connector's 'path' (or its kvoffload-v2/ or a fingerprint directory)")
+    p.add_argument("path", help=f"the connector's 'path' (or its {LAYOUT_DIR}/ or a fingerprint directory)")
     p.add_argument("--max-bytes", type=parse_size, required=True, metavar="N", help="e.g. 1073741824, 512M, 2G")
     p.add_argument("--lru", choices=("atime", "mtime"), default="atime",
                    help="recency: max(atime, mtime) (default), or mtime (when stored) only")
@@ -98,6 +100,33 @@ def eviction_order(fp: FpDir, by_mtime: bool) -> list[tuple[float, int, Chunk]]:
         unknown_below = max([unknown_below] + [recency[c.key] for c in by_pos[pos]
                                                if c.parent is None and c.pos > 0])
     return [(recency[k], -c.pos, c) for k, c in graph.items()]
+
+
+Node = tuple[int, str]  # (fingerprint directory's index, chunk key)
+
+
+def eviction_queue(dirs: list[FpDir], by_mtime: bool) -> tuple[LeafQueue[Node, Node], dict[Node, tuple],
+                                                                 dict[Node, list[Node]]]:
+    """The connector's eviction order (offload/store/evictor.py) over the
+    good chunks of `dirs`: (queue, node -> (recency key, chunk, directory),
+    node -> its parents' nodes). A chunk is its own link: its children are
+    linked to it, so it leaves only after them; the recency key (subtree
+    recency, -position, key) already sorts descendants first, so the
+    queue's order is that sort's."""
+    queue: LeafQueue[Node, Node] = LeafQueue()
+    nodes: dict[Node, tuple] = {}
+    parents: dict[Node, list[Node]] = {}
+    for i, fp in enumerate(dirs):
+        order = eviction_order(fp, by_mtime)
+        for r, p, c in order:
+            nodes[(i, c.key)] = ((r, p, c.key), c, fp)
+            queue.push((r, p, c.key), (i, c.key))
+        for _, _, c in order:
+            for ch in c.children:
+                if (i, ch.key) in nodes:
+                    queue.link((i, c.key))
+                    parents.setdefault((i, ch.key), []).append((i, c.key))
+    return queue, nodes, parents
 
 
 def evict_chunk(c: Chunk, kinds: dict[int, GroupKind], dry_run: bool, acct: DirBudget | None = None) -> int:
@@ -145,15 +174,20 @@ def run(args: argparse.Namespace) -> int:
           f"limit {human(args.max_bytes)}; {verb} {human(waste)} of quarantined, corrupt, orphaned "
           f"temporary and unreachable files")
     # 2. LRU chunks, descendants first, across all fingerprint directories.
-    order = sorted(((r, p, c.key, c, fp) for fp in cache.dirs for r, p, c in eviction_order(fp, args.lru == "mtime")),
-                   key=lambda x: x[:3])
+    queue, nodes, parents = eviction_queue(cache.dirs, args.lru == "mtime")
     evicted = files = 0
-    for _, _, _, c, fp in order:
-        if total <= args.max_bytes:
+    while total > args.max_bytes:
+        n = queue.pop(lambda n: nodes[n][0] if n in nodes else None, lambda n: n)
+        if n is None:
             break
+        _, c, fp = nodes.pop(n)
         total -= evict_chunk(c, kinds[id(fp)], args.dry_run, acct)
         evicted += 1
         files += len(c.files)
+        for par in parents.get(n, ()):
+            back = queue.unlink(par)
+            if back is not None and back in nodes:
+                queue.push(nodes[back][0], back)
     if not args.dry_run:
         for fp in cache.dirs:
             remove_empty_dirs(fp)

@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stats", help="models, layouts, groups, chunks, bytes and ages of a cache directory",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", nargs="?",
-                   help="the connector's 'path' (or its kvoffload-v2/ or a fingerprint directory)")
+                   help=f"the connector's 'path' (or its {LAYOUT_VERSION_DIR}/ or a fingerprint directory)")
     p.add_argument("--config", metavar="CONFIG",
                    help="kv-transfer-config JSON file: report its lmcache tier's remote (remote_url)")
     p.add_argument("--lmcache-url", metavar="URL",
@@ -188,7 +188,7 @@ class UsageError(Exception):
 
 
 def remote_from_config(config: str, url: str | None) -> tuple[str, list[Path]]:
-    """(the remote URL to read, the file tiers' kvoffload-v2/ directories) of a kv-transfer-config."""
+    """(the remote URL to read, the file tiers' layout directories) of a kv-transfer-config."""
     from offload.config import tier_dicts
     from offload.store.fs import LAYOUT_VERSION_DIR
 

@@ -28,6 +28,7 @@ from offload.metrics import OffloadPromMetrics, OffloadStats, Recorder
 from offload.plan import check_chunk_size, plan_from_engine
 from offload.planner import ChunkSizeError, HybridOffloadPlanner
 from offload.store import tier_spec
+from offload.store.cachedir import CacheDirs
 from offload.store.base import OptionError, TierContext, TierIndex, TierSpec
 from offload.tailmask import TokenMap
 
@@ -112,7 +113,10 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # worker's connector in the same engine-core process.
         separate = tp * pc.pipeline_parallel_size > 1 or pc.distributed_executor_backend not in (None, "uni")
         ctx = TierContext(self.planner, rank_fingerprint(self.fingerprint, rank, tp),
-                          rank_fingerprint(self.fingerprint, 0, tp), world_size=tp, separate_workers=separate)
+                          rank_fingerprint(self.fingerprint, 0, tp), world_size=tp, separate_workers=separate,
+                          # Both halves in one process share their directory owners and LMCache
+                          # engines through the engine's config object (separate processes do not).
+                          dirs=CacheDirs.attached(vllm_config))
         self.tiers: list[TierSpec] = [tier_spec(t.store, t.options(), ctx) for t in self.cfg.tiers]
         if role == KVConnectorRole.SCHEDULER:
             self._startup_checks(vllm_config)

@@ -32,6 +32,7 @@ from offload.config import EXTRA_CONFIG, ConfigError
 from offload.connector import OffloadConnector
 from offload.connector.metadata import OffloadMetadata
 from offload.multi_connector.config import CHILDREN, Child, parse_children
+from offload.store.cachedir import CacheDirs
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
@@ -83,6 +84,8 @@ class MultiConnector(VllmMultiConnector):
         if role == KVConnectorRole.SCHEDULER and ktc.kv_load_failure_policy != "recompute":
             ktc.kv_load_failure_policy = "recompute"  # a failed load of any tier is a miss, not an error
         # vLLM's MultiConnector reads its children from "connectors".
+        # Made before the copy, which keeps it: every child shares the directory owners.
+        CacheDirs.attached(vllm_config)
         inner = copy.copy(vllm_config)
         inner.kv_transfer_config = copy.copy(ktc)
         inner.kv_transfer_config.kv_connector_extra_config = self._as_vllm_extra(ktc.kv_connector_extra_config)

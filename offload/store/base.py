@@ -21,9 +21,9 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
 import torch
 
@@ -31,6 +31,9 @@ from offload.keys import ChunkKey, Fingerprint
 from offload.planner import HybridOffloadPlanner
 from offload.store.buffers import BufferPool
 from offload.store.format import HEADER_LEN, ChunkHeader
+
+if TYPE_CHECKING:
+    from offload.store.cachedir import CacheDirs
 
 
 class OptionError(ValueError):
@@ -210,6 +213,16 @@ class TierContext:
     # The workers run in processes other than the scheduler's (TP>1, or a
     # multiprocess executor): in-process state is not shared between the halves.
     separate_workers: bool = False
+    # The owners of the cache directories (and LMCache engines) these tiers
+    # open, shared by reference count (offload/store/cachedir.py). Tiers
+    # built with the same object share them; a fresh one shares nothing.
+    dirs: CacheDirs = field(default_factory=lambda: _new_dirs(), compare=False, repr=False)
+
+
+def _new_dirs() -> CacheDirs:
+    from offload.store.cachedir import CacheDirs  # imported late: it imports the stores
+
+    return CacheDirs()
 
 
 class TierSpec(ABC, Generic[O]):

@@ -70,10 +70,6 @@ class BufferPool:
                 self._free.setdefault(cap, []).append(buf)
                 self._free_bytes += cap
 
-    @property
-    def free_bytes(self) -> int:
-        return self._free_bytes
-
 
 def probe_o_direct(directory: str | os.PathLike) -> bool:
     """Whether an aligned O_DIRECT write works in `directory` (tmpfs, some

@@ -1,8 +1,8 @@
 """Filesystem tier: one canonical file per (chunk, group), shared over NFS.
 
-Layout (version 2, see docs/format.md):
-    <path>/kvoffload-v2/<fingerprint hex>/layout.json
-    <path>/kvoffload-v2/<fingerprint hex>/g<group>/<key[:2]>/<key hex>.kv
+Layout (see offload/store/paths.py and docs/format.md): a layout directory
+under the configured path, one directory per fingerprint in it, and one file
+per (group, key) under `g<group>/<key[:2]>/`.
 Files appear under their final name only when complete (temporary file in the
 same directory, then rename), so a reader sees a whole file or none. Any read
 that fails verification is a miss and the file is moved to quarantine/, so it
@@ -16,8 +16,6 @@ import json
 import logging
 import os
 import stat
-import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,34 +23,33 @@ from pathlib import Path
 import torch
 
 from offload import copier
-from offload.keys import FORMAT_VERSION, ChunkKey, Fingerprint
+from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind
-from offload.store import hygiene
+from offload.store import hygiene, paths
 from offload.store.auth import AuthRef, KeyConfigError, Keyring, Unauthenticated, check_entry, frame, load_keyring
 from offload.store.base import (Backed, ChunkMiss, HostChunk, MissReason, OptionError, Placement, TierData,
                                 TierIndex, TierSpec, TierUsage)
 from offload.store.buffers import BufferPool, probe_o_direct
-from offload.store.budget import DirBudget, account_for
+from offload.store.budget import DirBudget
+from offload.store.cachedir import CacheDirs, DirRef
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
-from offload.store.ledger import LEDGER_DIR
 from offload.store.housekeeper import Housekeeper
 from offload.store.options import DEFAULT_ORPHAN_AGE_S, DEFAULT_RECONCILE_S, DIR_MODE, FILE_MODE, FsOptions
+from offload.store.paths import (LAYOUT_DIR, LAYOUT_FILE, LEDGER_DIR, LOG_NAME, chunk_path, fingerprint_dir,
+                                 layout_tmp_path, quarantine_dir, quarantined_path, rel_of, top_dir)
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_VERSION_DIR = f"kvoffload-v{FORMAT_VERSION}"
+LAYOUT_VERSION_DIR = LAYOUT_DIR  # the name other modules import
 # Read errors after which the file may still be good: a miss, not a quarantine.
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE,
                               errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EACCES, errno.EPERM})
 _UMASK = hygiene.umask()
-# Directories tidied by this process (a record, not a thread).
-_TIDIED: set[str] = set()
-_TIDIED_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
 class FileStore:
-    root: Path  # <path>/kvoffload-v2/<fingerprint hex>
+    root: Path  # a fingerprint directory (offload/store/paths.py)
     fingerprint: Fingerprint
     fsync: bool = False
     file_mode: int = FILE_MODE
@@ -65,55 +62,59 @@ class FileStore:
     account: DirBudget | None = field(default=None, compare=False, repr=False)
     # The deployment's keys: writes are signed, reads verified (offload/store/auth.py); None: CRC only.
     keyring: Keyring | None = field(default=None, compare=False, repr=False)
+    # This store's hold on the directory's owner (offload/store/cachedir.py); released by `close`.
+    ref: DirRef | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def open(cls, path: str, fp: Fingerprint, fsync: bool = False, options: FsOptions | None = None) -> FileStore:
-        """Open (and, in the background, tidy) the fingerprint directory under `path`.
+    def open(cls, path: str, fp: Fingerprint, fsync: bool = False, options: FsOptions | None = None,
+             dirs: CacheDirs | None = None) -> FileStore:
+        """Open (and tidy, once per owner) the fingerprint directory under `path`.
 
         `options` give modes, the byte budget, the orphan age and the key
-        (defaults without them). A world-writable cache directory is refused,
-        and so is a key that cannot be used (OptionError naming the option).
+        (defaults without them). `dirs` holds the directory's owner, shared
+        with every store opened through the same object (a private one
+        without it); `close` lets go of it. A world-writable cache directory
+        is refused, and so is a key that cannot be used (OptionError naming
+        the option).
         """
         cfg = options
         keyring = open_keyring(cfg.auth) if cfg is not None else None
         base = Path(path)
-        for d in (base, base / LAYOUT_VERSION_DIR, base / LAYOUT_VERSION_DIR / fp.hex()):
+        for d in (base, top_dir(base), fingerprint_dir(base, fp.hex())):
             mode = hygiene.world_writable(d)
             if mode is not None:
                 raise OptionError(
                     f"path={path!r}: {d} is writable by every user (mode {mode:04o}), so anyone "
                     f"could plant, replace or link cache files; run 'chmod o-w {d}' or choose another path "
                     f"(dir_mode sets the mode of directories the connector creates)")
-        root = base / LAYOUT_VERSION_DIR / fp.hex()
-        account = account_for(base / LAYOUT_VERSION_DIR, cfg.max_bytes if cfg is not None else None,
-                              cfg.reconcile_interval_s if cfg is not None else DEFAULT_RECONCILE_S,
-                              cfg.file_mode if cfg is not None else FILE_MODE,
-                              cfg.dir_mode if cfg is not None else DIR_MODE)
+        root = fingerprint_dir(base, fp.hex())
+        ref = (dirs if dirs is not None else CacheDirs()).open(
+            top_dir(base), cfg.max_bytes if cfg is not None else None,
+            cfg.reconcile_interval_s if cfg is not None else DEFAULT_RECONCILE_S,
+            cfg.file_mode if cfg is not None else FILE_MODE, cfg.dir_mode if cfg is not None else DIR_MODE)
+        account = ref.dir.account
         store = cls(root, fp, fsync or (cfg is not None and cfg.fsync),
                     cfg.file_mode if cfg is not None else FILE_MODE,
                     cfg.dir_mode if cfg is not None else DIR_MODE,
                     account if account.max_bytes else None, os.path.realpath(root), account=account,
-                    keyring=keyring)
-        store._tidy_once(cfg.orphan_tmp_age_s if cfg is not None else DEFAULT_ORPHAN_AGE_S)
+                    keyring=keyring, ref=ref)
+        # Once per owner, at open: restarts rely on orphans going. The byte
+        # budget and usage figures are the scheduler index's `Housekeeper`.
+        orphan_age_s = cfg.orphan_tmp_age_s if cfg is not None else DEFAULT_ORPHAN_AGE_S
+        ref.dir.tidy_once(root, lambda: store.tidy(orphan_age_s) if root.is_dir() else None)
         return store
 
-    # ---- housekeeping: orphans, symlinks, budget ---------------------------------
+    def close(self) -> None:
+        """Let go of the directory's owner (the last user closes it: log sealed)."""
+        if self.ref is not None:
+            self.ref.release()
 
-    def _tidy_once(self, orphan_age_s: float) -> None:
-        """Once per directory and process, at open: move symlinks aside and
-        remove orphaned temporary files (restarts rely on it). The byte budget
-        and usage figures are the scheduler index's `Housekeeper`."""
-        with _TIDIED_LOCK:
-            if self.real_root in _TIDIED:
-                return
-            _TIDIED.add(self.real_root)
-        if self.root.is_dir():
-            self.tidy(orphan_age_s)
+    # ---- housekeeping: orphans, symlinks, budget ---------------------------------
 
     def tidy(self, orphan_age_s: float = DEFAULT_ORPHAN_AGE_S) -> tuple[int, int]:
         """Move symlinks out of the way and remove orphaned temporary files;
         returns (orphans removed, temporary files kept as possibly live)."""
-        hygiene.move_symlinks_aside(self.root, self.root / "quarantine")
+        hygiene.move_symlinks_aside(self.root, quarantine_dir(self.root))
         return hygiene.clean_orphans(self.root, orphan_age_s)
 
     def _dir_ok(self, d: Path) -> bool:
@@ -149,11 +150,11 @@ class FileStore:
 
     def tmp_path(self, final: Path) -> Path:
         """`<final name>.tmp.<pid>.<8 hex>.<host tag>` (see offload/store/hygiene.py)."""
-        return final.with_name(f"{final.name}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}.{hygiene.HOST_TAG}")
+        return paths.tmp_path(final, hygiene.HOST_TAG)
 
     def rel(self, path: Path) -> str:
-        """`path` (inside root) as the ledger names it: relative to kvoffload-v2/."""
-        return str(path)[len(str(self.root.parent)) + 1:]
+        """`path` (inside root) as the ledger names it: relative to the layout directory."""
+        return rel_of(self.root.parent, path)
 
     def written(self, final: Path, nbytes: int, parent: bytes | None = None) -> None:
         """After a file appeared under its final name: exact mode, and a ledger
@@ -170,8 +171,7 @@ class FileStore:
     # ---- files ----------------------------------------------------------------------
 
     def file_path(self, group: int, key: ChunkKey) -> Path:
-        h = key.hex()
-        return self.root / f"g{group}" / h[:2] / f"{h}.kv"
+        return chunk_path(self.root, group, key.hex())
 
     def contains(self, group: int, key: ChunkKey) -> bool:
         path = self.file_path(group, key)
@@ -183,8 +183,8 @@ class FileStore:
         If a layout file exists, its tensor layout must equal ours: the same
         fingerprint with different page bytes would load garbage.
         """
-        self.prepare_dir(self.root / "layout.json")
-        target = self.root / "layout.json"
+        target = self.root / LAYOUT_FILE
+        self.prepare_dir(target)
         doc = json.dumps(description, indent=2, sort_keys=True)
         if target.exists():
             existing = json.loads(target.read_text())
@@ -194,7 +194,7 @@ class FileStore:
                     f"same fingerprint ({target}); use a different 'path' for this deployment"
                 )
             return
-        tmp = target.with_name(f".layout.{uuid.uuid4().hex}.tmp")
+        tmp = layout_tmp_path(target)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, self.file_mode)
         if _UMASK is None or self.file_mode & _UMASK:
             os.fchmod(fd, self.file_mode)
@@ -306,13 +306,13 @@ class FileStore:
 
     def quarantine(self, path: Path) -> None:
         """Move a bad file aside so lookups stop finding it; keep it for fsck."""
-        qdir = self.root / "quarantine"
+        qdir = quarantine_dir(self.root)
         try:
             if os.path.islink(qdir):
                 raise OSError(errno.ELOOP, "quarantine is a symbolic link", str(qdir))
             if not qdir.exists():
                 self.prepare_dir(qdir / "x")
-            moved = qdir / f"{path.name}.{uuid.uuid4().hex[:8]}"
+            moved = quarantined_path(self.root, path.name)
             os.replace(path, moved)
         except OSError as e:  # another reader moved it first, or read-only dir
             logger.debug("quarantine of %s skipped: %s", path, e)
@@ -335,7 +335,10 @@ class FsIndex(TierIndex):
 
     def __init__(self, store: FileStore, num_groups: int = 0) -> None:
         self.store = store
-        self.housekeeper = Housekeeper(store.root, num_groups, store.account).start() if num_groups else None
+        self.housekeeper: Housekeeper | None = None
+        if num_groups:
+            self.housekeeper = (store.ref.dir.housekeeper(store.root, num_groups) if store.ref is not None
+                                else Housekeeper(store.root, num_groups, store.account)).start()
 
     def contains(self, group: int, key: ChunkKey) -> bool:
         return self.store.contains(group, key)
@@ -346,6 +349,7 @@ class FsIndex(TierIndex):
     def close(self) -> None:
         if self.housekeeper is not None:
             self.housekeeper.stop()
+        self.store.close()
 
     def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
         return Placement()
@@ -374,6 +378,9 @@ class FsData(TierData):
 
     def record_layout(self, description: dict) -> None:
         self.store.write_layout(description)
+
+    def close(self) -> None:
+        self.store.close()
 
     def holds(self, header: ChunkHeader, placement: Placement) -> bool:
         return self.store.file_path(header.group, header.key).exists()
@@ -433,23 +440,24 @@ def unauthenticated_risks(path: str) -> list[str]:
     other users or hosts. Empty when neither is seen."""
     out = []
     base = Path(path)
-    for d in (base, base / LAYOUT_VERSION_DIR):
+    for d in (base, top_dir(base)):
         try:
             mode = stat.S_IMODE(os.stat(d).st_mode)
         except OSError:
             continue
         if mode & 0o022:
             out.append(f"{d} is writable by its group{' and others' if mode & 0o002 else ''} (mode {mode:04o})")
-    ledger = base / LAYOUT_VERSION_DIR / LEDGER_DIR
+    ledger = top_dir(base) / LEDGER_DIR
     users, hosts = set(), set()
     try:
         for e in os.scandir(ledger):
-            if e.name.endswith(".log"):
+            m = LOG_NAME.match(e.name)
+            if m is not None:
                 try:
                     users.add(e.stat(follow_symlinks=False).st_uid)
                 except OSError:
                     continue
-                hosts.add(e.name.split("-", 1)[0])
+                hosts.add(m.group("host"))
     except OSError:
         pass
     if users - {os.getuid()}:
@@ -501,9 +509,9 @@ class FsTier(TierSpec[FsOptions]):
     def index(self, backed: Backed | None) -> FsIndex:
         # Rank 0's files stand for the request on every rank; a rank missing
         # its file fails the load, which is a recompute, never a wrong hit.
-        store = FileStore.open(self.options.path, self.ctx.index_fingerprint, options=self.options)
+        store = FileStore.open(self.options.path, self.ctx.index_fingerprint, options=self.options, dirs=self.ctx.dirs)
         return FsIndex(store, num_groups=len(self.ctx.planner.groups))
 
     def data(self, device: torch.device) -> FsData:
-        return FsData(FileStore.open(self.options.path, self.ctx.fingerprint, options=self.options),
+        return FsData(FileStore.open(self.options.path, self.ctx.fingerprint, options=self.options, dirs=self.ctx.dirs),
                       direct_reads=self.options.direct_reads)

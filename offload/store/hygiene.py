@@ -23,7 +23,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import socket
 import stat
 import time
@@ -31,10 +30,10 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from offload.store.paths import GROUP_PREFIX, LAYOUT_TMP_RE, QUARANTINE, TMP_RE
+
 logger = logging.getLogger(__name__)
 
-TMP_RE = re.compile(r"\.tmp\.(?P<pid>\d+)\.(?P<rand>[0-9a-f]{8})(?:\.(?P<host>[0-9a-f]{8}))?$")
-LAYOUT_TMP_RE = re.compile(r"^\.layout\.[0-9a-f]{32}\.tmp$")
 NET_GRACE_S = 120.0
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "gpfs", "beegfs",
               "9p", "afs", "ocfs2", "gfs2")
@@ -161,7 +160,7 @@ def clean_orphans(root: Path, max_age_s: float, local_only: bool | None = None) 
         local_only = not is_network_fs(root)
     now = time.time()
     removed = kept = 0
-    for _, e in walk(root, skip=frozenset({"quarantine"})):
+    for _, e in walk(root, skip=frozenset({QUARANTINE})):
         if ".tmp" not in e.name:
             continue
         try:
@@ -218,9 +217,9 @@ def move_symlinks_aside(root: Path, qdir: Path) -> int:
     try:
         with os.scandir(root) as it:
             for e in it:
-                if e.name.startswith("g") or e.name == "quarantine":
+                if e.name.startswith(GROUP_PREFIX) or e.name == QUARANTINE:
                     candidates.append(e.path)
-                    if e.is_dir(follow_symlinks=False) and e.name.startswith("g"):
+                    if e.is_dir(follow_symlinks=False) and e.name.startswith(GROUP_PREFIX):
                         with os.scandir(e.path) as sub:
                             candidates.extend(s.path for s in sub)
     except OSError:

@@ -1,9 +1,9 @@
 """Append-only ledgers of a cache directory: what files exist and their sizes,
 kept without walking the tree (format: docs/format.md, "Ledger").
 
-Every process that writes or evicts under `<path>/kvoffload-v2/` appends one
+Every process that writes or evicts under the layout directory appends one
 line per file it adds (`+`) or removes (`-`) to its own log in
-`kvoffload-v2/ledger-v1/`. A process that needs the directory's usage reads
+`ledger-v1/` in it (offload/store/paths.py). A process that needs the directory's usage reads
 the newest snapshot (a full listing, written now and then) and then tails
 every log from the offsets the snapshot folded in. A line is self-checking
 (CRC-32), so a line torn by a crash, or half-visible on another NFS client,
@@ -18,38 +18,55 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import threading
 import time
 import uuid
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from offload.store import hygiene
+from offload.store.paths import (CHUNK_REL, LEASE, LEDGER_DIR, LOG_NAME, OTHER_REL, SNAPSHOT_NAME,  # noqa: F401
+                                 SNAPSHOT_TMP, log_name, snapshot_names, valid_rel)
 
 logger = logging.getLogger(__name__)
 
-LEDGER_DIR = "ledger-v1"
 LEDGER_VERSION = 1
 MAGIC = "kvoffload-ledger"
 # A log past this size is sealed and a new one started, so that a long-lived
 # instance's records become foldable (and removable) by the next snapshot.
 MAX_LOG_BYTES = 64 << 20
-LOG_NAME = re.compile(r"^(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}\.log$")
-SNAPSHOT_NAME = re.compile(r"^snapshot-(?P<ms>\d{13})-[0-9a-f]{8}\.snap$")
-SNAPSHOT_TMP = re.compile(r"^\.snapshot-\d{13}-[0-9a-f]{8}\.tmp$")
-LEASE = "lease"
-# What a record may name, relative to kvoffload-v2/: nothing else is ever
-# unlinked through a ledger (a forged line cannot reach outside the cache).
-CHUNK_REL = re.compile(r"^[0-9a-f]{64}/g\d{1,5}/[0-9a-f]{2}/[0-9a-f]{64}\.kv$")
-OTHER_REL = re.compile(r"^[0-9a-f]{64}/(?:layout\.json|quarantine/[^/\s]+)$")
 
-Record = tuple  # (op "+" | "-", time, size, parent int | None, rel)
+PUT = "+"
+DROP = "-"
 
 
-def valid_rel(rel: str) -> bool:
-    return bool(CHUNK_REL.match(rel) or (OTHER_REL.match(rel) and not rel.endswith(("/.", "/.."))))
+class Record(NamedTuple):
+    """One file added (`op` PUT) or removed (`op` DROP) at time `t`."""
+
+    op: str
+    t: float
+    size: int  # 0 for a removal
+    parent: int | None  # the parent key's first 8 bytes (chained groups); None: stands alone
+    rel: str  # the file, relative to the layout directory (offload.store.paths)
+
+
+class End(NamedTuple):
+    """A log's seal (its value: when), or a snapshot's last line (its value: the entry count)."""
+
+    n: float
+
+
+class Offset(NamedTuple):
+    """A snapshot's note that it folded log `log` up to byte `offset`."""
+
+    log: str
+    offset: int
+
+
+Line = Record | End | Offset
 
 
 def _crc(body: str) -> str:
@@ -80,9 +97,8 @@ def header_line(kind: str, extra: str = "") -> str:
     return f"{MAGIC} {LEDGER_VERSION} {kind} {hygiene.HOST_TAG} {os.getpid()} {time.time():.3f}{extra}\n"
 
 
-def parse(line: str) -> Record | tuple | None:
-    """A record `(op, t, size, parent, rel)`, `("end", n)`, `("@", name, offset)`,
-    or None for a line that fails its CRC or names something a record may not."""
+def parse(line: str) -> Line | None:
+    """A `Record`, an `End` or an `Offset`, or None for a line that fails its CRC or names something a record may not."""
     if len(line) < 12 or line[-9] != " ":
         return None
     body = line[:-9]
@@ -90,15 +106,15 @@ def parse(line: str) -> Record | tuple | None:
         return None
     f = body.split(" ")
     try:
-        if f[0] in ("+", "-") and len(f) == 5:
+        if f[0] in (PUT, DROP) and len(f) == 5:
             rel = f[4]
             if not valid_rel(rel):
                 return None
-            return f[0], float(f[1]), int(f[2]), None if f[3] == "-" else int(f[3], 16), rel
+            return Record(f[0], float(f[1]), int(f[2]), None if f[3] == "-" else int(f[3], 16), rel)
         if f[0] == "end" and len(f) == 2:
-            return "end", float(f[1])
+            return End(float(f[1]))
         if f[0] == "@" and len(f) == 3 and LOG_NAME.match(f[1]):
-            return "@", f[1], int(f[2])
+            return Offset(f[1], int(f[2]))
     except ValueError:
         pass
     return None
@@ -179,7 +195,7 @@ class LedgerWriter:
         if os.path.islink(self.dir):
             raise OSError(errno.ELOOP, "ledger directory is a symbolic link", str(self.dir))
         self._pid = os.getpid()
-        self.name = f"{hygiene.HOST_TAG}-{self._pid}-{uuid.uuid4().hex[:8]}.log"
+        self.name = log_name(hygiene.HOST_TAG, self._pid)
         fd = os.open(self.dir / self.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW,
                      self.file_mode)
         os.fchmod(fd, self.file_mode)
@@ -289,10 +305,10 @@ def read_snapshot(path: Path, head_only: bool = False) -> Snapshot | None:
             r = parse(line.rstrip("\n"))
             if r is None:
                 return None  # written through a temporary name, so a bad line is damage, not a tear
-            if r[0] == "@":
-                snap.offsets[r[1]] = r[2]
-            elif r[0] == "end":
-                snap.complete = int(r[1]) == len(snap.entries) or head_only
+            if isinstance(r, Offset):
+                snap.offsets[r.log] = r.offset
+            elif isinstance(r, End):
+                snap.complete = int(r.n) == len(snap.entries) or head_only
                 return snap if snap.complete else None
             elif head_only:
                 snap.complete = True
@@ -302,14 +318,22 @@ def read_snapshot(path: Path, head_only: bool = False) -> Snapshot | None:
     return None
 
 
-def write_snapshot(d: Path, entries, offsets: dict[str, int], walked: float, file_mode: int,
+class Entry(NamedTuple):
+    """One file in a snapshot, as the index holds it."""
+
+    rel: str
+    size: int
+    t: float
+    parent: int | None
+
+
+def write_snapshot(d: Path, entries: Iterable[Entry], offsets: dict[str, int], walked: float, file_mode: int,
                    other: int = 0) -> tuple[str, int]:
-    """Write a snapshot of `entries` ((rel, size, time, parent) each) atomically
+    """Write a snapshot of `entries` atomically
     (temporary name, then rename); returns (name, bytes)."""
     ms = int(time.time() * 1000)
-    tag = uuid.uuid4().hex[:8]
-    tmp = d / f".snapshot-{ms:013d}-{tag}.tmp"
-    name = f"snapshot-{ms:013d}-{tag}.snap"
+    tmp_name, name = snapshot_names(ms)
+    tmp = d / tmp_name
     n = 0
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, file_mode)
     try:

@@ -12,9 +12,11 @@ recomputes. LMCache's own settings come from the tier's keys: the local CPU
 pool size (`local_cpu_bytes`) and, optionally, a remote (`remote_url`, e.g.
 `redis://host:6379`) shared by engines on other machines.
 
-One storage engine per process and options (`shared_objects`). Where the
-scheduler's connector and the worker's share a process (vLLM's uniproc
-executor), the scheduler's index asks that engine. Where they do not (vLLM-CPU
+One storage engine per options and `CacheDirs` (`open_objects`; the tiers
+of one connector, or of every connector handed the same `CacheDirs`, share
+it: offload/store/cachedir.py). Where the scheduler's connector and the
+worker's share a process (vLLM's uniproc executor) and a `CacheDirs`, the
+scheduler's index asks that engine. Where they do not (vLLM-CPU
 always runs its worker in a process of its own, and so does every TP>1
 deployment), the worker's local pool is out of the scheduler's sight, so the
 scheduler keeps a ledger instead (`LMCacheIndex`): the entries it had stored,
@@ -50,6 +52,7 @@ from offload.store.base import (
     TierUsage,
 )
 from offload.store.buffers import BufferPool
+from offload.store.cachedir import CacheDirs
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
 from offload.store.lmcache_objects import LMCacheObjects, object_name
 from offload.store.options import LMCacheOptions
@@ -57,35 +60,24 @@ from offload.store.options import LMCacheOptions
 logger = logging.getLogger(__name__)
 
 
-# ---- one storage engine per process and options ------------------------------------
+# ---- one storage engine per options, shared through a CacheDirs ------------------------
 
-_LOCK = threading.Lock()
-_SHARED: dict[LMCacheOptions, list] = {}  # options -> [LMCacheObjects, users]
-
-
-def shared_objects(options: LMCacheOptions) -> LMCacheObjects:
-    """This process's storage engine for `options`, started on first use;
+def open_objects(dirs: CacheDirs, options: LMCacheOptions) -> LMCacheObjects:
+    """The storage engine for `options` held in `dirs`, started on first use;
     every caller gives it back with `release_objects`, and the last one stops it."""
-    with _LOCK:
-        entry = _SHARED.get(options)
-        if entry is None:
-            objs = LMCacheObjects.open(options.local_cpu_bytes, options.remote_url, timeout_s=options.timeout_s)
-            entry = _SHARED[options] = [objs, 0]
-        entry[1] += 1
-        return entry[0]
+    return dirs.engines.acquire(options, lambda: LMCacheObjects.open(options.local_cpu_bytes, options.remote_url,
+                                                                     timeout_s=options.timeout_s))
 
 
-def release_objects(options: LMCacheOptions) -> None:
-    with _LOCK:
-        entry = _SHARED.get(options)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] > 0:
-            return
-        del _SHARED[options]
-    objs: LMCacheObjects = entry[0]
-    objs.close(flush_timeout_s=max(30.0, objs.timeout_s))  # remote write-behind finishes (bounded)
+def release_objects(dirs: CacheDirs, options: LMCacheOptions) -> None:
+    objs = dirs.engines.release(options)
+    if objs is not None:
+        close_objects(objs)
+
+
+def close_objects(objs: LMCacheObjects) -> None:
+    """Stop an engine (remote write-behind finishes, bounded) and log what it answered."""
+    objs.close(flush_timeout_s=max(30.0, objs.timeout_s))
     st = objs.stats
     # One line per engine: what the storage engine answered (tests and operators read it).
     logger.info("kvoffload: LMCache storage engine stats: puts=%d put_failures=%d remote_put_failures=%d "
@@ -109,6 +101,7 @@ class LMCacheIndex(TierIndex):
         self.options = options
         self.fp = ctx.index_fingerprint
         self._release = release
+        self._dirs = ctx.dirs
         self.ledger: OrderedDict[tuple[int, bytes], int] | None = None
         if ctx.separate_workers:
             self.ledger = OrderedDict()
@@ -172,7 +165,7 @@ class LMCacheIndex(TierIndex):
 
     def close(self) -> None:
         if self._release is not None:
-            release_objects(self._release)
+            release_objects(self._dirs, self._release)
             self._release = None
 
 
@@ -188,10 +181,14 @@ class LMCacheData(TierData):
     """Worker side: framed payloads (header + CRC, as a chunk file) in and out
     of the storage engine, on the worker's I/O threads."""
 
-    def __init__(self, objects: LMCacheObjects, options: LMCacheOptions, keyring: Keyring | None = None) -> None:
+    def __init__(self, objects: LMCacheObjects, options: LMCacheOptions, keyring: Keyring | None = None,
+                 dirs: CacheDirs | None = None) -> None:
+        """`objects` held in `dirs` (released there on close), or this data's
+        own engine without `dirs` (stopped on close)."""
         self.objects = objects
         self.options = options
         self.keyring = keyring
+        self._dirs = dirs
         self._closed = False
 
     def holds(self, header: ChunkHeader, placement: Placement) -> bool:
@@ -239,7 +236,10 @@ class LMCacheData(TierData):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            release_objects(self.options)
+            if self._dirs is not None:
+                release_objects(self._dirs, self.options)
+            else:
+                close_objects(self.objects)
 
 
 class LMCacheTier(TierSpec[LMCacheOptions]):
@@ -275,15 +275,15 @@ class LMCacheTier(TierSpec[LMCacheOptions]):
 
     def index(self, backed: Backed | None) -> LMCacheIndex:
         if not self.ctx.separate_workers:
-            return LMCacheIndex(shared_objects(self.options), self.options, self.ctx, self.options)
+            return LMCacheIndex(open_objects(self.ctx.dirs, self.options), self.options, self.ctx, self.options)
         if not self.options.remote_url:
             return LMCacheIndex(None, self.options, self.ctx, None)
         # The remote only: a minimal local pool (LMCache requires one), never written.
         remote = replace(self.options, local_cpu_bytes=1 << 20)
-        return LMCacheIndex(shared_objects(remote), self.options, self.ctx, remote)
+        return LMCacheIndex(open_objects(self.ctx.dirs, remote), self.options, self.ctx, remote)
 
     def data(self, device: torch.device) -> LMCacheData:
         from offload.store.fs import open_keyring
 
         keyring = open_keyring(self.options.auth)
-        return LMCacheData(shared_objects(self.options), self.options, keyring)
+        return LMCacheData(open_objects(self.ctx.dirs, self.options), self.options, keyring, self.ctx.dirs)
