@@ -35,7 +35,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # off-screen: no display on CI or benchmark machines
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = {  # peer_race configuration -> legend, colour, marker

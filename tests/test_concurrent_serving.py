@@ -67,8 +67,8 @@ from pathlib import Path
 import pytest
 
 from conftest import shipped_config
-from offload.store.format import HEADER_LEN, ChunkHeader
 from loadgen import LoadReport, Request, Result, by_label, run_load, scrape, total
+from offload.store.format import HEADER_LEN, ChunkHeader
 from serving import api_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (README, Tests)
@@ -149,7 +149,7 @@ def started_together(*cms):
             try:
                 results.append(fut.result())
                 stack.push(cm.__exit__)
-            except BaseException as e:  # noqa: BLE001 - raised below, once the others are stopped
+            except BaseException as e:  # raised below, once the others are stopped
                 error = error or e
         if error is not None:
             raise error
@@ -310,7 +310,7 @@ class InBackground:
         def run():
             try:
                 self._box["value"] = fn(*args)
-            except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            except BaseException as e:  # re-raised by result()
                 self._box["error"] = e
 
         self._thread = threading.Thread(target=run, daemon=True)

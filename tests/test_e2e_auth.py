@@ -277,10 +277,10 @@ def redis_objects(client) -> dict[bytes, bytes]:
 
 
 def _redis(models_dir, tmp_path):
+    import redis
+
     from test_e2e_lmcache import remote_cfg
     from test_lmcache_objects import RedisServer
-
-    import redis
 
     rng = random.Random(2024)
     names = "PQRSTU"

@@ -23,7 +23,6 @@ Prefill on this geometry runs at tens of tokens per second on a 2-core CPU
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import urllib.request
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, random_prompt, shipped_config
+from conftest import random_prompt, shipped_config
 from serving import api_server, complete, post
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from conftest import REPO
-from offload.metrics import METRICS, OffloadPromMetrics, OffloadStats, Recorder
+from offload.metrics import METRICS, OffloadPromMetrics, Recorder
 
 TYPES = {Counter: Counter, Gauge: Gauge, Histogram: Histogram}
 

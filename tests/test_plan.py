@@ -63,7 +63,7 @@ def _torch_ssm_bytes() -> int:
     return 4 if torch.cpu._is_avx512_bf16_supported() else BF16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torchvision_importable() -> bool:
     try:
         subprocess.run([sys.executable, "-c", "import torchvision.transforms.v2"], check=True,

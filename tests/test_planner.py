@@ -134,7 +134,7 @@ def test_gemma3_sliding_window_stores_only_the_window_and_needs_only_it():
     assert p.stored(1, 3).blocks == range(48, 64)
     # A hit at 4 chunks needs SW chunk 3 only; SW chunks 0..2 may be missing.
     assert [gc.chunk for gc in p.needed(0, 4)] == [3]
-    present = lambda g, ch: g == 1 or ch == 3  # noqa: E731
+    present = lambda g, ch: g == 1 or ch == 3
     assert p.lookup(4 * 256 + 1, present).chunks == 4
     # Without the window chunk the hit drops to a boundary whose window exists.
     assert p.lookup(4 * 256 + 1, lambda g, ch: g == 1 or ch == 1).chunks == 2

@@ -165,7 +165,7 @@ def bad_files(models_dir, tmp_path_factory):
         damaged.append((i, n % 2, f"version {VERSIONS[n]}", path))
     # Attention files: every chunk's (the lookup probes some of them). GDN: the
     # state at the hit boundary, the first one the lookup asks for.
-    last = lambda i: files_of(cache, prompts[i], GDN)[_hit(prompts[i]) // CHUNK - 1].stem  # noqa: E731
+    last = lambda i: files_of(cache, prompts[i], GDN)[_hit(prompts[i]) // CHUNK - 1].stem
     vanish = [{"group": ATTN, "keys": [p.stem for i in idx["vanish"][:2] for p in files_of(cache, prompts[i], ATTN)],
                "how": "delete"},
               {"group": GDN, "keys": [last(i) for i in idx["vanish"][2:3]], "how": "delete"},

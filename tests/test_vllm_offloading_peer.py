@@ -34,7 +34,7 @@ from conftest import REPO, random_prompt, shipped_config
 if str(REPO) not in sys.path:  # bench/ is not installed; it runs from the checkout
     sys.path.insert(0, str(REPO))
 
-from bench.vllm_offloading_cpu import (  # noqa: E402
+from bench.vllm_offloading_cpu import (
     ours_fs_kv_config,
     run_connector,
     vllm_cpu_kv_config,

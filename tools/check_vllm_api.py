@@ -550,10 +550,8 @@ def _where(module: str, name: str | None) -> str:
     hits = []
     for f in import_files():
         for n in ast.walk(ast.parse(f.read_text(), str(f))):
-            if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module == module \
-                    and (name is None or any(a.name == name for a in n.names)):
-                hits.append(f"{f.relative_to(REPO)}:{n.lineno}")
-            elif name is None and isinstance(n, ast.Import) and any(a.name == module for a in n.names):
+            if (isinstance(n, ast.ImportFrom) and n.level == 0 and n.module == module \
+                    and (name is None or any(a.name == name for a in n.names))) or (name is None and isinstance(n, ast.Import) and any(a.name == module for a in n.names)):
                 hits.append(f"{f.relative_to(REPO)}:{n.lineno}")
     return ", ".join(hits) or "offload/"
 

@@ -50,7 +50,6 @@ from offload.plan import ModelPlan, PlanError, plan_for_model
 from offload.planner import HybridOffloadPlanner
 
 
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("warmup", help="replay a prompt file through an engine or a server to fill the cache",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
