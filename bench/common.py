@@ -6,14 +6,16 @@ import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# The one median of tests/ and bench/ (None values skipped, NaN when there is nothing), re-exported.
+from offload.engine_run import median  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -37,11 +39,6 @@ def measure(out: list[Sample]):
     c0, t0 = cpu_seconds(), time.perf_counter()
     yield
     out.append(Sample(time.perf_counter() - t0, cpu_seconds() - c0))
-
-
-def median(xs: Iterable[float]) -> float:
-    xs = list(xs)
-    return statistics.median(xs) if xs else float("nan")
 
 
 def drop_page_cache(files: Sequence[str | os.PathLike] = ()) -> str:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, drop_page_cache, filesystem_of, median, table, write_results
+from offload.engine_run import wait_until
 
 CHUNK = 256
 
@@ -51,16 +52,21 @@ def _wait_files(path: str, want: int, timeout_s: float = 120) -> int:
     is left and the count held still for one poll: stores are asynchronous
     and finish out of order across the store threads, so a count alone can
     be reached while an earlier chunk is still being written."""
-    deadline = time.monotonic() + timeout_s
     last = -1
-    while True:
+
+    def settled() -> bool:
+        nonlocal last
         names = [p.name for p in Path(path).rglob("*") if p.is_file()]
         n = sum(1 for x in names if x.endswith(".kv"))
         busy = any(".tmp." in x for x in names)
-        if (n >= want and not busy and n == last) or time.monotonic() > deadline:
-            return n
-        last = n
-        time.sleep(0.3)
+        done, last = n >= want and not busy and n == last, n
+        return done
+
+    try:
+        wait_until(settled, timeout_s, f"{want} chunk files under {path}", interval_s=0.3)
+    except TimeoutError:
+        pass  # the caller reports the count it got
+    return last
 
 
 def _tree_cpu_s() -> float:
