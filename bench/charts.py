@@ -245,7 +245,7 @@ def render_fs_tier(src: Path, out_dir: Path) -> Chart:
         fastest = doc.get("baseline_rows", {}).get(f"device_{raw_word}", f"raw {raw_word}")
         ax.axvline(limit, color="black", ls="--", lw=1.2,
                    label=f"device limit {limit:.2f} GB/s\n(fastest {raw_word} of the run: {fastest})")
-        for y, (k, g) in enumerate(zip(names, gb)):
+        for y, (_k, g) in enumerate(zip(names, gb)):
             ax.text(g + max(hi[y], 0) + limit * 0.05, y, f"{g:.2f} ({g / limit:.0%})", va="center",
                     fontsize=8)
         ax.set_xlim(0, max(max(g + h for g, h in zip(gb, hi)), limit) * 1.3)

@@ -81,11 +81,12 @@ def filesystem_of(path: str | os.PathLike) -> str:
 
 def machine() -> dict[str, Any]:
     try:
-        model = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                     if l.startswith("model name"))
+        model = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                     if ln.startswith("model name"))
     except (OSError, StopIteration):
         model = platform.processor()
-    return {"cpu": model, "cores": os.cpu_count(), "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+    mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    return {"cpu": model, "cores": os.cpu_count(), "mem_gib": mem_gib,
             "kernel": platform.release(), "loadavg_at_start": os.getloadavg()[0],
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 

@@ -4,6 +4,7 @@ O_DIRECT writes with a buffered fallback, skipping a gather for a stored chunk."
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -320,7 +321,7 @@ def test_bench_multi_turn_small(prefetched, tmp_path: Path) -> None:
     for t in rnd["none"]["turns"]:
         assert t["external_tokens"] == 0 and t["cached_tokens"] == 0, t
     ours = rnd["ours"]["turns"]
-    for prev, t in zip(ours, ours[1:]):
+    for prev, t in itertools.pairwise(ours):
         assert t["external_tokens"] > 0, t
         assert t["cached_tokens"] == t["external_tokens"], "after a restart every hit comes from the tier"
         assert (prev["prompt_tokens"] - 1) // unit * unit <= t["external_tokens"] < t["prompt_tokens"], (prev, t)

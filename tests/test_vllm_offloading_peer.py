@@ -52,7 +52,7 @@ PROMPTS = [_A, _B, _C, _B[:640] + random_prompt(rng, 260)]  # the last shares 64
 # Served only after the reset: new to both connectors, it shares 384 tokens (3 blocks, not a boundary
 # any earlier prefill ended on) with _C, so restoring them needs a GDN state stored mid-prefill.
 NEW = _C[:384] + random_prompt(rng, 200)
-LATER = PROMPTS + [NEW]
+LATER = [*PROMPTS, NEW]
 
 
 @pytest.fixture(scope="module")
