@@ -66,7 +66,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import shipped_config
+from conftest import layouts, shipped_config
 from loadgen import LoadReport, Request, Result, run_load
 from offload.store.format import HEADER_LEN, ChunkHeader
 from serving import api_server, metric_by_label, metric_sum, scrape, wait_until
@@ -117,9 +117,11 @@ def tiered_config(cache: Path) -> dict:
     return shipped_config("hybrid-tiered.json", cache)
 
 
-def chunk_from_log(log: Path) -> int:
-    sizes = {int(m) for m in re.findall(r"OffloadConnector: hybrid_chunk_size=(\d+)", log.read_text())}
-    assert len(sizes) == 1, f"one hybrid_chunk_size in the start-up log, got {sizes}"
+def chunk_of(cache: Path) -> int:
+    """The chunk size a server's connector runs with: its file tier's layout.json (docs/format.md),
+    which the worker writes at start-up."""
+    sizes = {lay["chunk_size"] for lay in layouts(cache).values()}
+    assert len(sizes) == 1, f"one chunk size in {cache}'s layout.json, got {sizes}"
     return sizes.pop()
 
 
@@ -168,8 +170,8 @@ def servers(models_dir, tmp_path_factory):
     t0 = time.monotonic()
     figures: dict = {}
     with started_together(ref, small) as (ref_base, small_base):
-        chunk = chunk_from_log(tmp / "small.log")
-        assert chunk_from_log(tmp / "ref.log") == chunk
+        chunk = chunk_of(tmp / "cache")
+        assert chunk_of(tmp / "ref-cache") == chunk
         figures.update(servers_start_s=round(time.monotonic() - t0, 1), hybrid_chunk_size=chunk,
                        small_server_blocks=SMALL_BLOCKS)
         yield Servers(Server(ref_base, tmp / "ref.log", tmp / "ref-cache"),
