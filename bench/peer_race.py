@@ -132,6 +132,7 @@ class Server:
     proc: subprocess.Popen
     base: str
     log: Path
+    start_s: float = 0.0  # from the start of `server()` until /health answered
 
     def metrics(self) -> Samples:
         return scrape(self.base)
@@ -158,10 +159,12 @@ class Server:
 @contextmanager
 def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: int, log: Path,
            blocks: int | None = None, start_s: float = 1800, bind: str | None = None,
-           env: dict[str, str] | None = None) -> Iterator[Server]:
+           env: dict[str, str] | None = None, warm: list[int] | None = None) -> Iterator[Server]:
     """`bind`: VLLM_CPU_OMP_THREADS_BIND for the model's threads (two servers side by side on
     cores of their own); vLLM's automatic binding otherwise. `env`: variables set for this
-    server only (e.g. a smaller VLLM_CPU_KVCACHE_SPACE), over the defaults below."""
+    server only (e.g. a smaller VLLM_CPU_KVCACHE_SPACE), over the defaults below. `warm`: a
+    request served once the server is up, before it is yielded (every phase's warm-up)."""
+    w0 = time.perf_counter()
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
@@ -184,6 +187,9 @@ def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: in
     s = Server(proc, f"http://127.0.0.1:{port}", log)
     try:
         wait_until(s.answers, start_s, f"the server on {s.base} to start", interval_s=1)
+        s.start_s = time.perf_counter() - w0
+        if warm:
+            s.complete(warm)
         yield s
     finally:
         if proc.poll() is None:
@@ -412,8 +418,7 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         log = log_dir / f"{mr.label}-store-{c}.log"
         print(f"[{mr.label}] store: {c}", flush=True)
         bind = str(("ours", "vllm").index(c) % (os.cpu_count() or 1)) if parallel_store else None
-        with server(mr.model, kv_config(c, d), args, max_len, log, bind=bind) as s:
-            s.complete(warm)
+        with server(mr.model, kv_config(c, d), args, max_len, log, bind=bind, warm=warm) as s:
             t0 = s.tree()
             rows = serve_long(s, long_p, flush)
             size, nfiles = wait_quiet(d)
@@ -438,10 +443,8 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         method = method or drop_page_cache(files)
         log = log_dir / f"{mr.label}-r{r}-{c}.log"
         print(f"[{mr.label}] round {r}: {c}", flush=True)
-        w0 = time.perf_counter()
-        with server(mr.model, kv_config(c, d), args, max_len, log) as s:
-            start_s = time.perf_counter() - w0
-            s.complete(warm)
+        with server(mr.model, kv_config(c, d), args, max_len, log, warm=warm) as s:
+            start_s = s.start_s
             rows = serve_long(s, long_p, flush)
             if mr.with_load and not separate_load:
                 load = bench_serve(s, mr.model, mr.load, log_dir, mr.seed + 1)
@@ -453,8 +456,7 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
             # A server of its own: a KV cache too small for the load's prefixes needs the load's
             # max_model_len, not the long prompts'.
             log = log_dir / f"{mr.label}-r{r}-{c}-load.log"
-            with server(mr.model, kv_config(c, d), args, load_len, log, blocks) as s:
-                s.complete(warm[:32])
+            with server(mr.model, kv_config(c, d), args, load_len, log, blocks, warm=warm[:32]) as s:
                 load = bench_serve(s, mr.model, mr.load, log_dir, mr.seed + 1)
             out["load_worker_counters"] = worker_counters(log.read_text(errors="replace"))
         out["load"] = load
@@ -674,10 +676,8 @@ def run_multi_turn_model(mr: MultiTurnRun, work: Path, plan: Any, log_dir: Path,
                     [str(p) for p in d.rglob("*") if p.is_file()])
             log = log_dir / f"{mr.label}-mt-r{r}-{c}-t{t + 1}.log"
             print(f"[{mr.label}] multi-turn round {r}: {c}, turn {t + 1}", flush=True)
-            w0 = time.perf_counter()
-            with server(mr.model, kv_config(c, d), args, mr.max_model_len, log, env=mr.env) as s:
-                start_s = time.perf_counter() - w0
-                s.complete(warm)
+            with server(mr.model, kv_config(c, d), args, mr.max_model_len, log, env=mr.env, warm=warm) as s:
+                start_s = s.start_s
                 row = measure(s, prompt, flush, mr.answer_tokens)
                 # The stores of this turn (asynchronous in both connectors) land before the restart.
                 size, nfiles = wait_quiet(d) if c != "none" else (0, 0)
