@@ -171,14 +171,16 @@ class EngineRun:
 
     def wait_pass(self, p: int, timeout_s: float = 900) -> None:
         """Until pass `p` has finished; raises if the engine exits first."""
-        deadline = time.monotonic() + timeout_s
-        while self.passes_done() <= p:
+
+        def ended() -> bool:
+            if self.passes_done() > p:
+                return True
             if self.proc.poll() is not None:
                 raise RuntimeError(f"engine exited (code {self.proc.returncode}) before pass {p} ended:\n"
                                    f"{self.log[-6000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"pass {p} did not end in {timeout_s:.0f} s")
-            time.sleep(0.1)
+            return False
+
+        wait_until(ended, timeout_s, f"pass {p} to end", interval_s=0.1)
 
     def release(self, p: int) -> None:
         """Let a gated run start pass `p`."""
