@@ -1,6 +1,6 @@
 PY := .venv/bin/python
 
-.PHONY: setup cuda-build test test-long test-fast demo clean
+.PHONY: setup cuda-build test test-long test-fast lint demo clean
 
 setup:  ## venv, torch + vLLM, this package with its C++ copier, tiny models
 	bash scripts/setup.sh
@@ -16,6 +16,10 @@ test-long:  ## the long runs: reliability and chaos on real engines, real geomet
 
 test-fast:  ## unit tests only (no engines)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e"
+
+lint:  ## ruff over the repository; mypy over the pure parts (offload/planner, offload/store)
+	$(PY) -m ruff check .
+	$(PY) -m mypy offload/planner offload/store
 
 demo:  ## kvoffload warmup --verify (cross-restart warm-up) on the embedded tiny hybrid model
 	$(PY) -m offload.demo $(DEMO_ARGS)

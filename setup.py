@@ -99,7 +99,7 @@ class CudaBuildExt(build_ext):
         ext.library_dirs = list(ext.library_dirs or []) + [d for d in lib_dirs if os.path.isdir(d)]
         # Static cudart: the .so then needs no libcudart on the loader path
         # (torch wheels ship their own, often under a different soname).
-        ext.libraries = list(ext.libraries or []) + ["cudart_static", "rt", "dl", "pthread"]
+        ext.libraries = [*list(ext.libraries or []), "cudart_static", "rt", "dl", "pthread"]
         ext.language = "c++"
         # Always link: the objects were just compiled, perhaps by another nvcc
         # or for other archs, which setuptools' timestamp check cannot see.

@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
+from bench.common import median
+
 matplotlib.use("Agg")  # off-screen: no display on CI or benchmark machines
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = {  # peer_race configuration -> legend, colour, marker
@@ -98,22 +100,12 @@ def render_peer_race(results: Path, out_dir: Path) -> Chart | None:
     fig, axes = plt.subplots(1, len(labels), figsize=(4.6 * len(labels), 5.0), squeeze=False)
     chart = Chart(out_dir / "peer_race_ttft.png", [])
     for ax, label in zip(axes[0], labels):
-        for cfg, (legend, colour, marker) in CONFIGS.items():
-            pts = data[label].get(cfg)
-            if not pts:
-                continue
-            xs = sorted(pts)
-            med = [statistics.median(pts[x].ttft_s) for x in xs]
-            lo = [m - min(pts[x].ttft_s) for x, m in zip(xs, med)]
-            hi = [max(pts[x].ttft_s) - m for x, m in zip(xs, med)]
-            ax.errorbar(xs, med, yerr=[lo, hi], label=legend, color=colour, marker=marker, capsize=3, lw=1.5)
-            chart.series[f"{label}/{cfg}"] = len(xs)
-            chart.sources = sorted(set(chart.sources) | {pts[x].source for x in xs})
+        _ttft_series(ax, chart, label, data[label])
         if "ours" in data[label] and "none" in data[label]:
             for x, p in data[label]["ours"].items():
                 if x in data[label]["none"]:
-                    speedup = statistics.median(data[label]["none"][x].ttft_s) / statistics.median(p.ttft_s)
-                    ax.annotate(f"{speedup:.0f}x", (x, statistics.median(p.ttft_s)), textcoords="offset points",
+                    speedup = median(data[label]["none"][x].ttft_s) / median(p.ttft_s)
+                    ax.annotate(f"{speedup:.0f}x", (x, median(p.ttft_s)), textcoords="offset points",
                                 xytext=(0, -15), ha="center", fontsize=8, color="tab:blue")
         xs_all = sorted({x for c in data[label].values() for x in c})
         if xs_all[-1] >= 2 * xs_all[0]:  # lengths over an octave or more: a log axis
@@ -131,15 +123,40 @@ def render_peer_race(results: Path, out_dir: Path) -> Chart | None:
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("time to first token (s)")
         ax.grid(True, which="major", alpha=0.3)
-    fig.suptitle("Peer race: time to first token with a restored prefix, median and range of the rounds "
-                 "(blue: recompute / ours)", fontsize=11)
+    _finish(fig, chart, "Peer race: time to first token with a restored prefix, median and range of the rounds "
+            "(blue: recompute / ours)", title_size=11, legend_size=9, legend_y=0.045, rect=(0, 0.11, 1, 0.95))
+    return chart
+
+
+def _ttft_series(ax: Any, chart: Chart, label: str, by_cfg: dict[str, dict[int, Any]]) -> dict[str, tuple]:
+    """Each configuration's TTFT points (median, and the range of the rounds as error bars) on `ax`,
+    recorded in `chart`; returns {configuration: (xs, medians)} of those drawn."""
+    drawn = {}
+    for cfg, (legend, colour, marker) in CONFIGS.items():
+        pts = by_cfg.get(cfg)
+        if not pts:
+            continue
+        xs = sorted(pts)
+        med = [median(pts[x].ttft_s) for x in xs]
+        lo = [m - min(pts[x].ttft_s) for x, m in zip(xs, med)]
+        hi = [max(pts[x].ttft_s) - m for x, m in zip(xs, med)]
+        ax.errorbar(xs, med, yerr=[lo, hi], label=legend, color=colour, marker=marker, capsize=3, lw=1.5)
+        chart.series[f"{label}/{cfg}"] = len(xs)
+        chart.sources = sorted(set(chart.sources) | {pts[x].source for x in xs})
+        drawn[cfg] = (xs, med)
+    return drawn
+
+
+def _finish(fig: Any, chart: Chart, title: str, title_size: float, legend_size: float, legend_y: float,
+            rect: tuple[float, float, float, float]) -> None:
+    """Title, the configurations' legend, the sources' footer; written to `chart.path` and closed."""
+    fig.suptitle(title, fontsize=title_size)
     handles = [plt.Line2D([], [], color=c, marker=m, label=lg) for lg, c, m in CONFIGS.values()]
-    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=9, bbox_to_anchor=(0.5, 0.045))
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=legend_size, bbox_to_anchor=(0.5, legend_y))
     _footer(fig, chart.sources)
-    fig.tight_layout(rect=(0, 0.11, 1, 0.95))
+    fig.tight_layout(rect=rect)
     fig.savefig(chart.path, dpi=110)
     plt.close(fig)
-    return chart
 
 
 @dataclass(frozen=True)
@@ -169,7 +186,7 @@ def multi_turn_points(results: Path) -> dict[str, dict[str, dict[int, TurnPoint]
                     old = pts.get(int(turn))
                     if old is None or old.time_utc < when:
                         pts[int(turn)] = TurnPoint(per[cfg]["ttft_s"], per[cfg]["restored_tokens"],
-                                                   int(statistics.median(per[cfg]["prompt_tokens"])), when, f.name)
+                                                   int(median(per[cfg]["prompt_tokens"])), when, f.name)
     return out
 
 
@@ -181,21 +198,12 @@ def render_multi_turn(results: Path, out_dir: Path) -> Chart | None:
     fig, axes = plt.subplots(1, len(labels), figsize=(max(6.5, 5.2 * len(labels)), 5.2), squeeze=False)
     chart = Chart(out_dir / "multi_turn_ttft.png", [])
     for ax, label in zip(axes[0], labels):
-        for cfg, (legend, colour, marker) in CONFIGS.items():
-            pts = data[label].get(cfg)
-            if not pts:
-                continue
-            xs = sorted(pts)
-            med = [statistics.median(pts[x].ttft_s) for x in xs]
-            lo = [m - min(pts[x].ttft_s) for x, m in zip(xs, med)]
-            hi = [max(pts[x].ttft_s) - m for x, m in zip(xs, med)]
-            ax.errorbar(xs, med, yerr=[lo, hi], label=legend, color=colour, marker=marker, capsize=3, lw=1.5)
+        for cfg, (xs, med) in _ttft_series(ax, chart, label, data[label]).items():
             if cfg != "none":  # what the restore brought back, under each point
+                pts, colour = data[label][cfg], CONFIGS[cfg][1]
                 for x, m in zip(xs, med):
-                    ax.annotate(f"{statistics.median(pts[x].restored_tokens):.0f}", (x, m), textcoords="offset points",
+                    ax.annotate(f"{median(pts[x].restored_tokens):.0f}", (x, m), textcoords="offset points",
                                 xytext=(0, -13 if cfg == "ours" else 7), ha="center", fontsize=7, color=colour)
-            chart.series[f"{label}/{cfg}"] = len(xs)
-            chart.sources = sorted(set(chart.sources) | {pts[x].source for x in xs})
         turns = sorted({x for c in data[label].values() for x in c})
         prompt = {x: next(c[x].prompt_tokens for c in data[label].values() if x in c) for x in turns}
         ax.set_xticks(turns, [f"{x}\n({prompt[x]} tok)" for x in turns], fontsize=8)
@@ -206,14 +214,9 @@ def render_multi_turn(results: Path, out_dir: Path) -> Chart | None:
         ax.set_xlabel("turn (prompt tokens)")
         ax.set_ylabel("time to first token after a restart (s)")
         ax.grid(True, which="major", alpha=0.3)
-    fig.suptitle("Multi-turn race: TTFT of each turn after a restart, median and range of the rounds\n"
-                 "(small numbers: tokens restored, ours below its points, vLLM's tiering above)", fontsize=10)
-    handles = [plt.Line2D([], [], color=c, marker=m, label=lg) for lg, c, m in CONFIGS.values()]
-    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, bbox_to_anchor=(0.5, 0.05))
-    _footer(fig, chart.sources)
-    fig.tight_layout(rect=(0, 0.12, 1, 0.93))
-    fig.savefig(chart.path, dpi=110)
-    plt.close(fig)
+    _finish(fig, chart, "Multi-turn race: TTFT of each turn after a restart, median and range of the rounds\n"
+            "(small numbers: tokens restored, ours below its points, vLLM's tiering above)", title_size=10,
+            legend_size=8, legend_y=0.05, rect=(0, 0.12, 1, 0.93))
     return chart
 
 
@@ -242,7 +245,7 @@ def render_fs_tier(src: Path, out_dir: Path) -> Chart:
         fastest = doc.get("baseline_rows", {}).get(f"device_{raw_word}", f"raw {raw_word}")
         ax.axvline(limit, color="black", ls="--", lw=1.2,
                    label=f"device limit {limit:.2f} GB/s\n(fastest {raw_word} of the run: {fastest})")
-        for y, (k, g) in enumerate(zip(names, gb)):
+        for y, (_k, g) in enumerate(zip(names, gb)):
             ax.text(g + max(hi[y], 0) + limit * 0.05, y, f"{g:.2f} ({g / limit:.0%})", va="center",
                     fontsize=8)
         ax.set_xlim(0, max(max(g + h for g, h in zip(gb, hi)), limit) * 1.3)

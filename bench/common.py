@@ -6,14 +6,16 @@ import json
 import os
 import platform
 import resource
-import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# The one median of tests/ and bench/ (None values skipped, NaN when there is nothing), re-exported.
+from offload.engine_run import median  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -37,11 +39,6 @@ def measure(out: list[Sample]):
     c0, t0 = cpu_seconds(), time.perf_counter()
     yield
     out.append(Sample(time.perf_counter() - t0, cpu_seconds() - c0))
-
-
-def median(xs: Iterable[float]) -> float:
-    xs = list(xs)
-    return statistics.median(xs) if xs else float("nan")
 
 
 def drop_page_cache(files: Sequence[str | os.PathLike] = ()) -> str:
@@ -84,11 +81,12 @@ def filesystem_of(path: str | os.PathLike) -> str:
 
 def machine() -> dict[str, Any]:
     try:
-        model = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                     if l.startswith("model name"))
+        model = next(ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                     if ln.startswith("model name"))
     except (OSError, StopIteration):
         model = platform.processor()
-    return {"cpu": model, "cores": os.cpu_count(), "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+    mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    return {"cpu": model, "cores": os.cpu_count(), "mem_gib": mem_gib,
             "kernel": platform.release(), "loadavg_at_start": os.getloadavg()[0],
             "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 

@@ -38,7 +38,7 @@ def run(gib: float, reps: int, tiny: bool = False, out_dir: Path | None = None) 
     arena = torch.ones(total, dtype=torch.uint8)  # pre-faulted
     src = torch.ones(total, dtype=torch.uint8)
     slots, pos = [], 0
-    for c, g in files:
+    for _c, g in files:
         slots.append(arena[pos:pos + g.payload])
         pos += g.payload
     src_slots = [src[s.data_ptr() - arena.data_ptr():][:s.numel()] for s in slots]
@@ -88,7 +88,8 @@ def run(gib: float, reps: int, tiny: bool = False, out_dir: Path | None = None) 
     gb = {k: v["gb_s"] for k, v in res.items()}
     doc = {"bytes": total, "files": len(files), "reps": reps, "threads": 1,
            "page_bytes": {g.kind.value: g.pages.page_bytes for g in kv.groups},
-           "copies_per_file": {g.kind.value: len(g.ids[0]) * (2 * (kv.shape.attn_layers if g.index else kv.shape.mamba_layers))
+           "copies_per_file": {g.kind.value: len(g.ids[0]) * 2 * (kv.shape.attn_layers if g.index
+                                                                   else kv.shape.mamba_layers)
                                for g in kv.groups},
            "results": res,
            "ratio_gather_to_memcpy": gb["gather (pages -> host slots)"] / gb["memcpy, same call sizes (in)"],

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, drop_page_cache, filesystem_of, median, table, write_results
+from offload.engine_run import wait_until
 
 CHUNK = 256
 
@@ -51,16 +52,21 @@ def _wait_files(path: str, want: int, timeout_s: float = 120) -> int:
     is left and the count held still for one poll: stores are asynchronous
     and finish out of order across the store threads, so a count alone can
     be reached while an earlier chunk is still being written."""
-    deadline = time.monotonic() + timeout_s
     last = -1
-    while True:
+
+    def settled() -> bool:
+        nonlocal last
         names = [p.name for p in Path(path).rglob("*") if p.is_file()]
         n = sum(1 for x in names if x.endswith(".kv"))
         busy = any(".tmp." in x for x in names)
-        if (n >= want and not busy and n == last) or time.monotonic() > deadline:
-            return n
-        last = n
-        time.sleep(0.3)
+        done, last = n >= want and not busy and n == last, n
+        return done
+
+    try:
+        wait_until(settled, timeout_s, f"{want} chunk files under {path}", interval_s=0.3)
+    except TimeoutError:
+        pass  # the caller reports the count it got
+    return last
 
 
 def _tree_cpu_s() -> float:
@@ -140,8 +146,9 @@ def run_child(spec: dict, timeout_s: float = 1800, log_path: Path | None = None)
             raise RuntimeError(f"engine run failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}")
         res = json.loads(op.read_text())
         res["process_s"] = time.perf_counter() - t0
-        res["worker_counters"] = [l.split("worker counters", 1)[1].strip() for l in (proc.stdout + proc.stderr).splitlines()
-                                  if "kvoffload worker counters" in l]
+        res["worker_counters"] = [ln.split("worker counters", 1)[1].strip()
+                                  for ln in (proc.stdout + proc.stderr).splitlines()
+                                  if "kvoffload worker counters" in ln]
         return res
 
 
@@ -197,8 +204,9 @@ def run(model: str, long_tokens: int, n_long: int, miss_prompts: int, miss_token
         for r in range(1, miss_rounds):
             for name, cfg_kv, side in (("B", kv, b), ("A", None, a)):
                 x = run_child({"model": model, "engine_args": engine_args, "kv_config": cfg_kv,
-                               "phases": [{**miss_phase, "reps": [_prompts(1000 * r + 100 + i, miss_prompts, miss_tokens)
-                                                                  for i in range(miss_reps)]}]},
+                               "phases": [{**miss_phase,
+                                           "reps": [_prompts(1000 * r + 100 + i, miss_prompts, miss_tokens)
+                                                    for i in range(miss_reps)]}]},
                               log_path=logs / f"e2e-{name}{r}.log")
                 side["miss"] = side["miss"] + x["miss"]
     finally:
@@ -240,8 +248,9 @@ def run(model: str, long_tokens: int, n_long: int, miss_prompts: int, miss_token
                   f"{median(rest) * 1e3:.0f} ms", median([r['restored_tokens'] for r in restored]),
                   f"{ttft['speedup']:.1f}x", cache_method]]))
     print(table(["item 6: no reuse", "prompts x tok", "without connector", "with connector", "slowdown"],
-                [[f"median of {miss_reps * miss_rounds}", f"{miss_prompts} x {miss_tokens}", f"{missd['median_without']:.0f} tok/s",
-                  f"{missd['median_with']:.0f} tok/s", f"{missd['slowdown'] * 100:+.1f}%"],
+                [[f"median of {miss_reps * miss_rounds}", f"{miss_prompts} x {miss_tokens}",
+                  f"{missd['median_without']:.0f} tok/s", f"{missd['median_with']:.0f} tok/s",
+                  f"{missd['slowdown'] * 100:+.1f}%"],
                  ["CPU per token", "", f"{median(cpu_a):.3f} ms", f"{median(cpu_b):.3f} ms",
                   f"{missd['cpu_overhead'] * 100:+.1f}%"]]))
     path = write_results("e2e", doc, out_dir)

@@ -55,18 +55,18 @@ import torch
 
 from bench.common import GB, cpu_seconds, drop_page_cache, filesystem_of, median, table, write_results
 from bench.kvsynth import CHUNK, TINY, HybridKV, Shape
+from bench.tier_stack import planner_for
 from offload import _copier, copier
-from offload.keys import Fingerprint
-from offload.store.base import HostChunk, Placement
-from offload.store.buffers import BufferPool, probe_o_direct
-from offload.store.format import HEADER_LEN, ChunkHeader
-from offload.store.auth import AuthRef
-from offload.store.fs import FileStore, FsData, FsOptions
 from offload.config import parse_config
 from offload.connector.metadata import FileRef, LoadEntry, LoadJob, OffloadMetadata, TierSlot
 from offload.connector.worker import WorkerSide
+from offload.keys import Fingerprint
 from offload.metrics import Recorder
-from bench.tier_stack import planner_for
+from offload.store.auth import AuthRef
+from offload.store.base import HostChunk, Placement
+from offload.store.buffers import BufferPool, probe_o_direct
+from offload.store.format import HEADER_LEN, ChunkHeader
+from offload.store.fs import FileStore, FsData, FsOptions
 
 FP = Fingerprint(bytes(range(32)))
 RAW_IO = 16 << 20

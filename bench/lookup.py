@@ -116,12 +116,12 @@ def strace_count(root: str, tokens: int) -> list[int] | None:
     counts = []
     for i in range(2):
         try:
-            b = next(j for j, l in enumerate(lines) if MARK.format(f"begin{i}") in l)
-            e = next(j for j, l in enumerate(lines) if MARK.format(f"end{i}") in l)
+            b = next(j for j, ln in enumerate(lines) if MARK.format(f"begin{i}") in ln)
+            e = next(j for j, ln in enumerate(lines) if MARK.format(f"end{i}") in ln)
         except StopIteration:
             return None
-        counts.append(sum(1 for l in lines[b + 1:e]
-                          if re.search(r"\b(\w*stat\w*|access|faccessat2?|open|openat|readlink\w*)\(", l)))
+        counts.append(sum(1 for ln in lines[b + 1:e]
+                          if re.search(r"\b(\w*stat\w*|access|faccessat2?|open|openat|readlink\w*)\(", ln)))
     return counts
 
 

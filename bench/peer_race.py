@@ -52,34 +52,31 @@ default (API server, engine core and worker processes).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
-import re
 import shutil
 import signal
-import socket
 import stat
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, drop_page_cache, filesystem_of, table, write_results
+from bench.common import REPO, drop_page_cache, filesystem_of, median, table, write_results
+from offload.engine_run import Samples, complete, free_port, metric_sum, scrape, wait_until
 
 CONFIGS = ("ours", "vllm", "none")
 SEED = 13  # the prompts' random stream (bench/tie_check.py replays the first one)
 HOST_BYTES = 1 << 30  # configs/hybrid-tiered.json's cpu_bytes; vLLM's tiering gets the same
 SERVED = "m"
-
-Samples = list[tuple[str, dict[str, str], float]]
 
 
 # ---------------------------------------------------------------- configurations
@@ -123,33 +120,11 @@ def tree(pid: int) -> dict[str, float]:
     return {"cpu_s": cpu, "write_bytes": wb}
 
 
-_LINE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_metrics(text: str) -> Samples:
-    out = []
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if m:
-            out.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))))
-    return out
-
-
-def msum(samples: Samples, name: str, **labels: str) -> float:
-    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == w for k, w in labels.items()))
-
-
 def delta(a: Samples, b: Samples, name: str, **labels: str) -> float:
-    return msum(b, name, **labels) - msum(a, name, **labels)
+    return metric_sum(b, name, **labels) - metric_sum(a, name, **labels)
 
 
 # ---------------------------------------------------------------- the server
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -157,29 +132,40 @@ class Server:
     proc: subprocess.Popen
     base: str
     log: Path
+    start_s: float = 0.0  # from the start of `server()` until /health answered
 
     def metrics(self) -> Samples:
-        return parse_metrics(urllib.request.urlopen(f"{self.base}/metrics", timeout=60).read().decode())
+        return scrape(self.base)
 
     def tree(self) -> dict[str, float]:
         return tree(self.proc.pid)
 
-    def complete(self, ids: list[int], max_tokens: int = 1, timeout_s: float = 3600) -> dict:
-        body = json.dumps({"model": SERVED, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-                           "ignore_eos": True, "return_token_ids": True}).encode()
-        req = urllib.request.Request(f"{self.base}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        return json.loads(urllib.request.urlopen(req, timeout=timeout_s).read())
+    def complete(self, ids: list[int], max_tokens: int = 1, timeout_s: float = 3600, **body: Any) -> dict:
+        """Greedy tokens of `ids`, EOS ignored, with their token ids; `body` adds request fields."""
+        return complete(self.base, ids, max_tokens, model=SERVED, timeout_s=timeout_s, ignore_eos=True,
+                        return_token_ids=True, **body)
+
+    def answers(self) -> bool:
+        """Whether /health answers; raises if the server process has exited."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log.read_text()[-6000:]}")
+        try:
+            with urllib.request.urlopen(f"{self.base}/health", timeout=2):
+                return True
+        except OSError:
+            return False
 
 
 @contextmanager
 def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: int, log: Path,
            blocks: int | None = None, start_s: float = 1800, bind: str | None = None,
-           env: dict[str, str] | None = None) -> Iterator[Server]:
+           env: dict[str, str] | None = None, warm: list[int] | None = None) -> Iterator[Server]:
     """`bind`: VLLM_CPU_OMP_THREADS_BIND for the model's threads (two servers side by side on
     cores of their own); vLLM's automatic binding otherwise. `env`: variables set for this
-    server only (e.g. a smaller VLLM_CPU_KVCACHE_SPACE), over the defaults below."""
-    port = _free_port()
+    server only (e.g. a smaller VLLM_CPU_KVCACHE_SPACE), over the defaults below. `warm`: a
+    request served once the server is up, before it is yielded (every phase's warm-up)."""
+    w0 = time.perf_counter()
+    port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", str(max_model_len), "--enforce-eager", "--shutdown-timeout", "60",
@@ -200,17 +186,10 @@ def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: in
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     s = Server(proc, f"http://127.0.0.1:{port}", log)
     try:
-        deadline = time.monotonic() + start_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-6000:]}")
-            try:
-                urllib.request.urlopen(f"{s.base}/health", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"server did not start in {start_s:.0f} s")
-                time.sleep(1)
+        wait_until(s.answers, start_s, f"the server on {s.base} to start", interval_s=1)
+        s.start_s = time.perf_counter() - w0
+        if warm:
+            s.complete(warm)
         yield s
     finally:
         if proc.poll() is None:
@@ -223,13 +202,17 @@ def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: in
 
 
 def _settled(s: Server, before: Samples, n: int = 1, timeout_s: float = 60) -> Samples:
-    """Metrics once vLLM has recorded `n` more first tokens (its stats trail the response)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """Metrics once vLLM has recorded `n` more first tokens (its stats trail the response), or
+    after `timeout_s` as they are."""
+
+    def settled() -> Samples | None:
         m = s.metrics()
-        if delta(before, m, "vllm:time_to_first_token_seconds_count") >= n or time.monotonic() > deadline:
-            return m
-        time.sleep(0.05)
+        return m if delta(before, m, "vllm:time_to_first_token_seconds_count") >= n else None
+
+    try:
+        return wait_until(settled, timeout_s, "vLLM's first-token count")
+    except TimeoutError:
+        return s.metrics()
 
 
 # ---------------------------------------------------------------- phases
@@ -326,15 +309,22 @@ def _dir_state(path: Path) -> tuple[int, int, bool]:
 
 def wait_quiet(path: Path, timeout_s: float = 600, still_s: float = 3) -> tuple[int, int]:
     """Until the file tier's size held still for `still_s` with no temporary file: stores are
-    asynchronous in both connectors."""
-    deadline, last, since = time.monotonic() + timeout_s, None, time.monotonic()
-    while time.monotonic() < deadline:
+    asynchronous in both connectors. After `timeout_s`, the last size and count as they are."""
+    last: tuple[int, int] | None = None
+    since = time.monotonic()
+
+    def quiet() -> bool:
+        nonlocal last, since
         size, n, busy = _dir_state(path)
         if (size, n) != last or busy:
             last, since = (size, n), time.monotonic()
-        elif time.monotonic() - since >= still_s:
-            break
-        time.sleep(0.5)
+            return False
+        return time.monotonic() - since >= still_s
+
+    try:
+        wait_until(quiet, timeout_s, f"{path} to hold still", interval_s=0.5)
+    except TimeoutError:
+        pass
     return last or (0, 0)
 
 
@@ -342,7 +332,7 @@ def stored_tokens(name: str, path: Path, metrics: Samples, attention_groups: int
     """Prompt tokens the file tier holds: ours from its own counter (attention groups), vLLM's
     from its files (per group directory `*_g<i>`, tokens_per_hash x blocks_per_file each)."""
     if name == "ours":
-        return int(msum(metrics, "kvoffload_stored_tokens_total", tier="fs", group_kind="full_attention")
+        return int(metric_sum(metrics, "kvoffload_stored_tokens_total", tier="fs", group_kind="full_attention")
                    / max(1, attention_groups))
     cfgs = list(path.rglob("config.json"))
     if not cfgs:
@@ -428,8 +418,7 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         log = log_dir / f"{mr.label}-store-{c}.log"
         print(f"[{mr.label}] store: {c}", flush=True)
         bind = str(("ours", "vllm").index(c) % (os.cpu_count() or 1)) if parallel_store else None
-        with server(mr.model, kv_config(c, d), args, max_len, log, bind=bind) as s:
-            s.complete(warm)
+        with server(mr.model, kv_config(c, d), args, max_len, log, bind=bind, warm=warm) as s:
             t0 = s.tree()
             rows = serve_long(s, long_p, flush)
             size, nfiles = wait_quiet(d)
@@ -454,10 +443,8 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         method = method or drop_page_cache(files)
         log = log_dir / f"{mr.label}-r{r}-{c}.log"
         print(f"[{mr.label}] round {r}: {c}", flush=True)
-        w0 = time.perf_counter()
-        with server(mr.model, kv_config(c, d), args, max_len, log) as s:
-            start_s = time.perf_counter() - w0
-            s.complete(warm)
+        with server(mr.model, kv_config(c, d), args, max_len, log, warm=warm) as s:
+            start_s = s.start_s
             rows = serve_long(s, long_p, flush)
             if mr.with_load and not separate_load:
                 load = bench_serve(s, mr.model, mr.load, log_dir, mr.seed + 1)
@@ -469,8 +456,7 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
             # A server of its own: a KV cache too small for the load's prefixes needs the load's
             # max_model_len, not the long prompts'.
             log = log_dir / f"{mr.label}-r{r}-{c}-load.log"
-            with server(mr.model, kv_config(c, d), args, load_len, log, blocks) as s:
-                s.complete(warm[:32])
+            with server(mr.model, kv_config(c, d), args, load_len, log, blocks, warm=warm[:32]) as s:
                 load = bench_serve(s, mr.model, mr.load, log_dir, mr.seed + 1)
             out["load_worker_counters"] = worker_counters(log.read_text(errors="replace"))
         out["load"] = load
@@ -483,9 +469,9 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         if parallel:
             files = [f for c in order for f in prepare(c)[1]]
             method = drop_page_cache(files)
-            res = _each(order, lambda c: restart(r, c, method), True)
+            res = _each(order, functools.partial(restart, r, method=method), True)
         else:
-            res = _each(order, lambda c: restart(r, c), False)
+            res = _each(order, functools.partial(restart, r), False)
         doc["rounds"].append({"order": list(order), **res})
         if checkpoint is not None:  # a long run that dies keeps its finished rounds
             checkpoint(doc)
@@ -494,11 +480,6 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
 
 
 # ---------------------------------------------------------------- summary
-
-def _med(xs: list[float]) -> float:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else float("nan")
-
 
 def _spread(xs: list[float]) -> list[float]:
     xs = [x for x in xs if x is not None]
@@ -519,27 +500,27 @@ def summarize(doc: dict) -> dict:
         row: dict[str, Any] = {}
         for c in configs:
             tt = [r[c]["ttft"][i]["ttft_s"] for r in rounds]
-            row[c] = {"ttft_s": tt, "median_ttft_s": _med(tt),
+            row[c] = {"ttft_s": tt, "median_ttft_s": median(tt),
                       "restored_tokens": [r[c]["ttft"][i]["external_tokens"] for r in rounds],
-                      "cpu_s": _med([r[c]["ttft"][i]["cpu_s"] for r in rounds])}
+                      "cpu_s": median([r[c]["ttft"][i]["cpu_s"] for r in rounds])}
         # ratios per round (same round = same machine conditions), then their median and spread
         for a, b in _pairs(configs):
             q = [r[a]["ttft"][i]["ttft_s"] / r[b]["ttft"][i]["ttft_s"] for r in rounds]
-            row[f"ttft_{a}_over_{b}"] = {"median": _med(q), "spread": _spread(q)}
+            row[f"ttft_{a}_over_{b}"] = {"median": median(q), "spread": _spread(q)}
         if "none" in configs:
             q = [r["none"]["ttft"][i]["ttft_s"] / r["ours"]["ttft"][i]["ttft_s"] for r in rounds]
-            row["speedup_ours_vs_recompute"] = {"median": _med(q), "spread": _spread(q)}
+            row["speedup_ours_vs_recompute"] = {"median": median(q), "spread": _spread(q)}
         ours = [r["ours"]["ttft"][i] for r in rounds]
         row["ours_restore"] = {
             "restored_bytes": ours[0]["restored_bytes"],
-            "read_s": {k: _med([o["read_s"].get(k, 0) for o in ours]) for k in ours[0]["read_s"]},
-            "scatter_s": {k: _med([o["scatter_s"].get(k, 0) for o in ours]) for k in ours[0]["scatter_s"]},
-            "load_s": _med([o["load_s"] for o in ours]),
-            "ttft_s": _med([o["ttft_s"] for o in ours])}
+            "read_s": {k: median([o["read_s"].get(k, 0) for o in ours]) for k in ours[0]["read_s"]},
+            "scatter_s": {k: median([o["scatter_s"].get(k, 0) for o in ours]) for k in ours[0]["scatter_s"]},
+            "load_s": median([o["load_s"] for o in ours]),
+            "ttft_s": median([o["ttft_s"] for o in ours])}
         if "vllm" in configs:
             vl = [r["vllm"]["ttft"][i] for r in rounds]
-            row["vllm_restore"] = {"load_bytes": _med([v.get("vllm_load_bytes", 0) for v in vl]),
-                                   "load_time_s": _med([v.get("vllm_load_time_s", 0) for v in vl])}
+            row["vllm_restore"] = {"load_bytes": median([v.get("vllm_load_bytes", 0) for v in vl]),
+                                   "load_time_s": median([v.get("vllm_load_time_s", 0) for v in vl])}
         if "none" in configs:
             ref = [r["none"]["ttft"][i]["first_token"] for r in rounds]
             row["identical_first_token"] = {c: all(r[c]["ttft"][i]["first_token"] == t for r, t in zip(rounds, ref))
@@ -547,15 +528,15 @@ def summarize(doc: dict) -> dict:
         out["per_length"][str(n)] = row
     for c in configs if doc["load"] else ():
         ld = [r[c]["load"] for r in rounds]
-        out["load"][c] = {k: _med([x[k] for x in ld]) for k in
+        out["load"][c] = {k: median([x[k] for x in ld]) for k in
                           ("total_token_throughput", "request_throughput", "mean_ttft_ms", "external_tokens",
                            "local_hit_tokens", "cpu_s")}
         out["load"][c]["total_token_throughput_runs"] = [x["total_token_throughput"] for x in ld]
-        out["load"][c]["cpu_s_per_1k_tokens"] = _med(
+        out["load"][c]["cpu_s_per_1k_tokens"] = median(
             [x["cpu_s"] / max(1, x["total_input_tokens"] + x["total_output_tokens"]) * 1e3 for x in ld])
     for a, b in _pairs(configs) if doc["load"] else ():
         q = [r[a]["load"]["total_token_throughput"] / r[b]["load"]["total_token_throughput"] for r in rounds]
-        out["load"][f"throughput_{a}_over_{b}"] = {"median": _med(q), "spread": _spread(q)}
+        out["load"][f"throughput_{a}_over_{b}"] = {"median": median(q), "spread": _spread(q)}
     st = doc["store"]
     out["bytes_written_per_stored_token"] = {c: st[c]["written_bytes_per_token"] for c in st}
     out["disk_bytes_per_stored_token"] = {c: st[c]["disk_bytes_per_token"] for c in st}
@@ -593,7 +574,7 @@ def print_tables(doc: dict) -> None:
         return f"{row[c]['median_ttft_s']:.3g} s" if c in row else "-"
 
     def restored(row: dict, c: str) -> str:
-        return f"{_med(row[c]['restored_tokens']):.0f}" if c in row else "-"
+        return f"{median(row[c]['restored_tokens']):.0f}" if c in row else "-"
 
     rows = []
     for n, row in s["per_length"].items():
@@ -695,10 +676,8 @@ def run_multi_turn_model(mr: MultiTurnRun, work: Path, plan: Any, log_dir: Path,
                     [str(p) for p in d.rglob("*") if p.is_file()])
             log = log_dir / f"{mr.label}-mt-r{r}-{c}-t{t + 1}.log"
             print(f"[{mr.label}] multi-turn round {r}: {c}, turn {t + 1}", flush=True)
-            w0 = time.perf_counter()
-            with server(mr.model, kv_config(c, d), args, mr.max_model_len, log, env=mr.env) as s:
-                start_s = time.perf_counter() - w0
-                s.complete(warm)
+            with server(mr.model, kv_config(c, d), args, mr.max_model_len, log, env=mr.env, warm=warm) as s:
+                start_s = s.start_s
                 row = measure(s, prompt, flush, mr.answer_tokens)
                 # The stores of this turn (asynchronous in both connectors) land before the restart.
                 size, nfiles = wait_quiet(d) if c != "none" else (0, 0)
@@ -713,7 +692,7 @@ def run_multi_turn_model(mr: MultiTurnRun, work: Path, plan: Any, log_dir: Path,
     cs = mr.configs
     for r in range(mr.rounds):
         order = cs[r % len(cs):] + cs[:r % len(cs)]  # rotated: drift falls on every configuration
-        res = _each(order, lambda c: conversation(r, c), parallel)
+        res = _each(order, functools.partial(conversation, r), parallel)
         doc["rounds"].append({"order": list(order), **res})
         if checkpoint is not None:
             checkpoint(doc)
@@ -734,17 +713,17 @@ def summarize_multi_turn(doc: dict) -> dict:
         for c in configs:
             turns = [r[c]["turns"][i] for r in rounds]
             tt = [x["ttft_s"] for x in turns]
-            row[c] = {"ttft_s": tt, "median_ttft_s": _med(tt), "spread_ttft_s": _spread(tt),
+            row[c] = {"ttft_s": tt, "median_ttft_s": median(tt), "spread_ttft_s": _spread(tt),
                       "prompt_tokens": [x["prompt_tokens"] for x in turns],
                       "restored_tokens": [x["external_tokens"] for x in turns],
                       "cached_tokens": [x["cached_tokens"] for x in turns],
                       "output_tokens": [len(x["output_ids"]) for x in turns]}
         for a, b in _pairs(configs):
             q = [r[a]["turns"][i]["ttft_s"] / r[b]["turns"][i]["ttft_s"] for r in rounds]
-            row[f"ttft_{a}_over_{b}"] = {"median": _med(q), "spread": _spread(q)}
+            row[f"ttft_{a}_over_{b}"] = {"median": median(q), "spread": _spread(q)}
         if "none" in configs:
             q = [r["none"]["turns"][i]["ttft_s"] / r["ours"]["turns"][i]["ttft_s"] for r in rounds]
-            row["speedup_ours_vs_recompute"] = {"median": _med(q), "spread": _spread(q)}
+            row["speedup_ours_vs_recompute"] = {"median": median(q), "spread": _spread(q)}
             row["identical_output"] = {c: all(r[c]["turns"][i]["output_ids"] == r["none"]["turns"][i]["output_ids"]
                                               for r in rounds) for c in configs if c != "none"}
         out["per_turn"][str(i + 1)] = row
@@ -766,10 +745,10 @@ def print_multi_turn_tables(doc: dict) -> None:
 
     rows = []
     for t, row in s["per_turn"].items():
-        rows.append([doc["label"], f"turn {t} ({_med(row['ours']['prompt_tokens']):.0f} tok)",
+        rows.append([doc["label"], f"turn {t} ({median(row['ours']['prompt_tokens']):.0f} tok)",
                      *(cell(row, c, lambda x: f"{x['median_ttft_s']:.3g} s") for c in CONFIGS),
                      ratio(row, "ttft_ours_over_vllm"), ratio(row, "ttft_ours_over_none"),
-                     " / ".join(cell(row, c, lambda x: f"{_med(x['restored_tokens']):.0f}") for c in CONFIGS),
+                     " / ".join(cell(row, c, lambda x: f"{median(x['restored_tokens']):.0f}") for c in CONFIGS),
                      str(row.get("identical_output", "-"))])
     print(table(["model", "TTFT after a restart (median)", "ours", "vLLM tiering", "recompute", "ours / vLLM",
                  "ours / recompute", "restored tok ours / vLLM / none", "tokens = recompute's"], rows))
@@ -780,41 +759,10 @@ def run_multi_turn(runs: list[MultiTurnRun], work_dir: str | None = None, out_di
     """The multi-turn race of each model; one JSON, `<out_dir>/<name>.json` (bench/results/
     multi_turn*.json is what bench/charts.py draws): the configurations, then per model the plan,
     the flags, the conversation's sizes, every round's turns and the summary."""
-    from offload.plan import plan_for_models
-
-    if work_dir:
-        Path(work_dir).mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="kvoffload-mt-", dir=work_dir))
-    log_dir = work / "logs"
-    plans = plan_for_models([r.model for r in runs])
-    doc: dict[str, Any] = {"mode": "multi_turn", "cache_fs": filesystem_of(work),
-                           "configs": {c: kv_config(c, Path("PATH")) for c in CONFIGS},
-                           "vllm_cpu_num_of_reserved_cpu": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
-                           "vllm_cpu_kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
-                           "models": []}
-    keep_logs = Path(tempfile.gettempdir()) / "kvoffload-bench-logs" / name
-    try:
-        for mr, plan in zip(runs, plans):
-            if isinstance(plan, Exception):
-                raise plan
-            t0 = time.monotonic()
-            done = list(doc["models"])
-            m = run_multi_turn_model(
-                mr, work, plan, log_dir, parallel,
-                lambda part: write_results(name + ".partial", {**doc, "models": done + [part]}, out_dir))
-            m["wall_s"] = time.monotonic() - t0
-            doc["models"].append(m)
-            print_multi_turn_tables(m)
-    finally:
-        doc["work_dir"] = str(work)
-        shutil.rmtree(keep_logs, ignore_errors=True)
-        if log_dir.exists():
-            shutil.copytree(log_dir, keep_logs)
-        shutil.rmtree(work, ignore_errors=True)
-    path = write_results(name, doc, out_dir)
-    (path.parent / f"{name}.partial.json").unlink(missing_ok=True)
-    print(f"wrote {path} (server logs in {keep_logs})")
-    return doc
+    return _race(runs, work_dir, out_dir, name, "kvoffload-mt-", {"mode": "multi_turn"},
+                 lambda mr, work, plan, log_dir, checkpoint: run_multi_turn_model(mr, work, plan, log_dir, parallel,
+                                                                                  checkpoint),
+                 print_multi_turn_tables)
 
 
 # ---------------------------------------------------------------- driver
@@ -832,34 +780,49 @@ def _vllm_bench_serve(argv: list[str]) -> int:
 def run(runs: list[ModelRun], work_dir: str | None = None, out_dir: Path | None = None,
         name: str = "peer_race", parallel: bool = False, separate_load: bool = True,
         parallel_store: bool = False) -> dict:
+    """The long-prompt race of each model; one JSON, `<out_dir>/<name>.json`."""
+
+    def one(mr: ModelRun, work: Path, plan: Any, log_dir: Path, checkpoint: Callable[[dict], Any]) -> dict:
+        if "prefix_chunks" in mr.load:  # a prefix of whole chunks: the plan's, on this CPU
+            mr.load = {**mr.load, "prefix_len": mr.load.pop("prefix_chunks") * plan.hybrid_chunk_size}
+        return run_model(mr, work, plan, log_dir, parallel, separate_load, checkpoint, parallel_store)
+
+    return _race(runs, work_dir, out_dir, name, "kvoffload-race-", {}, one, print_tables)
+
+
+def _race(runs: list[Any], work_dir: str | None, out_dir: Path | None, name: str, prefix: str,
+          header: dict[str, Any], one: Callable[..., dict], print_model: Callable[[dict], None]) -> dict:
+    """What the race and the multi-turn race share: a work directory (under `work_dir`, removed
+    after, its server logs kept in $TMPDIR/kvoffload-bench-logs/<name>), the plan of every model,
+    `one(run, work, plan, log_dir, checkpoint)` per model (`checkpoint(part)` writes
+    `<name>.partial.json` with the models so far and `part`: a long run that dies keeps its finished
+    rounds), its table, and `<out_dir>/<name>.json`."""
     from offload.plan import plan_for_models
 
     if work_dir:
         Path(work_dir).mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="kvoffload-race-", dir=work_dir))
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=work_dir))
     log_dir = work / "logs"
     plans = plan_for_models([r.model for r in runs])
-    doc: dict[str, Any] = {"cache_fs": filesystem_of(work), "configs": {c: kv_config(c, Path("PATH")) for c in CONFIGS},
+    doc: dict[str, Any] = {**header, "cache_fs": filesystem_of(work),
+                           "configs": {c: kv_config(c, Path("PATH")) for c in CONFIGS},
                            "vllm_cpu_num_of_reserved_cpu": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
                            "vllm_cpu_kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
                            "models": []}
+    keep_logs = Path(tempfile.gettempdir()) / "kvoffload-bench-logs" / name
     try:
         for mr, plan in zip(runs, plans):
             if isinstance(plan, Exception):
                 raise plan
-            if "prefix_chunks" in mr.load:  # a prefix of whole chunks: the plan's, on this CPU
-                mr.load = {**mr.load, "prefix_len": mr.load.pop("prefix_chunks") * plan.hybrid_chunk_size}
             t0 = time.monotonic()
             done = list(doc["models"])
-            m = run_model(mr, work, plan, log_dir, parallel, separate_load,
-                          lambda part: write_results(name + ".partial", {**doc, "models": done + [part]}, out_dir),
-                          parallel_store)
+            m = one(mr, work, plan, log_dir,
+                    functools.partial(_checkpoint, name + ".partial", doc, done, out_dir))
             m["wall_s"] = time.monotonic() - t0
             doc["models"].append(m)
-            print_tables(m)
+            print_model(m)
     finally:
         doc["work_dir"] = str(work)
-        keep_logs = Path(tempfile.gettempdir()) / "kvoffload-bench-logs" / name
         shutil.rmtree(keep_logs, ignore_errors=True)
         if log_dir.exists():
             shutil.copytree(log_dir, keep_logs)
@@ -868,6 +831,10 @@ def run(runs: list[ModelRun], work_dir: str | None = None, out_dir: Path | None 
     (path.parent / f"{name}.partial.json").unlink(missing_ok=True)
     print(f"wrote {path} (server logs in {keep_logs})")
     return doc
+
+
+def _checkpoint(name: str, doc: dict, done: list[dict], out_dir: Path | None, part: dict) -> None:
+    write_results(name, {**doc, "models": [*done, part]}, out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -882,7 +849,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hybrid-tokens", default="4096,8192,16384", help="long prompts on the hybrid (item 2)")
     ap.add_argument("--llama-tokens", default="3900,3840",
                     help="llama-tiny's limit is 4096 tokens. 3900: both connectors restore 3840 tokens; 3840: a "
-                         "chunk-aligned prompt, which both connectors restore whole (vLLM computes its last token again)")
+                         "chunk-aligned prompt, which both connectors restore whole "
+                         "(vLLM computes its last token again)")
     ap.add_argument("--load", default=None, help="JSON overriding the load of every model "
                     "(num_prompts, num_prefixes, prefix_len or prefix_chunks, suffix_len, output_len, concurrency)")
     ap.add_argument("--blocks", type=int, default=None, help="--num-gpu-blocks-override for every model")
@@ -905,8 +873,10 @@ def main(argv: list[str] | None = None) -> int:
     mt.add_argument("--multi-turn", action="store_true", help="run the multi-turn race instead of the long prompts")
     mt.add_argument("--turns", type=int, default=4)
     mt.add_argument("--first-tokens", type=int, default=None, help="turn 1's prompt (default: per model)")
-    mt.add_argument("--message-tokens", type=int, default=None, help="each later turn's new message (default: per model)")
-    mt.add_argument("--answer-tokens", type=int, default=None, help="greedy output tokens per turn (default: per model)")
+    mt.add_argument("--message-tokens", type=int, default=None,
+                    help="each later turn's new message (default: per model)")
+    mt.add_argument("--answer-tokens", type=int, default=None,
+                    help="greedy output tokens per turn (default: per model)")
     a = ap.parse_args(argv)
     # SIGTERM unwinds like Ctrl-C: the servers (sessions of their own) are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

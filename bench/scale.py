@@ -30,9 +30,9 @@ import argparse
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import os
 import random
-import importlib.util
 import shutil
 import statistics
 import subprocess

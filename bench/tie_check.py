@@ -12,7 +12,6 @@ import json
 import random
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 
 from bench import peer_race as pr
@@ -28,11 +27,7 @@ def main(argv: list[str]) -> int:
     log = Path(tempfile.gettempdir()) / "kvoffload-tie-check.log"
     with pr.server(model, None, list(plan.serve_args), n + 64, log) as s:
         for attempt in ("computed whole", "from vLLM's prefix cache"):
-            body = json.dumps({"model": pr.SERVED, "prompt": ids, "max_tokens": 1, "temperature": 0,
-                               "logprobs": 5, "return_token_ids": True}).encode()
-            req = urllib.request.Request(f"{s.base}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-            out = json.loads(urllib.request.urlopen(req, timeout=3600).read())
+            out = s.complete(ids, 1, logprobs=5)
             c = out["choices"][0]
             cached = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
             print(f"{attempt}: token {c['token_ids']}, cached {cached}, top-5 {c['logprobs']['top_logprobs'][0]}",

@@ -40,9 +40,9 @@ from bench.kvsynth import CHUNK, TINY, HybridKV, Shape
 from offload.config import parse_config
 from offload.connector.metadata import FileRef, LoadEntry, LoadJob, OffloadMetadata, StoreJob, TierSlot
 from offload.connector.worker import WorkerSide
-from offload.multi_connector.share import GatherShare
 from offload.keys import Fingerprint
 from offload.metrics import Recorder
+from offload.multi_connector.share import GatherShare
 from offload.planner import GroupSpec, HybridOffloadPlanner
 from offload.store import tier_spec
 from offload.store.base import TierContext, TierIndex, TierSpec

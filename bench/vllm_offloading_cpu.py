@@ -72,7 +72,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from vllm.logger import init_logger
 from vllm.utils.math_utils import cdiv
 from vllm.v1.kv_offload.base import (
@@ -318,7 +317,7 @@ def run_connector(model: str, prompts: Sequence[Sequence[int]], kv_transfer_conf
 def default_prompts(seed: int = 2026) -> list[list[int]]:
     """~300, ~745, ~1300 tokens and one sharing the 745-token prompt's first 640 tokens."""
     rng = random.Random(seed)
-    r = lambda n: [rng.randrange(2, 1000) for _ in range(n)]  # noqa: E731
+    r = lambda n: [rng.randrange(2, 1000) for _ in range(n)]
     a, b, c = r(300), r(745), r(1300)
     return [a, b, c, b[:640] + r(260)]
 

@@ -12,8 +12,18 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
-from offload.store.options import (FROM_CONFIG, STORE_HELP, STORES, AuthConfig, ByteCount, CpuOptions, FsOptions,
-                                   LMCacheOptions, keys, misplaced)
+from offload.store.options import (
+    FROM_CONFIG,
+    STORE_HELP,
+    STORES,
+    AuthConfig,
+    ByteCount,
+    CpuOptions,
+    FsOptions,
+    LMCacheOptions,
+    keys,
+    misplaced,
+)
 
 EXTRA_CONFIG = "kv_connector_extra_config"
 
@@ -118,7 +128,7 @@ def _store_of(tier: Any) -> str | None:
 def _written(doc: Any, path: list[Any], default: Any) -> Any:
     """The value at `path` as the user wrote it ("1K", where a check after parsing reports 1024)."""
     for p in path:
-        if isinstance(doc, dict) and p in doc or isinstance(doc, list) and isinstance(p, int) and p < len(doc):
+        if (isinstance(doc, dict) and p in doc) or (isinstance(doc, list) and isinstance(p, int) and p < len(doc)):
             doc = doc[p]
         else:
             return default

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -57,7 +57,7 @@ class LayerPages:
     tensor: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor, num_blocks: int) -> "LayerPages":
+    def from_tensor(cls, t: torch.Tensor, num_blocks: int) -> LayerPages:
         """Describe ``t`` whose FIRST dim of size ``num_blocks`` is the block dim.
 
         Dims before it (e.g. K/V) become separate segments; dims after it must

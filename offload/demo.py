@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg_path, prompts_path = cache / "kv-transfer-config.json", cache / "prompts.jsonl"
     cfg_path.write_text(json.dumps(kv, indent=2))
     prompts_path.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
-    print(f"kvoffload demo: {Path(args.model).name} ({'hybrid' if 'mamba' in {g.kind for g in plan.groups} else 'attention'}), "
+    kind = "hybrid" if "mamba" in {g.kind for g in plan.groups} else "attention"
+    print(f"kvoffload demo: {Path(args.model).name} ({kind}), "
           f"{len(prompts)} prompts in 4 shared-prefix groups (run 1 can reuse "
           f"{sum(shared) / sum(map(len, prompts)):.1%} of its tokens within the run), cache {cache}")
     cmd = ["warmup", "--config", str(cfg_path), "--prompts", str(prompts_path), "--model", args.model,

@@ -14,25 +14,37 @@ finished pass, and its metrics to DIR/metrics.json after the last pass. With
 (`EngineRun.release`): a test changes the cache between passes, or two
 engines take turns. With `RunSpec.hold` the engine stays up after its last
 pass until it is killed, as a server killed in service would.
+
+The end of the module is the one client harness that tests/ and bench/ share
+for servers they start: a free port, a completion, /metrics read through
+prometheus_client's parser, sums of samples, medians and polling with a
+deadline.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from prometheus_client.parser import text_string_to_metric_families
+
+# Prometheus samples: (name, labels, value), names as exported (`_total`, `_sum`, `_bucket` kept).
 Samples = list[tuple[str, dict[str, str], float]]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -116,14 +128,10 @@ class RunResult:
 
     @property
     def median_ttft_s(self) -> float:
-        return statistics.median(r.ttft_s for r in self.results) if self.results else 0.0
+        return median(r.ttft_s for r in self.results) if self.results else 0.0
 
     def outputs(self) -> list[list[int]]:
         return [r.output_ids for r in self.results]
-
-
-def metric_sum(samples: Samples, name: str, **labels: str) -> float:
-    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == want for k, want in labels.items()))
 
 
 class EngineRun:
@@ -163,14 +171,16 @@ class EngineRun:
 
     def wait_pass(self, p: int, timeout_s: float = 900) -> None:
         """Until pass `p` has finished; raises if the engine exits first."""
-        deadline = time.monotonic() + timeout_s
-        while self.passes_done() <= p:
+
+        def ended() -> bool:
+            if self.passes_done() > p:
+                return True
             if self.proc.poll() is not None:
                 raise RuntimeError(f"engine exited (code {self.proc.returncode}) before pass {p} ended:\n"
                                    f"{self.log[-6000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"pass {p} did not end in {timeout_s:.0f} s")
-            time.sleep(0.1)
+            return False
+
+        wait_until(ended, timeout_s, f"pass {p} to end", interval_s=0.1)
 
     def release(self, p: int) -> None:
         """Let a gated run start pass `p`."""
@@ -315,6 +325,72 @@ def _serve_one(llm: Any, ids: list[int], params: Any) -> PromptResult:
         restored_by_tier={t: int(v["restored_tokens"]) for t, v in tiers.items()},
         ttft_s=ttft if ttft > 0 else wall, output_ids=list(o.outputs[0].token_ids), wall_s=wall,
     )
+
+
+# ---- the client harness of tests/ and bench/ ---------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the caller's server binds it next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(pred: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
+    """Poll `pred` until it returns a truthy value, which is returned; TimeoutError naming `what`
+    after `timeout_s`. An exception from `pred` propagates (a server that died is not waited for)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(interval_s)
+
+
+def parse_metrics(text: str) -> Samples:
+    """Every sample of a Prometheus text exposition, through prometheus_client's parser."""
+    return [(s.name, dict(s.labels), float(s.value)) for fam in text_string_to_metric_families(text)
+            for s in fam.samples]
+
+
+def scrape(base: str, timeout_s: float = 60) -> Samples:
+    """Every sample of the server's /metrics."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=timeout_s) as r:
+        return parse_metrics(r.read().decode())
+
+
+def metric_sum(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of `name`'s samples whose labels include `labels`."""
+    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == want for k, want in labels.items()))
+
+
+def metric_by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
+    """`name`'s samples summed per value of `label` ("" where a sample lacks it)."""
+    out: dict[str, float] = {}
+    for n, lab, v in samples:
+        if n == name:
+            out[lab.get(label, "")] = out.get(lab.get(label, ""), 0.0) + v
+    return out
+
+
+def complete(base: str, prompt: list[int], max_tokens: int = 4, *, model: str = "tiny", timeout_s: float = 300,
+             **body: Any) -> dict:
+    """One greedy `/v1/completions` request of token ids; `body` adds fields (e.g. ignore_eos,
+    return_token_ids, logprobs). Returns the response's JSON."""
+    data = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       **body}).encode()
+    req = urllib.request.Request(f"{base}/v1/completions", data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def median(xs: Iterable[float | None]) -> float:
+    """The median of the values that are not None; NaN when there are none."""
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else math.nan
 
 
 def main(argv: list[str]) -> int:

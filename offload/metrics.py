@@ -48,7 +48,8 @@ _TG = ("connector", "tier", "group_kind")
 _TR = ("connector", "tier", "reason")
 
 METRICS: dict[str, MetricDef] = {
-    "kvoffload_lookups": MetricDef("counter", _T, "Prefix lookups (one per request, however often vLLM asks while it waits for room)."),
+    "kvoffload_lookups": MetricDef(
+        "counter", _T, "Prefix lookups (one per request, however often vLLM asks while it waits for room)."),
     "kvoffload_lookup_hit_tokens": MetricDef("counter", _T, "Prompt tokens a lookup found restorable in the tier."),
     "kvoffload_lookup_miss_tokens": MetricDef(
         "counter", _T, "Prompt tokens beyond vLLM's own prefix cache that a lookup did not find."),
@@ -74,14 +75,16 @@ METRICS: dict[str, MetricDef] = {
         "counter", _TG, "Files that failed verification (header, size or CRC) and were quarantined."),
     "kvoffload_evictions": MetricDef("counter", _TG, "Entries evicted from the tier to make room."),
     "kvoffload_load_seconds": MetricDef("histogram", _T, "Time to restore one request's hit, read to scatter."),
-    "kvoffload_store_seconds": MetricDef("histogram", _TG, "Time to store one (chunk, group) entry, gather to durable."),
+    "kvoffload_store_seconds": MetricDef(
+        "histogram", _TG, "Time to store one (chunk, group) entry, gather to durable."),
     "kvoffload_load_throughput_bytes_per_second": MetricDef(
         "gauge", _T, "Bytes per second of the loads completed in the last report (bytes / load time)."),
     "kvoffload_store_throughput_bytes_per_second": MetricDef(
         "gauge", _T, "Bytes per second of the stores completed in the last report (bytes / store time)."),
     "kvoffload_store_queue_bytes": MetricDef("gauge", _T, "Gathered bytes waiting to be written (the store queue)."),
     "kvoffload_store_queue_limit_bytes": MetricDef(
-        "gauge", _T, "max_pending_store_bytes: past it stores are dropped (backpressure); on the tier the queue is on."),
+        "gauge", _T,
+        "max_pending_store_bytes: past it stores are dropped (backpressure); on the tier the queue is on."),
     "kvoffload_loads_in_flight": MetricDef("gauge", _T, "Loads submitted and not yet finished."),
     "kvoffload_bytes_in_use": MetricDef("gauge", _TG, "Bytes held by the tier (files: the whole cache directory)."),
     "kvoffload_files_in_use": MetricDef("gauge", _TG, "Entries held by the tier (files, or host-memory slots)."),

@@ -368,8 +368,8 @@ def plan_from_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
     """The plan for a live engine's configuration. Instantiates nothing.
 
     Raises `ChunkSizeError` if `hybrid_chunk_size` is not a multiple of every
-    group's block size, or not the block-size LCM on a hybrid (`check_chunk_size`), and `ValueError` for a group kind the
-    connector does not support.
+    group's block size, or not the block-size LCM on a hybrid (`check_chunk_size`), and `ValueError` for a
+    group kind the connector does not support.
     """
     from vllm.platforms import current_platform
 
@@ -502,7 +502,7 @@ def _run_children(requests: list[dict[str, Any]], tp: int, timeout_s: float) -> 
         logs = []
         try:
             for rank in range(tp):
-                log = open(Path(tmp) / f"rank{rank}.log", "w+b")
+                log = open(Path(tmp) / f"rank{rank}.log", "w+b")  # noqa: SIM115 - closed in the finally below
                 logs.append(log)
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "offload.plan", json.dumps({**job, "rank": rank})],

@@ -105,7 +105,7 @@ def in_background(fn, *args, **kwargs) -> Future:
     def run():
         try:
             fut.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+        except BaseException as e:  # re-raised by result()
             fut.set_exception(e)
 
     threading.Thread(target=run, daemon=True).start()
@@ -154,7 +154,7 @@ class Lane:
                     continue
                 try:
                     fut.set_result(self._run(fn))
-                except BaseException as e:  # noqa: BLE001 - re-raised by the test that asks
+                except BaseException as e:  # re-raised by the test that asks
                     fut.set_exception(e)
 
         # LANES threads take the jobs round-robin: an engine start is mostly one core importing
@@ -170,7 +170,7 @@ class Lane:
                 fut.set_running_or_notify_cancel()
                 try:
                     fut.set_result(self._run(fn))
-                except BaseException as e:  # noqa: BLE001
+                except BaseException as e:
                     fut.set_exception(e)
         return fut.result()
 

@@ -8,17 +8,13 @@ each offload tier reports the tokens it restored for that request), or, for a
 request the client was told to abandon, that it hung up and when. Hanging up
 closes the TCP connection, which is what vLLM sees when a user closes a tab:
 the server aborts the request (`finished_reason="abort"` in its metrics).
-
-Also reads vLLM's Prometheus text format (`/metrics`) into plain dicts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,33 +180,3 @@ async def _run(base: str, reqs: list[Request], concurrency: int, timeout_s: floa
 def run_load(base: str, reqs: list[Request], concurrency: int, timeout_s: float = 900) -> LoadReport:
     """Send every request, at most `concurrency` at a time; results in request order."""
     return asyncio.run(_run(base, reqs, concurrency, timeout_s))
-
-
-# ---- /metrics --------------------------------------------------------------------------
-
-_SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(?:\{(.*)\})? (\S+)$')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def scrape(base: str) -> list[tuple[str, dict[str, str], float]]:
-    """Every sample of the server's /metrics: (name, labels, value)."""
-    text = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
-    out = []
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            out.append((m[1], dict(_LABEL.findall(m[2] or "")), float(m[3])))
-    return out
-
-
-def total(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
-    """Sum of a metric's samples whose labels include `labels`."""
-    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
-
-
-def by_label(samples: list[tuple[str, dict[str, str], float]], name: str, label: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for n, lab, v in samples:
-        if n == name:
-            out[lab.get(label, "")] = out.get(lab.get(label, ""), 0.0) + v
-    return out

@@ -1,38 +1,48 @@
-"""A real vLLM OpenAI server (and a real Prometheus) for end-to-end tests."""
+"""A real vLLM OpenAI server (and a real Prometheus) for end-to-end tests.
+
+The client side (a free port, a completion, /metrics through prometheus_client's parser, sums of
+samples, polling with a deadline) is offload/engine_run.py's, which bench/ uses too; it is
+re-exported here for the tests.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from conftest import engine_args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from offload.engine_run import (  # noqa: F401 - re-exported: the tests' one harness
+    Samples,
+    complete,
+    free_port,
+    median,
+    metric_by_label,
+    metric_sum,
+    parse_metrics,
+    scrape,
+    wait_until,
+)
 
 
 def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    """Until `url` answers; fails at once, with the log's end, if `proc` exits first."""
+
+    def answers() -> bool:
         assert proc.poll() is None, f"{proc.args[0]} exited:\n{log.read_text()[-4000:]}"
         try:
-            urllib.request.urlopen(url, timeout=2)
-            return
+            urllib.request.urlopen(url, timeout=2).close()
+            return True
         except OSError:
-            assert time.monotonic() < deadline, f"{url} did not answer in {timeout_s}s"
-            time.sleep(1)
+            return False
+
+    wait_until(answers, timeout_s, f"{url} to answer", interval_s=1)
 
 
 @contextmanager
@@ -83,12 +93,6 @@ def api_server(model: Path, kv_transfer_config: dict | None, log: Path, hybrid: 
     env.update({"VLLM_CPU_KVCACHE_SPACE": "1", **(extra_env or {})})
     with _running(cmd, log, f"http://127.0.0.1:{port}", "/health", timeout_s, 90, env) as base:
         yield base
-
-
-def complete(base: str, prompt: list[int], max_tokens: int = 4, timeout_s: float = 300) -> dict:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
-    req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    return json.loads(urllib.request.urlopen(req, timeout=timeout_s).read())
 
 
 def post(base: str, path: str) -> None:

@@ -20,15 +20,23 @@ import blake3
 import pytest
 import torch
 
-from test_format_store import FIELD_OFFSETS, FP, LAYOUT, crc32c_ref, header, key_of, payload
-
-from offload.store.paths import LAYOUT_DIR
 from offload import cli
-from offload.store.auth import (KEY_ID_CONTEXT, MAC_CONTEXT, AuthRef, KeyConfigError, Keyring, Unauthenticated,
-                                check_entry, frame, load_keyring)
+from offload.store.auth import (
+    KEY_ID_CONTEXT,
+    MAC_CONTEXT,
+    AuthRef,
+    KeyConfigError,
+    Keyring,
+    Unauthenticated,
+    check_entry,
+    frame,
+    load_keyring,
+)
 from offload.store.base import ChunkMiss, MissReason, OptionError
 from offload.store.format import HEADER_LEN, MAC_OFFSET, NO_KEY, ChunkHeader, FormatError
 from offload.store.fs import FileStore, FsOptions
+from offload.store.paths import LAYOUT_DIR
+from test_format_store import FIELD_OFFSETS, FP, LAYOUT, crc32c_ref, header, key_of, payload
 
 K1 = bytes(range(32, 80))  # 48 bytes
 K2 = b"second deployment key, rotated in.." + bytes(range(13))
@@ -401,13 +409,12 @@ def test_fsck_key_errors_exit_2_without_the_key(tmp_path, capsys):
 
 @pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")
 def test_lmcache_objects_carry_the_same_mac(tmp_path):
-    from test_lmcache_tier import pooled
-
-    from offload.store.buffers import BufferPool
     from offload.store.base import Placement
+    from offload.store.buffers import BufferPool
     from offload.store.cachedir import CacheDirs
     from offload.store.lmcache import LMCacheData, LMCacheOptions, open_objects
     from offload.store.lmcache_objects import lmcache_key, object_name
+    from test_lmcache_tier import pooled
 
     kf1, kf2 = key_file(tmp_path, "k1", K1), key_file(tmp_path, "k2", K2)
     opts = LMCacheOptions(local_cpu_bytes=8 << 20, auth=AuthRef(kf1))

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from offload.store.paths import LAYOUT_DIR
 from offload import cli
 from offload.cli.gc import parse_size
 from offload.cli.prompts import PromptFileError, load, token_ids
 from offload.cli.warmup import expected, verdict
 from offload.engine_run import PromptResult, RunResult
 from offload.planner import GroupKind, GroupSpec, HybridOffloadPlanner
+from offload.store.paths import LAYOUT_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,6 @@ import io
 import json
 import os
 import random
-import re
 import shutil
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import pytest
 from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt
 from offload import cli
 from offload.cli.prompts import load, token_ids
-from offload.engine_run import RunSpec, run_engine
+from offload.engine_run import RunSpec, run_engine, wait_until
 from offload.keys import chunk_keys, request_root
 from offload.store.format import HEADER_LEN, ChunkHeader
 
@@ -60,7 +59,8 @@ def warm(models_dir, tmp_path_factory, fs_server):
     prompts = d / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in TOKEN_PROMPTS)
                        + json.dumps({"prompt": TEXT}) + "\n")
-    rc, out = cli_run("warmup", "--config", str(cfg), "--prompts", str(prompts), "--model", model, "--verify")
+    rc, out = cli_run("warmup", "--config", str(cfg), "--prompts", str(prompts), "--model", model, "--verify",
+                      "--json")
     snapshot = tmp_path_factory.mktemp("snapshot")
     shutil.copytree(d / "cache", snapshot, dirs_exist_ok=True)
     return {"rc": rc, "out": out, "model": model, "snapshot": snapshot, "ids": token_ids(load(prompts), model)}
@@ -108,13 +108,12 @@ def dir_bytes(cache: Path) -> int:
 def test_warmup_verify_restores_every_chunk_aligned_prefix_after_a_restart(warm):
     out = warm["out"]
     assert warm["rc"] == 0, out
-    assert "verify OK" in out
-    m = re.search(r"cross-restart hit rate ([\d.]+)% \(expected at least ([\d.]+)%\)", out)
-    assert m and float(m.group(1)) >= float(m.group(2)) > 50, out
-    row = next(ln for ln in out.splitlines() if ln.startswith("2 after restart"))
-    cols = row.split()
-    assert cols[cols.index("ms") - 2] == "0", f"no load failures: {row}"  # the 'failed' column
-    assert "yes (5/5)" in row
+    rep = json.loads(out)
+    assert rep["verify"] == {"ok": True, "problems": []}, rep["verify"]
+    assert rep["cross_restart_hit_rate"] >= rep["expected_hit_rate"] > 0.5, out
+    [after] = [r for r in rep["runs"] if r["label"] == "2 after restart"]
+    assert after["failed_loads"] == 0, f"no load failures: {after}"
+    assert after["identical"] == [5, 5], after
     for ids in warm["ids"]:  # every prompt was stored whole, text included
         assert all(f.exists() for f in files_of(warm["snapshot"], ids, ATTN)), "attention chunks stored"
 
@@ -294,19 +293,18 @@ def test_warmup_url_replays_text_and_token_prompts_through_a_running_server(fs_s
     prompts.write_text(json.dumps({"prompt": TEXT}) + "\n"
                        + json.dumps({"prompt_token_ids": TOKEN_PROMPTS[3]}) + "\n")
     url = fs_server.url()
-    rc, first = cli_run("warmup", "--prompts", str(prompts), "--url", url)
-    assert rc == 0, first
-    rc, second = cli_run("warmup", "--prompts", str(prompts), "--url", url)
-    assert rc == 0, second
-    n_tok = int(re.search(r"2 prompts, (\d+) prompt tokens", first).group(1))
-    assert n_tok > len(TOKEN_PROMPTS[3])  # the server tokenized the text prompt
-    cached1 = int(re.search(r"cached (\d+) ", first).group(1))
-    cached2 = int(re.search(r"cached (\d+) ", second).group(1))
+    rc, out = cli_run("warmup", "--prompts", str(prompts), "--url", url, "--json")
+    assert rc == 0, out
+    first = json.loads(out)
+    rc, out = cli_run("warmup", "--prompts", str(prompts), "--url", url, "--json")
+    assert rc == 0, out
+    second = json.loads(out)
+    assert first["prompts"] == 2
+    assert first["prompt_tokens"] > len(TOKEN_PROMPTS[3])  # the server tokenized the text prompt
+    cached1, cached2 = first["cached_tokens"], second["cached_tokens"]
     # The second pass finds both prompts' chunk-aligned prefixes (vLLM's cache or the tier).
     assert cached2 > cached1 and cached2 >= (len(TOKEN_PROMPTS[3]) - 1) // CHUNK * CHUNK, (first, second)
-    assert "restored per tier: fs" in first, first
+    assert "fs" in first["restored_by_tier"], first
     # The server's worker stored the prompts' chunks (it keeps running: its stores may still be in flight).
-    deadline = time.monotonic() + 60
-    while not all(f.exists() for f in files_of(fs_server.cache, TOKEN_PROMPTS[3], ATTN)):
-        assert time.monotonic() < deadline, "the server did not store the prompt's chunks"
-        time.sleep(0.5)
+    wait_until(lambda: all(f.exists() for f in files_of(fs_server.cache, TOKEN_PROMPTS[3], ATTN)), 60,
+               "the server storing the prompt's chunks", interval_s=0.5)

@@ -66,10 +66,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import shipped_config
+from conftest import layouts, shipped_config
+from loadgen import LoadReport, Request, Result, run_load
 from offload.store.format import HEADER_LEN, ChunkHeader
-from loadgen import LoadReport, Request, Result, by_label, run_load, scrape, total
-from serving import api_server
+from serving import api_server, metric_by_label, metric_sum, scrape, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (README, Tests)
 
@@ -117,9 +117,11 @@ def tiered_config(cache: Path) -> dict:
     return shipped_config("hybrid-tiered.json", cache)
 
 
-def chunk_from_log(log: Path) -> int:
-    sizes = {int(m) for m in re.findall(r"OffloadConnector: hybrid_chunk_size=(\d+)", log.read_text())}
-    assert len(sizes) == 1, f"one hybrid_chunk_size in the start-up log, got {sizes}"
+def chunk_of(cache: Path) -> int:
+    """The chunk size a server's connector runs with: its file tier's layout.json (docs/format.md),
+    which the worker writes at start-up."""
+    sizes = {lay["chunk_size"] for lay in layouts(cache).values()}
+    assert len(sizes) == 1, f"one chunk size in {cache}'s layout.json, got {sizes}"
     return sizes.pop()
 
 
@@ -149,7 +151,7 @@ def started_together(*cms):
             try:
                 results.append(fut.result())
                 stack.push(cm.__exit__)
-            except BaseException as e:  # noqa: BLE001 - raised below, once the others are stopped
+            except BaseException as e:  # raised below, once the others are stopped
                 error = error or e
         if error is not None:
             raise error
@@ -168,8 +170,8 @@ def servers(models_dir, tmp_path_factory):
     t0 = time.monotonic()
     figures: dict = {}
     with started_together(ref, small) as (ref_base, small_base):
-        chunk = chunk_from_log(tmp / "small.log")
-        assert chunk_from_log(tmp / "ref.log") == chunk
+        chunk = chunk_of(tmp / "cache")
+        assert chunk_of(tmp / "ref-cache") == chunk
         figures.update(servers_start_s=round(time.monotonic() - t0, 1), hybrid_chunk_size=chunk,
                        small_server_blocks=SMALL_BLOCKS)
         yield Servers(Server(ref_base, tmp / "ref.log", tmp / "ref-cache"),
@@ -188,11 +190,11 @@ def record(servers: Servers, name: str, figures: dict) -> None:
 
 
 def delta(after, before, name: str, **labels: str) -> float:
-    return total(after, name, **labels) - total(before, name, **labels)
+    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
 
 def deltas_by(after, before, name: str, label: str, nonzero: bool = False) -> dict[str, float]:
-    a, b = by_label(after, name, label), by_label(before, name, label)
+    a, b = metric_by_label(after, name, label), metric_by_label(before, name, label)
     d = {k: a.get(k, 0.0) - b.get(k, 0.0) for k in a}
     return {k: v for k, v in d.items() if v} if nonzero else d
 
@@ -216,21 +218,24 @@ def reset_prefix_cache(base: str, timeout_s: float = 120) -> float:
     """Reset vLLM's own prefix cache (our tiers keep theirs). vLLM refuses while any KV block is
     held (running requests, loads in flight), so success also proves that nothing holds a block.
     Returns the seconds until it succeeded."""
-    t0 = time.monotonic()
-    while True:
+    def reset() -> bool:
         req = urllib.request.Request(f"{base}/reset_prefix_cache", method="POST")
-        if json.loads(urllib.request.urlopen(req, timeout=60).read()).get("success"):
-            return time.monotonic() - t0
-        assert time.monotonic() - t0 < timeout_s, f"vLLM still holds KV blocks after {timeout_s}s"
-        time.sleep(0.2)
+        return bool(json.loads(urllib.request.urlopen(req, timeout=60).read()).get("success"))
+
+    t0 = time.monotonic()
+    wait_until(reset, timeout_s, "vLLM to let go of every KV block (POST /reset_prefix_cache)", interval_s=0.2)
+    return time.monotonic() - t0
 
 
 def wait_idle(base: str, idle: float, timeout_s: float = 60) -> float:
-    """vLLM's KV cache usage gauge, once it is back at `idle` (or the timeout passed)."""
-    deadline = time.monotonic() + timeout_s
-    while (usage := total(scrape(base), "vllm:kv_cache_usage_perc")) > idle and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return usage
+    """vLLM's KV cache usage gauge, once it is back at `idle` (or the timeout passed: the caller
+    asserts on the value)."""
+    usage = lambda: metric_sum(scrape(base), "vllm:kv_cache_usage_perc")
+    try:
+        wait_until(lambda: usage() <= idle, timeout_s, "KV cache usage back at idle", interval_s=0.5)
+    except TimeoutError:
+        pass
+    return usage()
 
 
 def temp_files(cache: Path) -> list[Path]:
@@ -240,10 +245,12 @@ def temp_files(cache: Path) -> list[Path]:
 
 
 def wait_no_temp_files(cache: Path, timeout_s: float = 60) -> list[Path]:
-    deadline = time.monotonic() + timeout_s
-    while (left := temp_files(cache)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return left
+    """[] once no temporary file is left; those left after `timeout_s` (the caller asserts)."""
+    try:
+        wait_until(lambda: not temp_files(cache), timeout_s, "no temporary file left", interval_s=0.5)
+    except TimeoutError:
+        pass
+    return temp_files(cache)
 
 
 def page_sizes(cache: Path) -> dict[str, float]:
@@ -310,7 +317,7 @@ class InBackground:
         def run():
             try:
                 self._box["value"] = fn(*args)
-            except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            except BaseException as e:  # re-raised by result()
                 self._box["error"] = e
 
         self._thread = threading.Thread(target=run, daemon=True)
@@ -422,7 +429,7 @@ def run_concurrent_load(servers: Servers, size: LoadSize, name: str) -> None:
         "stores_dropped": deltas_by(after, before, "kvoffload_stores_dropped_total", "reason", nonzero=True),
         "later_requests": len(later_rep.results), "later_identical_outputs": len(later_rep.results) - len(wrong_later),
         "later_restored_tokens": sum(r.restored_tokens() for r in later_rep.results),
-        "reference_restored_tokens": total(ref_after, "kvoffload_restored_tokens_total"),
+        "reference_restored_tokens": metric_sum(ref_after, "kvoffload_restored_tokens_total"),
         "load_wall_s": round(rep.wall_s, 1),
     }
     record(servers, name, figures)
@@ -514,7 +521,7 @@ def run_aborts(servers: Servers, size: AbortSize, name: str) -> None:
     reset_prefix_cache(small.base)
     log_start = small.log.stat().st_size
     before = scrape(small.base)
-    idle = total(before, "vllm:kv_cache_usage_perc")
+    idle = metric_sum(before, "vllm:kv_cache_usage_perc")
     reports: list[LoadReport] = []
     forced: Counter = Counter()
     t0 = time.monotonic()
@@ -570,7 +577,7 @@ def run_aborts(servers: Servers, size: AbortSize, name: str) -> None:
         "stores_dropped": deltas_by(after, before, "kvoffload_stores_dropped_total", "reason", nonzero=True),
         "kv_cache_usage_before_after": [idle, usage], "seconds_until_no_block_held": round(settle_s, 2),
         "temp_files_left": len(leftover),
-        "reference_restored_tokens": total(scrape(servers.ref.base), "kvoffload_restored_tokens_total"),
+        "reference_restored_tokens": metric_sum(scrape(servers.ref.base), "kvoffload_restored_tokens_total"),
         "load_wall_s": round(load_wall, 1),
     }
     record(servers, name, figures)

@@ -249,7 +249,7 @@ def test_attention_only_tails_a_short_prompt_a_next_turn_and_a_tail_vllm_cached(
       so after a reset a repeat restores it with the exact bytes."""
     eng = make("fs")
     planner = eng.scheduler.connector.planner
-    files = lambda: sorted(tmp_path.glob("cache/kvoffload-v2/*/g*/*/*.kv"))  # noqa: E731
+    files = lambda: sorted(tmp_path.glob("cache/kvoffload-v2/*/g*/*/*.kv"))
     short = prompt(21, CHUNK - 50)
     assert hit(eng, len(short)) == (len(short) - 1) // BS * BS > 0 and planner.max_hit_chunks(len(short)) == 0
     store_prompt(eng, "s", short, tmp_path)

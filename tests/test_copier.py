@@ -378,7 +378,7 @@ def test_gather_out_param_and_threads():
     # > 16 MiB so the threaded split is actually used.
     nb = 64
     t = torch.randint(-128, 128, (2, nb, 300_000), dtype=torch.int8)
-    ids = list(range(10, 40)) + [63, 0, 5] + list(range(41, 60))
+    ids = [*list(range(10, 40)), 63, 0, 5, *list(range(41, 60))]
     ref = torch.cat([t[k, b].view(torch.uint8) for b in ids for k in range(2)])  # one layer, K then V per block
     for threads in (1, 3):
         g = GroupPages([LayerPages.from_tensor(t, nb)], nb, torch.device("cpu"), num_threads=threads)

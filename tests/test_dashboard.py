@@ -93,7 +93,7 @@ def test_layout_ids_datasource_and_rows():
     boxes = []
     for p in ps:
         g = p["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24 and g["h"] > 0
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24 and g["h"] > 0
         boxes.append((p["title"], g["x"], g["y"], g["x"] + g["w"], g["y"] + g["h"]))
         if p["type"] != "row":
             assert p["datasource"]["uid"] == uid and p["targets"]

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt
-from offload.engine_run import EngineRun, RunSpec, start_engine
+from offload.engine_run import EngineRun, RunSpec, start_engine, wait_until
 from offload.keys import chunk_keys, request_root
 from offload.planner import GroupKind, GroupSpec, HybridOffloadPlanner
 from offload.store.auth import KEY_ID_CONTEXT, MAC_CONTEXT, Keyring, frame
@@ -276,11 +276,22 @@ def redis_objects(client) -> dict[bytes, bytes]:
     return {k: client.get(k) for k in keys}
 
 
+def new_objects(client, seen: set[bytes], n: int, timeout_s: float = 60) -> dict[bytes, bytes]:
+    """The remote's objects not in `seen`, once there are `n` of them (the remote is written
+    behind), or as they are after `timeout_s` (the caller asserts on how many came)."""
+    unseen = lambda: {k: v for k, v in redis_objects(client).items() if k not in seen}
+    try:
+        wait_until(lambda: len(unseen()) >= n, timeout_s, f"{n} new objects on the remote", interval_s=0.1)
+    except TimeoutError:
+        pass
+    return unseen()
+
+
 def _redis(models_dir, tmp_path):
+    import redis
+
     from test_e2e_lmcache import remote_cfg
     from test_lmcache_objects import RedisServer
-
-    import redis
 
     rng = random.Random(2024)
     names = "PQRSTU"
@@ -311,13 +322,7 @@ def _redis(models_dir, tmp_path):
         seen: set[bytes] = set()
         for p, n in enumerate(names):
             e1.wait_pass(p, timeout_s=1200)
-            deadline = time.monotonic() + 60
-            while True:  # the remote is written behind: wait for the prompt's 4 objects (2 chunks x 2 groups)
-                objs = redis_objects(client)
-                new = {k: v for k, v in objs.items() if k not in seen}
-                if len(new) >= 4 or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
+            new = new_objects(client, seen, 4)
             assert len(new) == 4, (n, len(new))  # 2 full chunks x (GDN state, attention)
             per_prompt[n] = new
             seen |= set(new)
@@ -337,7 +342,7 @@ def _redis(models_dir, tmp_path):
         planner = HybridOffloadPlanner([GroupSpec(kinds[g], CHUNK, 1, 1) for g in sorted(kinds)], CHUNK)
         out["files_per_load"] = sum(len(planner.needed(g, 2)) for g in range(len(kinds)))
 
-        (kp, vp), (kq, vq), (kr, vr), (ks, vs) = (attn0(n) for n in "PQRS")
+        (kp, vp), (kq, vq), (kr, vr), (ks, _) = (attn0(n) for n in "PQRS")
         attacker = bytes(random.Random(8).randrange(256) for _ in range(len(vp) - HEADER_LEN))
         client.set(kp, reframe(vp, attacker))  # P: planted, no MAC
         client.set(kq, vr)  # Q and R swapped

@@ -45,8 +45,8 @@ def chunk_files(cache: Path, model: str, prompt: list[int], group: int) -> list[
 
 def serve(models: Path, model: str, cache: Path | None, seed: str, prompts=PROMPTS) -> RunResult:
     kv = fs_kv_config(cache) if cache is not None else None
-    return run_engine(RunSpec(str(models / model), prompts, kv, max_tokens=12, engine_args=engine_args(hybrid="qwen" in model)),
-                      env={"PYTHONHASHSEED": seed})
+    spec = RunSpec(str(models / model), prompts, kv, max_tokens=12, engine_args=engine_args(hybrid="qwen" in model))
+    return run_engine(spec, env={"PYTHONHASHSEED": seed})
 
 
 # Engine runs side by side (tests/conftest.py), in three rounds of two: the reference and the cold

@@ -24,14 +24,12 @@ Prefill on this geometry runs at tens of tokens per second on a 2-core CPU
 from __future__ import annotations
 
 import random
-import re
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from conftest import random_prompt, shipped_config
-from serving import api_server, complete, post
+from serving import api_server, complete, metric_sum, post, scrape
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
@@ -45,9 +43,7 @@ def shipped(name: str, path: Path) -> dict:
 
 
 def restored(base: str, tier: str) -> float:
-    text = urllib.request.urlopen(f"{base}/metrics", timeout=60).read().decode()
-    return sum(float(v) for v in re.findall(
-        rf'^kvoffload_restored_tokens_total\{{[^}}]*tier="{tier}"[^}}]*\}} (\S+)$', text, re.M))
+    return metric_sum(scrape(base), "kvoffload_restored_tokens_total", tier=tier)
 
 
 def cached(out: dict) -> int:

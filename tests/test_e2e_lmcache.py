@@ -113,10 +113,10 @@ def remote_cfg(path, url: str) -> dict:
 
 
 def engine_stats(log: str) -> dict[str, int]:
-    """LMCache's counts summed over the engine's storage engines (the worker's, and the scheduler's
-    where it keeps its own for remote lookups: each logs one line when the connector shuts down)."""
+    """For a failure's message only: LMCache's counts summed over the engine's storage engines (the
+    worker's, and the scheduler's where it keeps its own for remote lookups: each logs one line when
+    the connector shuts down, after the engine's last metrics)."""
     m = re.findall(r"LMCache storage engine stats: (.*)", log)
-    assert m, "no LMCache stats line in the engine log"
     out: dict[str, int] = {}
     for line in m:
         for k, v in re.findall(r"(\w+)=(\d+)", line):
@@ -178,7 +178,9 @@ def test_two_engines_share_a_redis_remote_and_survive_its_kill(prefetched):
           f"lookup miss tokens {misses:.0f}, failed loads {failed:.0f}, failed requests 0; "
           f"B's LMCache stats {stats_b}; C restored {c.results[0].restored_tokens}; {r['s']:.0f}s")
     assert misses >= hit(P2) or failed >= 1
-    assert stats_b["remote_hits"] >= 1
+    # B's first request, P1, restored whole from the lmcache tier (asserted above) in a fresh process whose
+    # LMCache local pool started empty: a remote hit, which is all its storage engine's remote_hits counted.
+    assert b.index_of[0] == 0 and r_p1.restored_by_tier["lmcache"] > 0
 
 
 @pytest.mark.long

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt, start_connector
-from serving import complete
 from offload.config import ConfigError
 from offload.engine_run import RunSpec, run_engine
 from offload.keys import chunk_keys, request_root
+from serving import complete
 
 
 def _check_chunk_size_message(log: str) -> None:

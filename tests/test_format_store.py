@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from offload.keys import FORMAT_VERSION
-from offload.store.paths import LAYOUT_DIR
 from offload.planner import GroupKind
-from offload.store.format import HEADER_LEN, MAGIC, ChunkHeader, FormatError
 from offload.store.base import HostChunk
 from offload.store.buffers import BufferPool
+from offload.store.format import HEADER_LEN, MAGIC, ChunkHeader, FormatError
 from offload.store.fs import ChunkMiss, FileStore
+from offload.store.paths import LAYOUT_DIR
 
 PAGE = 4096
 NPAGES = 3
@@ -235,7 +235,7 @@ def store(tmp_path: Path) -> FileStore:
 def test_file_path_follows_documented_layout(tmp_path):
     s = FileStore.open(str(tmp_path), FP)
     k = key_of("A")
-    assert LAYOUT_DIR == f"kvoffload-v{FORMAT_VERSION}", "the layout directory names the format version"
+    assert f"kvoffload-v{FORMAT_VERSION}" == LAYOUT_DIR, "the layout directory names the format version"
     assert s.root == tmp_path / LAYOUT_DIR / FP.hex()
     assert s.file_path(3, k) == tmp_path / LAYOUT_DIR / FP.hex() / "g3" / k.hex()[:2] / f"{k.hex()}.kv"
 
@@ -571,7 +571,7 @@ def test_concurrent_writers_of_same_key(store):
         barrier.wait()
         try:
             r: object = store.write(h, data.clone())
-        except Exception as e:  # noqa: BLE001 - recorded and asserted below
+        except Exception as e:
             r = e
         with lock:
             results.append(r)
@@ -598,7 +598,7 @@ def test_concurrent_writers_of_many_keys_and_readers(store):
         try:
             for i, k in enumerate(keys):
                 store.write(header(key=k), payload(i))
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     def reader() -> None:
@@ -612,7 +612,7 @@ def test_concurrent_writers_of_many_keys_and_readers(store):
                         assert e.reason == "missing", e  # never a half-written file
                         continue
                     assert torch.equal(out, payload(i))
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]

@@ -29,7 +29,7 @@ def ref_chain(root: bytes, tokens: list[int], chunk_size: int) -> list[bytes]:
     out, prev = [], root
     for c in range(len(tokens) // chunk_size):
         part = tokens[c * chunk_size:(c + 1) * chunk_size]
-        prev = hashlib.sha256(prev + struct.pack("<%dI" % len(part), *part)).digest()
+        prev = hashlib.sha256(prev + struct.pack(f"<{len(part)}I", *part)).digest()
         out.append(prev)
     return out
 
@@ -220,7 +220,7 @@ def test_partial_last_chunk_has_no_key():
     assert len(got) == 3
     assert got == ref_chain(root, toks[:3 * CHUNK], CHUNK)
     # Completing the partial chunk appends exactly one key and keeps the others.
-    more = chunk_keys(root, toks + [42], CHUNK)
+    more = chunk_keys(root, [*toks, 42], CHUNK)
     assert more[:3] == got and len(more) == 4
 
 

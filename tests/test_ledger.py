@@ -17,18 +17,17 @@ import sys
 import time
 from pathlib import Path
 
-
 import torch
 
 from conftest import REPO
 from ledger_instance import ATTN, FP, GDN, key, true_bytes, write_prompt
-from offload.store.paths import LAYOUT_DIR
 from offload.planner import GroupKind
 from offload.store import ledger as lg
 from offload.store.budget import DirBudget
 from offload.store.format import ChunkHeader
 from offload.store.fs import FileStore
 from offload.store.housekeeper import Housekeeper
+from offload.store.paths import LAYOUT_DIR
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1"}
 

@@ -25,9 +25,8 @@ import torch
 
 from conftest import REPO
 from lmcache_peer import payload
-from serving import free_port
-
 from offload.store.lmcache_objects import LMCacheObjects, lmcache_key, object_name
+from serving import free_port
 
 # LMCache's logging attaches opentelemetry-sdk's LoggingHandler to every logger it makes.
 pytestmark = pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")

@@ -21,18 +21,17 @@ from pathlib import Path
 import pytest
 import redis
 
-from test_format_store import FP, FP2, key_of, payload
-from test_lmcache_objects import RedisServer
-from serving import free_port
-
 from offload import cli
 from offload.planner import GroupKind
 from offload.store.base import ChunkMiss, HostChunk, Placement
 from offload.store.buffers import BufferPool
-from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.cachedir import CacheDirs
+from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.lmcache import LMCacheData, LMCacheOptions, open_objects
 from offload.store.lmcache_objects import object_name, redis_key
+from serving import free_port
+from test_format_store import FP, FP2, key_of, payload
+from test_lmcache_objects import RedisServer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")
 REPO = Path(__file__).resolve().parents[1]
@@ -159,7 +158,7 @@ def test_stats_reports_what_the_tier_put(redis_server, tmp_path, capsys):
     assert f"LMCache remote {redis_server.url} " in out and f"{len(A) + len(B)} objects" in out
     assert f"{FP.hex()[:16]}…" in out and f"{FP2.hex()[:16]}…" in out
     rows = [ln.split() for ln in out.splitlines() if ln.startswith("  g") and ln.split()[0][1:].isdigit()]
-    assert ["g0", "mamba", "4"] == rows[0][:3] and ["g1", "full_attention", "3"] == rows[1][:3], out
+    assert rows[0][:3] == ["g0", "mamba", "4"] and rows[1][:3] == ["g1", "full_attention", "3"], out
     assert "chunks 4 (3 complete), longest chain 768 tokens" in out
 
 

@@ -7,15 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_format_store import FP, header, key_of, payload
-
 from offload.config import ConfigError, parse_config
 from offload.store.base import ChunkMiss, HostChunk, MissReason, Placement, TierContext
 from offload.store.buffers import BufferPool
-from offload.store.format import HEADER_LEN
 from offload.store.cachedir import CacheDirs
+from offload.store.format import HEADER_LEN
 from offload.store.lmcache import LMCacheData, LMCacheOptions, LMCacheTier, open_objects, release_objects
 from offload.store.lmcache_objects import object_name
+from test_format_store import FP, header, key_of, payload
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")
 OPTS = LMCacheOptions(local_cpu_bytes=8 << 20)

@@ -22,8 +22,8 @@ TYPES = {Counter: Counter, Gauge: Gauge, Histogram: Histogram}
 
 def prom(registry=None) -> tuple[OffloadPromMetrics, CollectorRegistry]:
     registry = registry or CollectorRegistry()
-    return OffloadPromMetrics(SimpleNamespace(kv_transfer_config=None), TYPES, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]},
-                              registry=registry), registry
+    return OffloadPromMetrics(SimpleNamespace(kv_transfer_config=None), TYPES, ["model_name", "engine"],
+                              {0: ["m", "0"], 1: ["m", "1"]}, registry=registry), registry
 
 
 def sample(registry: CollectorRegistry, name: str, **labels) -> float | None:

@@ -63,7 +63,7 @@ def _torch_ssm_bytes() -> int:
     return 4 if torch.cpu._is_avx512_bf16_supported() else BF16
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _torchvision_importable() -> bool:
     try:
         subprocess.run([sys.executable, "-c", "import torchvision.transforms.v2"], check=True,
@@ -144,7 +144,7 @@ def planned(geometry_models):
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         results = plan_for_models([geometry_models / m for m in MODELS] + [geometry_models / "no-such-model"])
-        yield dict(zip(MODELS + ["no-such-model"], results)), cli
+        yield dict(zip([*MODELS, "no-such-model"], results)), cli
     finally:
         if cli.poll() is None:
             cli.kill()
@@ -323,7 +323,8 @@ def test_cli_json_tensor_parallel_2(planned, geometry_models):
     assert doc["block_sizes"] == [exp["block"]] * 4
     assert [g["page_bytes_per_layer"] for g in doc["groups"]] == [exp["state_page"]] * 3 + [exp["attn_page"]]
     chunk = exp["block"]  # a hybrid's chunk is its block size (check_chunk_size)
-    assert [g["file_bytes"] for g in doc["groups"]] == [HEADER_LEN + exp["state_page"]] * 3 + [HEADER_LEN + exp["attn_page"]]
+    assert [g["file_bytes"] for g in doc["groups"]] == ([HEADER_LEN + exp["state_page"]] * 3
+                                                       + [HEADER_LEN + exp["attn_page"]])
     assert doc["hybrid_chunk_size"] == chunk and doc["chunk_size_given"] is False
     assert doc["engine_kwargs"] == {"enable_prefix_caching": True, "max_num_batched_tokens": chunk,
                                     "prefix_cache_retention_interval": chunk, "tensor_parallel_size": 2}

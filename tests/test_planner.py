@@ -134,7 +134,7 @@ def test_gemma3_sliding_window_stores_only_the_window_and_needs_only_it():
     assert p.stored(1, 3).blocks == range(48, 64)
     # A hit at 4 chunks needs SW chunk 3 only; SW chunks 0..2 may be missing.
     assert [gc.chunk for gc in p.needed(0, 4)] == [3]
-    present = lambda g, ch: g == 1 or ch == 3  # noqa: E731
+    present = lambda g, ch: g == 1 or ch == 3
     assert p.lookup(4 * 256 + 1, present).chunks == 4
     # Without the window chunk the hit drops to a boundary whose window exists.
     assert p.lookup(4 * 256 + 1, lambda g, ch: g == 1 or ch == 1).chunks == 2
@@ -177,7 +177,7 @@ def test_lookup_equals_brute_force_on_random_stores(name):
         full_end = rng.randint(0, chunks)  # full attention prefix-closed
         other = {(g, c) for g in range(len(p.groups)) for c in range(chunks) if rng.random() < 0.7}
 
-        def present(g, ch):
+        def present(g, ch, full_end=full_end, other=other):
             if p.groups[g].kind is FULL:
                 return ch < full_end
             return (g, ch) in other
@@ -227,7 +227,7 @@ def test_tail_unit_is_used_only_where_vllm_can_hit_inside_a_chunk():
     assert HybridOffloadPlanner(qwen35_like(1152), tail_unit=1152).tail_unit is None  # the chunk itself
     assert HybridOffloadPlanner(qwen35_like(544), tail_unit=64).tail_unit is None  # 544 % 64: not a divisor
     assert HybridOffloadPlanner(pure_attention(), tail_unit=8).tail_unit is None  # no Mamba state to place
-    windowed = gemma3_like() + [GroupSpec(MAMBA, 16, 100, 1)]
+    windowed = [*gemma3_like(), GroupSpec(MAMBA, 16, 100, 1)]
     assert HybridOffloadPlanner(windowed, tail_unit=8).tail_unit is None  # windowed groups: chunk boundaries only
 
 

@@ -27,7 +27,7 @@ import yaml
 
 from conftest import CHUNK, REPO, random_prompt, shipped_config
 from offload.config import tier_dicts
-from serving import api_server, complete, post, prometheus
+from serving import api_server, complete, metric_sum, parse_metrics, post, prometheus, wait_until
 
 DASHBOARD = REPO / "configs" / "grafana" / "dashboards" / "kvoffload.json"
 
@@ -81,6 +81,18 @@ def query(prom: str, expr: str) -> list[dict]:
     return out["data"]["result"]
 
 
+def scraped_after(prom: str, t: float, timeout_s: float = 60) -> None:
+    """Until Prometheus has scraped the server at or after wall-clock time `t` (its `up` sample's
+    timestamp is the scrape's start)."""
+
+    def last_scrape() -> float:
+        res = query(prom, 'timestamp(up{job="vllm"})')
+        return max((float(r["value"][1]) for r in res), default=0.0)
+
+    wait_until(lambda: last_scrape() >= t, timeout_s + max(0.0, t - time.time()), "a Prometheus scrape",
+               interval_s=0.2)
+
+
 def _scraped(models_dir, tmp):
     """The server, Prometheus and the load, on the session's background lane (tests/conftest.py)."""
     if shutil.which("prometheus") is None:
@@ -101,17 +113,16 @@ def _scraped(models_dir, tmp):
             # A first request makes the series exist; rates need scrapes from
             # before the load, so wait for them, and spread the load over scrapes.
             complete(base, random_prompt(rng, 300))
-            deadline = time.monotonic() + 60
-            while not query(prom, "count_over_time(kvoffload_lookups_total[1m]) >= 2"):
-                assert time.monotonic() < deadline, "Prometheus did not scrape the kvoffload series"
-                time.sleep(1)
+            wait_until(lambda: query(prom, "count_over_time(kvoffload_lookups_total[1m]) >= 2"), 60,
+                       "Prometheus scraping the kvoffload series", interval_s=0.5)
             usage = []
             for rnd in range(3):  # the same prefixes each round: rounds 2 and 3 restore from the CPU tier
                 for p in prefixes:
                     usage.append(complete(base, p + random_prompt(rng, 60 + 40 * rnd))["usage"])
-                    time.sleep(1.5)
+                    scraped_after(prom, time.time())  # one request per scrape interval
                 post(base, "/reset_prefix_cache")
-            time.sleep(4)  # a few scrapes after the last request
+            # A few scrapes after the last request: the rates' windows see the whole load.
+            scraped_after(prom, time.time() + 3)
             exported = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
             (tmp / "metrics.txt").write_text(exported)  # kept for a failure's diagnosis
             results = {(title, expr): query(prom, expr) for title, expr in panel_queries()}
@@ -150,7 +161,7 @@ def test_dashboard_variables_list_the_tiers(scraped):
     """The tier variable (and so the repeated per-tier row) offers the config's two tiers."""
     tiers = {r["metric"]["tier"] for r in scraped["variables"]["tier"]}
     assert tiers == {t.get("name", t["store"]) for t in tier_dicts(tiered_config(Path("/unused")))}
-    served = set(re.findall(r'^kvoffload_lookups_total\{[^}]*model_name="([^"]+)"', scraped["exported"], re.M))
+    served = {lab["model_name"] for n, lab, _ in parse_metrics(scraped["exported"]) if n == "kvoffload_lookups_total"}
     assert len(served) == 1
     assert [r["metric"]["model_name"] for r in scraped["variables"]["model_name"]] == sorted(served)
 
@@ -158,8 +169,8 @@ def test_dashboard_variables_list_the_tiers(scraped):
 def test_alert_rules_evaluate_on_the_real_series_and_stay_silent(scraped):
     rules = [r for g in scraped["rules"] for r in g["rules"]]
     alerts = {r["name"] for r in rules if r["type"] == "alerting"}
-    shipped = {r["alert"] for g in yaml.safe_load((REPO / "configs" / "prometheus" / "alerts.yml").read_text())["groups"]
-               for r in g["rules"] if "alert" in r}
+    groups = yaml.safe_load((REPO / "configs" / "prometheus" / "alerts.yml").read_text())["groups"]
+    shipped = {r["alert"] for g in groups for r in g["rules"] if "alert" in r}
     assert alerts == shipped
     broken = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
     assert not broken, broken
@@ -168,7 +179,7 @@ def test_alert_rules_evaluate_on_the_real_series_and_stay_silent(scraped):
 
 
 def test_no_panel_queries_a_metric_the_server_does_not_export(scraped):
-    exported = set(re.findall(r"^([a-zA-Z_:][\w:]*?)(?:\{| )", scraped["exported"], re.M))
+    exported = {n for n, _, _ in parse_metrics(scraped["exported"])}
     missing = set()
     for _, expr in panel_queries():
         for name in re.findall(r"\b((?:kvoffload|vllm:)[\w:]*)", expr):
@@ -185,10 +196,10 @@ def _value(results, title_part: str, tier: str | None = None) -> float:
 
 def test_tiers_report_real_figures(scraped):
     """Not just series at zero: the load restored from the CPU tier and both tiers stored."""
-    exported = scraped["exported"]
+    exported = parse_metrics(scraped["exported"])
 
     def total(name: str, tier: str) -> float:
-        return sum(float(m) for m in re.findall(rf'^{name}\{{[^}}]*tier="{tier}"[^}}]*\}} (\S+)$', exported, re.M))
+        return metric_sum(exported, name, tier=tier)
 
     # Rounds 2 and 3 restore both prefixes' whole chunks from host memory.
     expected = 2 * sum(n * CHUNK for n in (2, 3))

@@ -25,14 +25,14 @@ import torch
 from conftest import REPO
 from faults.report import record
 from faults.store_writer import ATTN, FP, GDN, KvCache, expected_payload, key_of
-from offload.store.paths import LAYOUT_DIR
 from offload.copier import crc32c
 from offload.store import hygiene
+from offload.store.base import OptionError
 from offload.store.budget import DirBudget
 from offload.store.cachedir import CacheDirs
 from offload.store.format import HEADER_LEN, ChunkHeader
-from offload.store.base import OptionError
 from offload.store.fs import ChunkMiss, FileStore
+from offload.store.paths import LAYOUT_DIR
 
 CYCLES = int(os.environ.get("KVOFFLOAD_KILL_CYCLES", "20"))
 CHUNKS_PER_CYCLE = 100_000  # chunk index range of one writer process
@@ -344,7 +344,7 @@ def test_budget_evicts_leaves_first_and_keeps_every_group_prefix_closed(tmp_path
     budget = DirBudget(top, max_bytes=total - 3 * size, low_water=1.0)
     used = budget.enforce()
     assert used <= total - 3 * size
-    present = lambda chain: [p.exists() for p in chain]  # noqa: E731
+    present = lambda chain: [p.exists() for p in chain]
     for chain in (a, b):
         flags = present(chain)
         assert flags == sorted(flags, reverse=True), f"not prefix-closed: {flags}"

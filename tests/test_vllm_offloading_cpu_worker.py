@@ -13,15 +13,15 @@ from conftest import REPO
 if str(REPO) not in sys.path:  # bench/ is not installed; it runs from the checkout
     sys.path.insert(0, str(REPO))
 
-from vllm.v1.kv_offload.base import (  # noqa: E402
+from vllm.v1.kv_offload.base import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
     GPULoadStoreSpec,
 )
-from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
+from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from bench.vllm_offloading_cpu import TorchCopyOffloadingWorker  # noqa: E402
+from bench.vllm_offloading_cpu import TorchCopyOffloadingWorker
 
 
 def _caches(t0: torch.Tensor, t1: torch.Tensor) -> CanonicalKVCaches:

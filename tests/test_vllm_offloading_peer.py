@@ -34,7 +34,7 @@ from conftest import REPO, random_prompt, shipped_config
 if str(REPO) not in sys.path:  # bench/ is not installed; it runs from the checkout
     sys.path.insert(0, str(REPO))
 
-from bench.vllm_offloading_cpu import (  # noqa: E402
+from bench.vllm_offloading_cpu import (
     ours_fs_kv_config,
     run_connector,
     vllm_cpu_kv_config,
@@ -52,7 +52,7 @@ PROMPTS = [_A, _B, _C, _B[:640] + random_prompt(rng, 260)]  # the last shares 64
 # Served only after the reset: new to both connectors, it shares 384 tokens (3 blocks, not a boundary
 # any earlier prefill ended on) with _C, so restoring them needs a GDN state stored mid-prefill.
 NEW = _C[:384] + random_prompt(rng, 200)
-LATER = PROMPTS + [NEW]
+LATER = [*PROMPTS, NEW]
 
 
 @pytest.fixture(scope="module")

@@ -367,7 +367,7 @@ def incompatible(ours: Method, base: Method) -> str | None:
         return "takes no *args, vLLM's does"
     if bkwargs and not okwargs:
         return "takes no **kwargs, vLLM's does"
-    for i, (name, has_default) in enumerate(opos[len(bpos):], len(bpos)):
+    for name, has_default in opos[len(bpos):]:
         if not has_default and name not in bkw:
             return f"requires '{name}', which vLLM's callers do not pass"
     for name, has_default in okw.items():
@@ -429,12 +429,12 @@ def check(root: Path) -> Report:
             rep.problems.append(f"{name}: {e}")
             continue
 
-        def first(m: str) -> tuple[str, Method] | None:
+        def first(m: str, chain: list[tuple[str, ClassModel]] = chain) -> tuple[str, Method] | None:
             return next(((cn, c.methods[m]) for cn, c in chain if m in c.methods), None)
 
         # Abstract methods: implemented by us, or by a vLLM class before the declaring one.
         seen: set[str] = set()
-        for i, (cn, c) in enumerate(chain):
+        for cn, c in chain:
             for m, meth in c.methods.items():
                 if not meth.abstract or m in seen:
                     continue
@@ -507,10 +507,10 @@ def check(root: Path) -> Report:
     for f in our_files():
         tree = ast.parse(f.read_text(), str(f))
         for n in ast.walk(tree):
-            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "KVConnectorFactory":
-                if factory is None or (n.attr not in factory.methods and n.attr not in factory.attrs):
-                    rep.problems.append(f"{f.relative_to(REPO)}:{n.lineno}: KVConnectorFactory.{n.attr} "
-                                        "does not exist in this vLLM")
+            if (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "KVConnectorFactory"
+                    and (factory is None or (n.attr not in factory.methods and n.attr not in factory.attrs))):
+                rep.problems.append(f"{f.relative_to(REPO)}:{n.lineno}: KVConnectorFactory.{n.attr} "
+                                    "does not exist in this vLLM")
     connector = _vllm_imports(our_files())
     fallbacks = _version_fallbacks(import_files())
 
@@ -550,10 +550,10 @@ def _where(module: str, name: str | None) -> str:
     hits = []
     for f in import_files():
         for n in ast.walk(ast.parse(f.read_text(), str(f))):
-            if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module == module \
-                    and (name is None or any(a.name == name for a in n.names)):
-                hits.append(f"{f.relative_to(REPO)}:{n.lineno}")
-            elif name is None and isinstance(n, ast.Import) and any(a.name == module for a in n.names):
+            named = (isinstance(n, ast.ImportFrom) and n.level == 0 and n.module == module
+                     and (name is None or any(a.name == name for a in n.names)))
+            whole = name is None and isinstance(n, ast.Import) and any(a.name == module for a in n.names)
+            if named or whole:
                 hits.append(f"{f.relative_to(REPO)}:{n.lineno}")
     return ", ".join(hits) or "offload/"
 
@@ -561,7 +561,8 @@ def _where(module: str, name: str | None) -> str:
 def diff(old_root: Path, new_root: Path, rep: Report) -> None:
     """What `new_root` added, removed and changed relative to `old_root` in the connector classes."""
     old, new = Source(old_root), Source(new_root)
-    for mod, cn in ((BASE_MODULE, "KVConnectorBase_V1"), (BASE_MODULE, "SupportsHMA"), (MULTI_MODULE, "MultiConnector")):
+    for mod, cn in ((BASE_MODULE, "KVConnectorBase_V1"), (BASE_MODULE, "SupportsHMA"),
+                    (MULTI_MODULE, "MultiConnector")):
         a, b = old.cls(mod, cn).methods, new.cls(mod, cn).methods
         rep.added += [(cn, m, b[m].signature()) for m in b if m not in a]
         rep.removed += [(cn, m, a[m].signature()) for m in a if m not in b]
@@ -597,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
             impl = [o for o, ms in rep.overridden.items() if f"{cn}.{m}" in ms]
             print(f"    {cn}.{sig}" + (f"  -- implemented by {', '.join(impl)}" if impl else ""))
     print(f"  changed: {'none' if not rep.changed else ''}")
-    for cn, m, a, b in rep.changed:
+    for cn, _, a, b in rep.changed:
         print(f"    {cn}.{a}  ->  {b}")
     print(f"Abstract methods checked: {rep.abstract_checked}")
     for o in OURS:

@@ -17,11 +17,12 @@ import sys
 from pathlib import Path
 
 VOCAB_SIZE = 1024
-WORDS = (
-    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho "
-    "sigma tau upsilon phi chi psi omega cache block token prefix layer state group chunk file "
-    "disk memory page store load restore hybrid mamba attention window model engine request"
-).split()
+WORDS = [
+    "alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu",
+    "nu", "xi", "omicron", "pi", "rho", "sigma", "tau", "upsilon", "phi", "chi", "psi", "omega", "cache",
+    "block", "token", "prefix", "layer", "state", "group", "chunk", "file", "disk", "memory", "page",
+    "store", "load", "restore", "hybrid", "mamba", "attention", "window", "model", "engine", "request",
+]
 
 
 def _corpus(n_lines: int = 4000) -> list[str]:

@@ -21,13 +21,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offload.planner import GroupKind
-from offload.store.auth import Keyring
-from offload.store.format import HEADER_LEN, MAC_OFFSET, NO_KEY, ChunkHeader, FormatError
 from offload.store import hygiene
+from offload.store.auth import Keyring
 from offload.store.budget import DirBudget
-from offload.store.paths import (CHUNK_FILE, CHUNK_TMP_FILE, GROUP_DIR, GROUP_PREFIX, HEX64, LAYOUT_DIR,
-                                 LAYOUT_DIR_GLOB, LAYOUT_FILE, LAYOUT_TMP_RE, LEDGER_DIR, PREFIX_DIR, QUARANTINE,
-                                 is_tmp_name, key_prefix_hex)
+from offload.store.format import HEADER_LEN, MAC_OFFSET, NO_KEY, ChunkHeader, FormatError
+from offload.store.paths import (
+    CHUNK_FILE,
+    CHUNK_TMP_FILE,
+    GROUP_DIR,
+    GROUP_PREFIX,
+    HEX64,
+    LAYOUT_DIR,
+    LAYOUT_DIR_GLOB,
+    LAYOUT_FILE,
+    LAYOUT_TMP_RE,
+    LEDGER_DIR,
+    PREFIX_DIR,
+    QUARANTINE,
+    is_tmp_name,
+    key_prefix_hex,
+)
 
 LAYOUT_VERSION_DIR = LAYOUT_DIR
 NO_PARENT = bytes(8)

@@ -48,13 +48,22 @@ import os
 import sys
 from pathlib import Path
 
+from offload.cli.cache import (
+    Cache,
+    FpDir,
+    NotACache,
+    chunks,
+    human,
+    is_stale_tmp,
+    ledger_view,
+    remove_empty_dirs,
+    scan,
+    unlink,
+)
 from offload.store.auth import AuthRef, KeyConfigError, Keyring, load_keyring
-
 from offload.store.budget import DirBudget
 from offload.store.fs import DEFAULT_ORPHAN_AGE_S
 from offload.store.paths import LAYOUT_DIR, quarantine_dir, quarantined_path
-from offload.cli.cache import (Cache, FpDir, NotACache, chunks, human, is_stale_tmp, ledger_view, remove_empty_dirs,
-                               scan, unlink)
 
 EXIT_CLEAN, EXIT_PROBLEMS, EXIT_USAGE, EXIT_REPAIRED = 0, 1, 2, 3
 

@@ -48,14 +48,24 @@ from __future__ import annotations
 import argparse
 import sys
 
+from offload.cli.cache import (
+    Chunk,
+    FpDir,
+    NotACache,
+    chunks,
+    human,
+    is_stale_tmp,
+    record_removal,
+    remove_empty_dirs,
+    scan,
+    unlink,
+)
+from offload.planner import GroupKind
 from offload.store.budget import DirBudget
 from offload.store.evictor import LeafQueue
-from offload.store.paths import LAYOUT_DIR
 from offload.store.fs import DEFAULT_ORPHAN_AGE_S
-from offload.cli.cache import (Chunk, FpDir, NotACache, chunks, human, is_stale_tmp, record_removal, remove_empty_dirs,
-                               scan, unlink)
-from offload.planner import GroupKind
 from offload.store.options import parse_bytes
+from offload.store.paths import LAYOUT_DIR
 
 
 def parse_size(s: str) -> int:

@@ -20,7 +20,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
@@ -86,7 +85,7 @@ def token_ids(prompts: list[Prompt], model: str) -> list[list[int]]:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model)
-    except Exception as e:  # noqa: BLE001 - any failure means: no usable tokenizer
+    except Exception as e:  # any failure means: no usable tokenizer
         raise PromptFileError(f"text prompts need a tokenizer, and {model} has none that loads "
                               f"({type(e).__name__}: {e}); {fix}") from None
     out = [list(p.token_ids) if p.token_ids is not None else tok(p.text).input_ids for p in prompts]

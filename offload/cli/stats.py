@@ -32,8 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from offload.store.fs import LAYOUT_VERSION_DIR
 from offload.cli.cache import Cache, FpDir, NotACache, age, chunks, find_root, human, ledger_view, scan
+from offload.store.fs import LAYOUT_VERSION_DIR
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -27,6 +27,9 @@ response's `kv_transfer_params`, where present. --verify cannot restart a
 server, so with --url it is refused: run warmup, restart the server, and run
 warmup again; the second report is the cross-restart hit rate.
 
+--json prints the report as one JSON document on stdout instead of tables
+(`run_report` and `url_report` say its fields); progress and errors stay on stderr.
+
 Exit codes: 0 done (and, with --verify, passed); 1 verify failed; 2 usage
 error (bad prompt file, config or arguments); 3 the engine or server failed.
 """
@@ -48,7 +51,6 @@ from offload.config import connector_extras, tier_dicts
 from offload.engine_run import RunResult, RunSpec, run_engine
 from offload.plan import ModelPlan, PlanError, plan_for_model
 from offload.planner import HybridOffloadPlanner
-
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -74,6 +76,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "showing what the first pass promoted to faster tiers")
     p.add_argument("--reference", action="store_true",
                    help="with --verify: also run once without the connector, for comparison only")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of tables")
     p.set_defaults(func=run)
 
 
@@ -147,6 +150,21 @@ def same(a: RunResult, b: RunResult) -> tuple[bool, str]:
     return ok, f"{'yes' if ok else 'NO'} ({n}/{len(a.results)})"
 
 
+def run_report(label: str, r: RunResult, names: list[str], exp: float | None, like: RunResult | None = None) -> dict:
+    """One run of the table as data: its prompts and prompt tokens, tokens restored per tier,
+    tokens vLLM's own prefix cache had (`prefix_cache_tokens`), computed tokens, hit rate, the
+    expected hit rate (None where nothing is expected), failed loads, median TTFT and, with `like`,
+    how many outputs are token-identical to that run's (`identical`: [same, of])."""
+    doc = {"label": label, "prompts": len(r.results), "prompt_tokens": r.prompt_tokens,
+           "restored_by_tier": {t: sum(x.restored_by_tier.get(t, 0) for x in r.results) for t in names},
+           "prefix_cache_tokens": r.cached_tokens - r.restored_tokens,
+           "computed_tokens": r.prompt_tokens - r.cached_tokens, "hit_rate": r.hit_rate, "expected_hit_rate": exp,
+           "failed_loads": sum(x.load_failed for x in r.results), "median_ttft_s": r.median_ttft_s}
+    if like is not None:
+        doc["identical"] = [sum(x == y for x, y in zip(r.outputs(), like.outputs())), len(r.results)]
+    return doc
+
+
 def verdict(run1: RunResult, run2: list[RunResult], planner: HybridOffloadPlanner) -> list[str]:
     """Why run 2 (each of its passes) fails --verify; empty if it passes."""
     problems = []
@@ -207,7 +225,8 @@ def warm_engine(args: argparse.Namespace, kv: dict, ids: list[list[int]]) -> int
     planner = plan.planner()
     exp = sum(expected(len(p), planner) for p in ids) / max(1, total)
     print(f"kvoffload warmup: {len(ids)} prompts, {total} tokens, model {args.model}, "
-          f"hybrid_chunk_size {chunk}, tiers {', '.join(names) or '-'}", flush=True)
+          f"hybrid_chunk_size {chunk}, tiers {', '.join(names) or '-'}", flush=True,
+          file=sys.stderr if args.json else sys.stdout)
 
     def serve(label: str, with_kv: bool, seed: str, passes: int = 1) -> list[RunResult]:
         spec = RunSpec(args.model, ids, kv if with_kv else None, max_tokens, eng, passes=passes)
@@ -222,6 +241,19 @@ def warm_engine(args: argparse.Namespace, kv: dict, ids: list[list[int]]) -> int
     except RuntimeError as e:
         print(f"kvoffload warmup: {e}", file=sys.stderr)
         return 3
+    if args.json:
+        runs = [run_report("no connector", ref, names, None)] if ref is not None else []
+        runs.append(run_report("1" if args.verify else "warmup", run1, names, None, ref))
+        runs += [run_report(label, r, names, exp, run1)
+                 for label, r in zip(("2 after restart", "2 again (reset)"), run2)]
+        problems = verdict(run1, run2, planner) if args.verify else []
+        doc: dict[str, Any] = {"prompts": len(ids), "prompt_tokens": total, "model": args.model,
+                               "hybrid_chunk_size": chunk, "tiers": names, "runs": runs}
+        if args.verify:
+            doc.update(cross_restart_hit_rate=run2[0].hit_rate, expected_hit_rate=exp,
+                       verify={"ok": not problems, "problems": problems})
+        print(json.dumps(doc, indent=2))
+        return 1 if problems else 0
     print("\n" + header(names, args.verify))
     if ref is not None:
         print(row("no connector", ref, names, None))
@@ -290,6 +322,10 @@ def warm_url(args: argparse.Namespace, prompts: list[Prompt]) -> int:
     total = sum(r[0] for r in results)
     cached = sum(r[1] for r in results)
     restored = {t: sum(r[2].get(t, 0) for r in results) for t in sorted(tiers_seen)}
+    if args.json:
+        print(json.dumps(url_report(base, model, results, restored, cached if cached_known else None, latencies),
+                         indent=2))
+        return 0
     print(f"\n{len(results)} prompts, {total} prompt tokens, server {base} ({model})")
     if restored:
         print("restored per tier: " + ", ".join(f"{t} {n}" for t, n in restored.items())
@@ -302,3 +338,16 @@ def warm_url(args: argparse.Namespace, prompts: list[Prompt]) -> int:
         print("cached tokens: not reported; start the server with --enable-prompt-tokens-details")
     print(f"median request latency {statistics.median(latencies) * 1000:.1f} ms")
     return 0
+
+
+def url_report(base: str, model: str, results: list[tuple[int, int, dict[str, int], bool]],
+               restored: dict[str, int], cached: int | None, latencies: list[float]) -> dict:
+    """The --url report as data: prompts, prompt tokens, the server and model, tokens restored per
+    tier (empty where the server reports none), failed loads, cached tokens and hit rate (None
+    where the server does not report them) and the median request latency."""
+    total = sum(r[0] for r in results)
+    return {"prompts": len(results), "prompt_tokens": total, "server": base, "model": model,
+            "restored_by_tier": restored, "failed_loads": sum(r[3] for r in results), "cached_tokens": cached,
+            "hit_rate": None if cached is None else cached / max(1, total),
+            "computed_tokens": None if cached is None else total - cached,
+            "median_latency_s": statistics.median(latencies) if latencies else None}

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
     KVConnectorTransferResults,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -28,8 +28,8 @@ from offload.metrics import OffloadPromMetrics, OffloadStats, Recorder
 from offload.plan import check_chunk_size, plan_from_engine
 from offload.planner import ChunkSizeError, HybridOffloadPlanner
 from offload.store import tier_spec
-from offload.store.cachedir import CacheDirs
 from offload.store.base import OptionError, TierContext, TierIndex, TierSpec
+from offload.store.cachedir import CacheDirs
 from offload.tailmask import TokenMap
 
 if TYPE_CHECKING:

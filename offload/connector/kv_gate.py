@@ -17,7 +17,7 @@ from typing import Any
 
 from offload.copier import GroupPages, LayerPages
 
-__all__ = ["KVCacheReleased", "KVGate", "GatedPages"]
+__all__ = ["GatedPages", "KVCacheReleased", "KVGate"]
 
 
 class KVCacheReleased(RuntimeError):

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-__all__ = ["share_vllm_logging", "advise", "check_cpu_core_reservation", "flags_losing_hits"]
+__all__ = ["advise", "check_cpu_core_reservation", "flags_losing_hits", "share_vllm_logging"]
 
 
 def share_vllm_logging() -> None:

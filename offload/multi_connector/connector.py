@@ -190,4 +190,4 @@ class MultiConnector(VllmMultiConnector):
 
 # The name to select in a kv-transfer-config (see the module docstring).
 OffloadMultiConnector = MultiConnector
-__all__ = ["MultiConnector", "OffloadMultiConnector", "OffloadConnector", "parse_children", "check_children"]
+__all__ = ["MultiConnector", "OffloadConnector", "OffloadMultiConnector", "check_children", "parse_children"]

@@ -144,9 +144,8 @@ class HybridOffloadPlanner:
 
     @classmethod
     def validate_chunk_size(cls, groups: Sequence[GroupSpec], chunk_size: int) -> None:
-        if isinstance(chunk_size, int) and chunk_size > 0:
-            if all(chunk_size % g.block_size == 0 for g in groups):
-                return
+        if isinstance(chunk_size, int) and chunk_size > 0 and all(chunk_size % g.block_size == 0 for g in groups):
+            return
         sizes = ", ".join(f"group {i} {g.kind.value}: {g.block_size}" for i, g in enumerate(groups))
         lcm = cls.block_lcm(groups)
         raise ChunkSizeError(
@@ -208,7 +207,7 @@ class HybridOffloadPlanner:
         if tail:
             end = boundary + tail
             whole = self.needed(group, n_chunks, computed_tokens) if spec.kind is not GroupKind.MAMBA else []
-            return whole + [self.stored_tail(group, ChunkIndex(n_chunks), end)]
+            return [*whole, self.stored_tail(group, ChunkIndex(n_chunks), end)]
         if spec.kind is GroupKind.MAMBA:
             return [self.stored(group, ChunkIndex(n_chunks - 1))]
         if spec.kind is GroupKind.FULL_ATTENTION:

@@ -52,7 +52,7 @@ class Unauthenticated(Exception):
 class _Key:
     """One derived MAC key and its id; the secret itself is not kept."""
 
-    __slots__ = ("key_id", "_mac_key")
+    __slots__ = ("_mac_key", "key_id")
 
     def __init__(self, secret: bytes) -> None:
         self.key_id = blake3.blake3(secret, derive_key_context=KEY_ID_CONTEXT).digest(length=len(NO_KEY))
@@ -100,7 +100,7 @@ class Keyring:
     Thread-safe (immutable); BLAKE3 releases the GIL while it hashes a large
     buffer, so I/O threads MAC in parallel."""
 
-    __slots__ = ("current", "_by_id")
+    __slots__ = ("_by_id", "current")
 
     def __init__(self, current: bytes, previous: tuple[bytes, ...] = ()) -> None:
         keys = [_Key(current), *(_Key(p) for p in previous)]

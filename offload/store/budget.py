@@ -39,12 +39,22 @@ from pathlib import Path
 
 from offload.store import compaction, hygiene
 from offload.store.compaction import FOLDED_IDLE_S
-from offload.store.ledger import End, Lease, LedgerWriter, Offset, Record, Snapshot, parse, parse_header, \
-    read_lines, read_snapshot
+from offload.store.ledger import (
+    End,
+    Lease,
+    LedgerWriter,
+    Offset,
+    Record,
+    Snapshot,
+    parse,
+    parse_header,
+    read_lines,
+    read_snapshot,
+)
+from offload.store.options import DEFAULT_RECONCILE_S
 from offload.store.paths import LEDGER_DIR, LOG_NAME, SNAPSHOT_NAME, rel_of, valid_rel
 from offload.store.reconcile import Reconciler, Walk
 from offload.store.usage_index import UsageIndex
-from offload.store.options import DEFAULT_RECONCILE_S
 
 logger = logging.getLogger(__name__)
 

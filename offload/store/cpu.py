@@ -24,8 +24,18 @@ import torch
 
 from offload.keys import ChunkKey
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner
-from offload.store.base import (Backed, ChunkMiss, HostChunk, MissReason, OptionError, Placement, TierData,
-                                TierIndex, TierSpec, TierUsage)
+from offload.store.base import (
+    Backed,
+    ChunkMiss,
+    HostChunk,
+    MissReason,
+    OptionError,
+    Placement,
+    TierData,
+    TierIndex,
+    TierSpec,
+    TierUsage,
+)
 from offload.store.buffers import BufferPool
 from offload.store.format import ChunkHeader
 from offload.store.options import CpuOptions

@@ -27,16 +27,37 @@ from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind
 from offload.store import hygiene, paths
 from offload.store.auth import AuthRef, KeyConfigError, Keyring, Unauthenticated, check_entry, frame, load_keyring
-from offload.store.base import (Backed, ChunkMiss, HostChunk, MissReason, OptionError, Placement, TierData,
-                                TierIndex, TierSpec, TierUsage)
-from offload.store.buffers import BufferPool, probe_o_direct
+from offload.store.base import (
+    Backed,
+    ChunkMiss,
+    HostChunk,
+    MissReason,
+    OptionError,
+    Placement,
+    TierData,
+    TierIndex,
+    TierSpec,
+    TierUsage,
+)
 from offload.store.budget import DirBudget
+from offload.store.buffers import BufferPool, probe_o_direct
 from offload.store.cachedir import CacheDirs, DirRef
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
 from offload.store.housekeeper import Housekeeper
 from offload.store.options import DEFAULT_ORPHAN_AGE_S, DEFAULT_RECONCILE_S, DIR_MODE, FILE_MODE, FsOptions
-from offload.store.paths import (LAYOUT_DIR, LAYOUT_FILE, LEDGER_DIR, LOG_NAME, chunk_path, fingerprint_dir,
-                                 layout_tmp_path, quarantine_dir, quarantined_path, rel_of, top_dir)
+from offload.store.paths import (
+    LAYOUT_DIR,
+    LAYOUT_FILE,
+    LEDGER_DIR,
+    LOG_NAME,
+    chunk_path,
+    fingerprint_dir,
+    layout_tmp_path,
+    quarantine_dir,
+    quarantined_path,
+    rel_of,
+    top_dir,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,18 @@ from pathlib import Path
 from typing import NamedTuple
 
 from offload.store import hygiene
-from offload.store.paths import (CHUNK_REL, LEASE, LEDGER_DIR, LOG_NAME, OTHER_REL, SNAPSHOT_NAME,  # noqa: F401
-                                 SNAPSHOT_TMP, log_name, snapshot_names, valid_rel)
+from offload.store.paths import (  # noqa: F401
+    CHUNK_REL,
+    LEASE,
+    LEDGER_DIR,
+    LOG_NAME,
+    OTHER_REL,
+    SNAPSHOT_NAME,
+    SNAPSHOT_TMP,
+    log_name,
+    snapshot_names,
+    valid_rel,
+)
 
 logger = logging.getLogger(__name__)
 

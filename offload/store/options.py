@@ -22,9 +22,21 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, GetPydanticSchema,
-                      PlainValidator, Strict, ValidationInfo, ValidatorFunctionWrapHandler, WrapValidator,
-                      field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetPydanticSchema,
+    PlainValidator,
+    Strict,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
 from pydantic.dataclasses import dataclass
 
 from offload.store.hygiene import not_a_directory

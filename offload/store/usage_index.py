@@ -21,7 +21,7 @@ Link = tuple[str, int]
 
 
 class IndexEntry:
-    __slots__ = ("size", "t", "parent", "seen")
+    __slots__ = ("parent", "seen", "size", "t")
 
     def __init__(self, size: int, t: float, parent: int | None, seen: int = 0) -> None:
         self.size = size
