@@ -1,0 +1,100 @@
+"""docs/architecture.md's module map matches the code: every module of `offload/` has
+its row, and imports only what its row allows (its own package always; vLLM only where
+the row says yes). The planner and the stores importing nothing of vLLM or the connector's
+config is one consequence."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "offload"
+ROW = re.compile(r"^\| `(offload/[\w/]+\.py)` \| (.+?) \| (.+?) \| (yes|no) \|$")
+
+
+def module_map() -> dict[str, tuple[set[str], bool]]:
+    rows: dict[str, tuple[set[str], bool]] = {}
+    for line in (REPO / "docs" / "architecture.md").read_text().splitlines():
+        m = ROW.match(line)
+        if m:
+            path, _job, allowed, vllm = m.groups()
+            assert path not in rows, f"{path}: two rows in the module map"
+            names = set() if allowed.strip() == "—" else {a.strip().strip("`") for a in allowed.split(",")}
+            rows[path] = (names, vllm == "yes")
+    return rows
+
+
+def dotted(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Every module `path` imports (at any depth, TYPE_CHECKING included), as dotted names;
+    `from offload import x` names the submodule x where one exists."""
+    out: set[str] = set()
+    package = dotted(path) if path.name == "__init__.py" else dotted(path).rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*up, base] if base else up)
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                rel = Path(*sub.split("."))
+                is_module = (REPO / rel).with_suffix(".py").exists() or (REPO / rel / "__init__.py").exists()
+                out.add(sub if is_module else base)
+    return out
+
+
+def allowed(own_pkg: str, names: set[str], target: str) -> bool:
+    """`target` (an offload module) is in `own_pkg` (a subpackage of offload, "" for offload's
+    top-level modules, which share no package) or under one of `names` (relative to offload)."""
+    rel = target.removeprefix("offload").lstrip(".")
+    if own_pkg and (rel == own_pkg or rel.startswith(own_pkg + ".")):
+        return True
+    if rel == "":
+        return "offload" in names
+    return any(rel == n or rel.startswith(n + ".") for n in names)
+
+
+def test_every_module_has_a_row_and_every_row_a_module():
+    rows = module_map()
+    assert len(rows) > 40, "the module map was not found in docs/architecture.md"
+    files = {str(p.relative_to(REPO)) for p in PKG.rglob("*.py")}
+    assert sorted(files - rows.keys()) == [], "modules missing from docs/architecture.md's map"
+    assert sorted(rows.keys() - files) == [], "rows of docs/architecture.md's map naming no module"
+
+
+def test_every_module_imports_only_what_its_row_allows():
+    problems = []
+    for path_s, (names, vllm_ok) in sorted(module_map().items()):
+        path = REPO / path_s
+        if not path.exists():
+            continue
+        parts = path.relative_to(PKG).parts
+        own = parts[0] if len(parts) > 1 else ""
+        for target in sorted(imports(path)):
+            top = target.split(".")[0]
+            if top == "offload" and not allowed(own, names, target):
+                problems.append(f"{path_s} imports {target}")
+            elif top == "vllm" and not vllm_ok:
+                problems.append(f"{path_s} imports {target} (its row says no vLLM)")
+    assert problems == []
+
+
+def test_the_checker_catches_a_forbidden_import():
+    # The rule itself: a planner module importing the connector or vLLM is outside its row.
+    assert not allowed("planner", set(), "offload.connector.worker")
+    assert allowed("planner", set(), "offload.planner.spec")
+    assert allowed("store", {"keys"}, "offload.store.base")
+    assert not allowed("store", {"keys"}, "offload.config")
+    assert allowed("connector", {"store"}, "offload.store.cachedir")
+    assert not allowed("", {"store.options"}, "offload.store.fs")
+    assert not allowed("", set(), "offload")
+    assert not allowed("", set(), "offload.keys")
