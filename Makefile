@@ -8,10 +8,10 @@ setup:  ## venv, torch + vLLM, this package with its C++ copier, tiny models
 cuda-build:  ## offload._copier_cuda for sm_80/sm_90 with nvcc from the package index, GPU or not (setup runs it)
 	bash scripts/cuda_build.sh
 
-test:  ## the default suite, real vLLM engines included (README, Tests)
+test:  ## the default suite, real vLLM engines included (docs/development.md)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
-test-long:  ## the long runs: reliability and chaos on real engines, real geometries, peers (README, Tests)
+test-long:  ## the long runs: reliability and chaos on real engines, real geometries, peers (docs/development.md)
 	$(PY) -m pytest -q -p no:cacheprovider -m long --durations=25
 
 test-fast:  ## unit tests only (no engines)
