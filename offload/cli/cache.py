@@ -94,7 +94,9 @@ class FpDir:
         kinds: dict[int, GroupKind] = {}
         for i, g in enumerate((self.layout or {}).get("groups", [])):
             spec = str(g.get("spec", "")) if isinstance(g, dict) else ""
-            kinds.update({i: k for name, k in SPEC_KINDS if spec.startswith(name)})
+            kind = next((k for name, k in SPEC_KINDS if spec.startswith(name)), None)  # names share no prefix
+            if kind is not None:
+                kinds[i] = kind
         return kinds
 
     def group_kinds(self) -> dict[int, GroupKind]:

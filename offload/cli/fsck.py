@@ -75,7 +75,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repair", action="store_true", help="quarantine bad files, delete orphaned tmp files and "
                    "chunks below chain holes")
     p.add_argument("--tmp-age", type=float, default=DEFAULT_ORPHAN_AGE_S, metavar="SECONDS",
-                   help="a temporary file older than this is orphaned (default 3600, the connector's orphan_tmp_age_s); one of this host whose writer is gone is orphaned at once")
+                   help="a temporary file older than this is orphaned (default 3600, the connector's "
+                   "orphan_tmp_age_s); one of this host whose writer is gone is orphaned at once")
     p.add_argument("--config", metavar="FILE", help="a kv-transfer-config JSON: verify MACs with the 'auth' keys of "
                    "its filesystem tier for PATH (the key files or environment variables it names)")
     p.add_argument("--key-file", action="append", default=[], metavar="FILE",

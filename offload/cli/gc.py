@@ -84,7 +84,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lru", choices=("atime", "mtime"), default="atime",
                    help="recency: max(atime, mtime) (default), or mtime (when stored) only")
     p.add_argument("--tmp-age", type=float, default=DEFAULT_ORPHAN_AGE_S, metavar="SECONDS",
-                   help="a temporary file older than this is orphaned (default 3600, the connector's orphan_tmp_age_s); one of this host whose writer is gone is orphaned at once")
+                   help="a temporary file older than this is orphaned (default 3600, the connector's "
+                   "orphan_tmp_age_s); one of this host whose writer is gone is orphaned at once")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     p.set_defaults(func=run)
 

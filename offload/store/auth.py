@@ -107,7 +107,7 @@ class Keyring:
         if any(k.key_id == NO_KEY for k in keys):  # 2^-64: a key whose id reads as "no key"
             raise KeyConfigError("auth: this key's id is all zeros; generate another key")
         self.current = keys[0]
-        self._by_id = {}
+        self._by_id: dict[bytes, _Key] = {}
         for k in keys:
             self._by_id.setdefault(k.key_id, k)
 

@@ -199,7 +199,7 @@ class TierData(ABC):
 
 # (group, key) -> does a tier below hold this entry? (eviction in a stack)
 Backed = Callable[[int, ChunkKey], bool]
-O = TypeVar("O")
+OptionsT = TypeVar("OptionsT")  # a tier's own options type
 
 
 @dataclass(frozen=True)
@@ -225,15 +225,16 @@ def _new_dirs() -> CacheDirs:
     return CacheDirs()
 
 
-class TierSpec(ABC, Generic[O]):
+class TierSpec(ABC, Generic[OptionsT]):
     """One kind of tier (in the manner of vLLM's `kv_offload/mediums.py`):
     its `store` name, its options, and the two halves it builds."""
 
     store: ClassVar[str]
-    # vLLM's CacheHitSource name for hits served from this tier ("HOST", "DISK").
-    hit_source: ClassVar[str]
+    # vLLM's CacheHitSource name for hits served from this tier ("HOST", "DISK"):
+    # a class default that an instance may override by its options (LMCache with a remote).
+    hit_source: str
 
-    def __init__(self, options: O, ctx: TierContext) -> None:
+    def __init__(self, options: OptionsT, ctx: TierContext) -> None:
         self.options = options
         self.ctx = ctx
 

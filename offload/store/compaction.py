@@ -54,7 +54,8 @@ def cleanup(ledger_dir: Path, newest: str, folded: dict[str, int], read: dict[st
     for n in names:
         path = ledger_dir / n
         try:
-            if (SNAPSHOT_NAME.match(n) and n not in keep and n < newest) or (SNAPSHOT_TMP.match(n) and now - os.stat(path).st_mtime > SNAPSHOT_TMP_AGE_S):
+            stale_snapshot = SNAPSHOT_NAME.match(n) and n not in keep and n < newest
+            if stale_snapshot or (SNAPSHOT_TMP.match(n) and now - os.stat(path).st_mtime > SNAPSHOT_TMP_AGE_S):
                 os.unlink(path)
             elif LOG_NAME.match(n) and n != own_log and n in folded:
                 st = os.stat(path)

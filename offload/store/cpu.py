@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -147,7 +148,7 @@ class CpuIndex(TierIndex):
     def __init__(self, planner: HybridOffloadPlanner, layout: CpuLayout, backed: Backed | None = None) -> None:
         self.pools = [
             _Pool(layout.slots, s.kind is not GroupKind.MAMBA,
-                  None if backed is None else (lambda k, g=g: backed(g, k)))
+                  None if backed is None else partial(backed, g))
             for g, s in enumerate(planner.groups)
         ]
         self.layout = layout

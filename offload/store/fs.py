@@ -274,12 +274,13 @@ class FileStore:
         """Read the whole file into `chunk` (a pooled buffer: header room, then
         the payload), with O_DIRECT where the filesystem allows it, and verify
         it as `read_into` does. Returns whether O_DIRECT was used."""
-        if chunk.buf is None or chunk.payload.numel() != expected.payload_len:
+        buf = chunk.buf
+        if buf is None or chunk.payload.numel() != expected.payload_len:
             raise ValueError(f"chunk must be a pooled buffer with a payload of {expected.payload_len} bytes")
         used = [False]
 
         def direct(path: str) -> tuple[bytes, int]:
-            raw, crc, used[0] = copier.read_file_direct(path, HEADER_LEN, chunk.buf, expected.payload_len,
+            raw, crc, used[0] = copier.read_file_direct(path, HEADER_LEN, buf, expected.payload_len,
                                                         self.keyring is None)
             return raw, crc
         self._read(expected, direct, chunk.payload)

@@ -15,6 +15,7 @@ folds the records into an index and decides what to evict.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -108,7 +109,8 @@ def header_line(kind: str, extra: str = "") -> str:
 
 
 def parse(line: str) -> Line | None:
-    """A `Record`, an `End` or an `Offset`, or None for a line that fails its CRC or names something a record may not."""
+    """A `Record`, an `End` or an `Offset`, or None for a line that fails its CRC or names
+    something a record may not."""
     if len(line) < 12 or line[-9] != " ":
         return None
     body = line[:-9]
@@ -195,7 +197,8 @@ class LedgerWriter:
         self._flushed_at = 0.0
         self.failed = 0
 
-    def _open(self) -> None:
+    def _open(self) -> int:
+        """Start this process's log file; returns its descriptor (also kept in `_fd`)."""
         if not self.dir.is_dir():
             try:
                 os.makedirs(self.dir, self.dir_mode, exist_ok=True)
@@ -213,6 +216,7 @@ class LedgerWriter:
         os.write(fd, head)
         self._fd, self.size = fd, len(head)
         self.bytes_written += len(head)
+        return fd
 
     def append(self, text: str) -> bool:
         """Append whole lines; False (and nothing raised) if the ledger cannot be written."""
@@ -221,9 +225,8 @@ class LedgerWriter:
             try:
                 if self._fd is not None and (self._pid != os.getpid() or self.size >= MAX_LOG_BYTES):
                     self._seal_locked()  # forked child: its own log; or rotation
-                if self._fd is None:
-                    self._open()
-                n = os.write(self._fd, data)
+                fd = self._fd if self._fd is not None else self._open()
+                n = os.write(fd, data)
                 self.size += n
                 self.bytes_written += n
                 if n != len(data):  # a torn line: readers skip it; start a clean log
@@ -301,12 +304,13 @@ class Snapshot:
 
 def read_snapshot(path: Path, head_only: bool = False) -> Snapshot | None:
     """A snapshot's header and offsets (and, unless `head_only`, its entries);
-    None if it is not a complete snapshot of this version."""
-    try:
-        f = open(path, encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    with f:
+    None if it is not a complete snapshot of this version (or cannot be opened;
+    an error while reading it is raised)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            f = stack.enter_context(open(path, encoding="utf-8", errors="replace"))
+        except OSError:
+            return None
         h = parse_header(f.readline())
         if h is None or h["kind"] != "snapshot" or "walked" not in h:
             return None
