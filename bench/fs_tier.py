@@ -93,9 +93,11 @@ def _raw_done(buf: mmap.mmap) -> None:
     _RAW_BUFS.setdefault(len(buf), []).append(buf)
 
 
-def _timed(fn) -> tuple[float, float]:
+def _timed(fn, *args) -> tuple[float, float]:
+    """Wall and CPU seconds of ``fn(*args)``; the arguments are passed, not captured, so a
+    loop's current values are the ones measured."""
     c0, t0 = cpu_seconds(), time.perf_counter()
-    fn()
+    fn(*args)
     return time.perf_counter() - t0, cpu_seconds() - c0
 
 
@@ -199,6 +201,12 @@ def _header(kv: HybridKV, c: int, g) -> ChunkHeader:
 # load of the run. Fresh buffers would put page faults into the figures (see
 # docs/performance.md, section 3), and vLLM's rows use one long-lived buffer.
 BUFFERS = BufferPool(max_free_bytes=1 << 30)
+
+
+def _header_key_id(path: str) -> bytes:
+    """The key id a MAC'd chunk file's header names (bytes 124-132 of the header)."""
+    with open(path, "rb") as f:
+        return f.read(HEADER_LEN)[124:132]
 
 
 def warm_buffers(kv: HybridKV, count: int) -> None:
@@ -362,6 +370,18 @@ def vllm_load(kv: HybridKV, vp: VllmPages, root: Path, threads: int, direct: boo
         list(pool.map(one, kv.files()))
 
 
+def vllm_full_store(kv: HybridKV, vp: VllmPages, root: Path, threads: int, direct: bool) -> None:
+    """The whole way out of the KV cache: its CPU-tier copy, then its file I/O."""
+    vllm_gather(kv, vp)
+    vllm_store(kv, vp, root, threads, direct)
+
+
+def vllm_full_load(kv: HybridKV, vp: VllmPages, root: Path, threads: int, direct: bool) -> None:
+    """The whole way back into the KV cache: its file I/O, then the CPU-tier copy."""
+    vllm_load(kv, vp, root, threads, direct)
+    vllm_scatter(kv, vp)
+
+
 # ------------------------------------------------------------------ driver
 def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threads: int = 4,
         vllm_threads: tuple[int, ...] = (4, 16), out_dir: Path | None = None) -> dict:
@@ -391,18 +411,18 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
         # raw device, 1 and 4 streams
         for n in RAW_STREAMS:
             paths = [str(work / f"raw{r}.{i}") for i in range(n)]
-            add(f"raw write x{n}", _timed(lambda: _raw_write(paths, total, direct_ok)))
+            add(f"raw write x{n}", _timed(_raw_write, paths, total, direct_ok))
             cache_method = drop_page_cache(paths)
-            add(f"raw read x{n}", _timed(lambda: _raw_read(paths, direct_ok)))
+            add(f"raw read x{n}", _timed(_raw_read, paths, direct_ok))
             for p in paths:
                 os.unlink(p)
         if direct_ok:  # one O_DIRECT write/read per file, chunk-file sizes, 16 at a time
             sizes = [g.payload + HEADER_LEN for _, g in kv.files()]
             (work / f"rawf{r}").mkdir()
             paths = [str(work / f"rawf{r}" / f"{i}") for i in range(len(sizes))]
-            add("raw files write x16", _timed(lambda: _raw_files_write(paths, sizes, 16)))
+            add("raw files write x16", _timed(_raw_files_write, paths, sizes, 16))
             cache_method = drop_page_cache(paths)
-            add("raw files read x16", _timed(lambda: _raw_files_read(paths, sizes, 16)))
+            add("raw files read x16", _timed(_raw_files_read, paths, sizes, 16))
             shutil.rmtree(work / f"rawf{r}")
         # ours: store variants without a load after them
         for v, (variant, direct, nthreads) in enumerate((("ours, buffered writes", False, threads),
@@ -410,7 +430,7 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
             if direct is False and not direct_ok:
                 continue
             data = FsData(FileStore.open(str(work / f"ours{r}.{v}"), FP), direct=direct)
-            add(f"{variant} store", _timed(lambda: ours_store(kv, data, nthreads)))
+            add(f"{variant} store", _timed(ours_store, kv, data, nthreads))
             shutil.rmtree(work / f"ours{r}.{v}")
         # ours: each load variant reads files stored (with the connector's
         # defaults) right before it, from a cold page cache, as every vLLM
@@ -423,11 +443,11 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
         for v, (name, fn, direct_reads, mac) in enumerate(loads):
             path = str(work / f"load{r}.{v}")
             stored = FileStore.open(path, FP, options=FsOptions(path=path, auth=auth if mac else None))
-            add("ours store, MAC" if mac else "ours store", _timed(lambda: ours_store(kv, FsData(stored), threads)))
+            add("ours store, MAC" if mac else "ours store", _timed(ours_store, kv, FsData(stored), threads))
             files = [str(stored.file_path(g.index, kv.keys[c])) for c, g in kv.files()]
             assert sum(os.path.getsize(f) for f in files) == total + HEADER_LEN * len(files)
             if mac:
-                assert all(open(f, "rb").read(HEADER_LEN)[124:132] == stored.keyring.current.key_id for f in files)
+                assert all(_header_key_id(f) == stored.keyring.current.key_id for f in files)
             data = FsData(stored, direct_reads=direct_reads)
             worker = load_worker(kv, data, threads) if fn is None else None
             want = _fingerprint_kv(kv) if name not in verified else None
@@ -435,10 +455,10 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
             if want is not None:
                 kv.zero()
             if worker is not None:
-                add(name, _timed(lambda: ours_load_parallel(kv, worker)))
+                add(name, _timed(ours_load_parallel, kv, worker))
                 worker.shutdown()
             else:
-                add(name, _timed(lambda: fn(data)))
+                add(name, _timed(fn, data))
             if want is not None:
                 assert _fingerprint_kv(kv) == want, f"{name}: restored pages differ from the stored ones"
                 verified.add(name)
@@ -449,20 +469,20 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
         if vp is not None:
             for t in vllm_threads:
                 root = work / f"vllm{r}.{t}"
-                add(f"vLLM x{t} store", _timed(lambda: vllm_store(kv, vp, root, t, direct_ok)))
+                add(f"vLLM x{t} store", _timed(vllm_store, kv, vp, root, t, direct_ok))
                 files = [vp.paths(root, kv, c, g) for c, g in kv.files()]
                 cache_method = drop_page_cache(files)
-                add(f"vLLM x{t} load", _timed(lambda: vllm_load(kv, vp, root, t, direct_ok)))
+                add(f"vLLM x{t} load", _timed(vllm_load, kv, vp, root, t, direct_ok))
                 shutil.rmtree(root)
             # The whole way from and to the KV cache: its CPU-tier copy, then its file I/O.
             t = vllm_threads[0]
             root = work / f"vllm{r}.full"
             add(f"vLLM x{t} + CPU-tier copy store",
-                _timed(lambda: (vllm_gather(kv, vp), vllm_store(kv, vp, root, t, direct_ok))))
+                _timed(vllm_full_store, kv, vp, root, t, direct_ok))
             files = [vp.paths(root, kv, c, g) for c, g in kv.files()]
             cache_method = drop_page_cache(files)
             add(f"vLLM x{t} + CPU-tier copy load",
-                _timed(lambda: (vllm_load(kv, vp, root, t, direct_ok), vllm_scatter(kv, vp))))
+                _timed(vllm_full_load, kv, vp, root, t, direct_ok))
             shutil.rmtree(root)
     shutil.rmtree(work, ignore_errors=True)
 
@@ -497,7 +517,8 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
         for op in ("store", "load"):
             best = max((k for k in med if k.startswith("vLLM") and k.endswith(op) and "CPU-tier" not in k),
                        key=lambda k: med[k]["gb_s"])
-            doc[f"vs_vllm_{op}"] = {"vllm_variant": best, "throughput_ratio": med[f"ours {op}"]["gb_s"] / med[best]["gb_s"],
+            doc[f"vs_vllm_{op}"] = {"vllm_variant": best,
+                                    "throughput_ratio": med[f"ours {op}"]["gb_s"] / med[best]["gb_s"],
                                     "cpu_ratio": med[f"ours {op}"]["cpu_s"] / med[best]["cpu_s"]}
             full = next(k for k in med if "CPU-tier" in k and k.endswith(op))
             doc[f"vs_vllm_full_{op}"] = {"vllm_variant": full,
@@ -526,8 +547,9 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
                           "mac_of_device": m["gb_s"] / limit, "device_gb_s": limit,
                           "crc_gb_s_range": [min(c["runs_gb_s"]), max(c["runs_gb_s"])],
                           "mac_gb_s_range": [min(m["runs_gb_s"]), max(m["runs_gb_s"])]}
-    print(f"{total / 2**30:.2f} GiB in {2 * kv.chunks} files on {fs_desc}; O_DIRECT {'on' if direct_ok else 'refused'}; "
-          f"cold reads via {cache_method}; CRC-32C path {doc['crc32c']}; median of {reps} (range: min-max)")
+    print(f"{total / 2**30:.2f} GiB in {2 * kv.chunks} files on {fs_desc}; "
+          f"O_DIRECT {'on' if direct_ok else 'refused'}; cold reads via {cache_method}; "
+          f"CRC-32C path {doc['crc32c']}; median of {reps} (range: min-max)")
     print(f"device limit (fastest pure I/O in this run): write {raw_w:.2f} GB/s ({doc_base['device_write']}), "
           f"read {raw_r:.2f} GB/s ({doc_base['device_read']})")
     print(table(["path", "GB/s", "range", "of device", "CPU s", "CPU s/GB"], table_rows))
@@ -546,7 +568,8 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
     for op, d in doc["mac"].items():
         print(f"{op}, MAC vs CRC only: CPU {d['mac_cpu_s_per_gb']:.2f} vs {d['crc_cpu_s_per_gb']:.2f} s/GB "
               f"({d['cpu_per_gb_ratio']:.2f}x; goal <= 1.25x), {d['mac_gb_s']:.2f} vs {d['crc_gb_s']:.2f} GB/s "
-              f"= {d['mac_of_device']:.0%} vs {d['crc_of_device']:.0%} of the device limit ({d['device_gb_s']:.2f} GB/s)")
+              f"= {d['mac_of_device']:.0%} vs {d['crc_of_device']:.0%} of the device limit "
+              f"({d['device_gb_s']:.2f} GB/s)")
     print(f"wrote {write_results('fs_tier', doc, out_dir)}")
     return doc
 

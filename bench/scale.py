@@ -263,7 +263,8 @@ def run(files: int, reps: int, dir: str | None = None, out_dir: Path | None = No
         # ---- lookup --------------------------------------------------------------------------------
         hits = [(g, key(rng.randrange(prompts), rng.randrange(DEPTH))) for g in (ATTN, GDN) for _ in range(5000)]
         misses = [(ATTN, ChunkKey(rng.randbytes(32))) for _ in range(10000)]
-        assert all(store.contains(g, k) for g, k in hits[:100]) and not any(store.contains(g, k) for g, k in misses[:100])
+        assert all(store.contains(g, k) for g, k in hits[:100])
+        assert not any(store.contains(g, k) for g, k in misses[:100])
         res["lookup: contains, stored (warm)"] = {"s": per_op(lambda a: store.contains(*a), hits, reps)}
         res["lookup: contains, absent (warm)"] = {"s": per_op(lambda a: store.contains(*a), misses, reps)}
         if cold:
@@ -288,7 +289,7 @@ def run(files: int, reps: int, dir: str | None = None, out_dir: Path | None = No
         for r in range(reps):  # interleaved, so that both see the same machine
             for name, st, off in kinds:
                 hs = [header(base_p + (2 * r + off) * k + i, 0, ATTN) for i in range(k)]
-                out[name].append(per_op(lambda h: st.write_framed(h, chunk, direct=False), hs, 1))
+                out[name].append(per_op(lambda h, st=st: st.write_framed(h, chunk, direct=False), hs, 1))
                 if st is bare:  # never recorded: take them away again, as if they had not been written
                     for h in hs:
                         os.unlink(st.file_path(ATTN, h.key))
@@ -334,7 +335,8 @@ def run(files: int, reps: int, dir: str | None = None, out_dir: Path | None = No
                      f"{s / files * 1e9:.0f} ns/file" if s > 0.05 else "-"])
     print(table(["operation", "cost", "per file in the tree"], rows))
     print(f"index memory per file: old {doc['old_index_bytes_per_file']} B, new {doc['new_index_bytes_per_file']} B "
-          f"(sys.getsizeof of the index structures); snapshot {doc['snapshot']['ledger_bytes']} B of ledger for {files} files; "
+          f"(sys.getsizeof of the index structures); "
+          f"snapshot {doc['snapshot']['ledger_bytes']} B of ledger for {files} files; "
           f"accounted {doc['final_usage_accounted']} B, walked {doc['final_usage_walked']} B")
     print(f"wrote {write_results('scale', doc, out_dir)}")
     return doc
