@@ -125,7 +125,7 @@ def test_prompt_file_formats(tmp_path):
     assert [p.text for p in ps] == ["hello", None] and ps[1].token_ids == [5, 6, 7]
     txt = write(tmp_path, "p.txt", "first prompt\n\n  second {not json}\n")
     assert [p.text for p in load(txt)] == ["first prompt", "  second {not json}"]
-    assert [p.text for p in load(jl, "text")][0] == '{"prompt": "hello"}'
+    assert load(jl, "text")[0].text == '{"prompt": "hello"}'
     for body, msg in (('{"prompt": ""}', "prompt"), ('{"prompt_token_ids": [1, -2]}', "token ids"),
                       ("[1, 2]", "object"), ("not json", "not JSON"), ("\n\n", "no prompts")):
         with pytest.raises(PromptFileError, match=msg):
@@ -139,7 +139,7 @@ def test_text_prompts_use_the_models_tokenizer_or_fail_clearly(models_dir, tmp_p
     bare = tmp_path / "no-tokenizer"
     bare.mkdir()
     shutil.copy(models_dir / "qwen3-next-tiny" / "config.json", bare)
-    with pytest.raises(PromptFileError, match="need a tokenizer.*prompt_token_ids"):
+    with pytest.raises(PromptFileError, match=r"need a tokenizer.*prompt_token_ids"):
         token_ids(ps, str(bare))
     # Token ids need no tokenizer at all.
     assert token_ids(load(write(tmp_path, "i.jsonl", '{"prompt_token_ids": [1, 2]}')), str(bare)) == [[1, 2]]

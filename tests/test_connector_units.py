@@ -272,7 +272,7 @@ def test_attention_only_tails_a_short_prompt_a_next_turn_and_a_tail_vllm_cached(
     assert eng.scheduler.reset_prefix_cache()
     before = len(files())
     long = prompt(24, PROMPT + 100)
-    b = long[:PROMPT] + [1]  # vLLM's own hit stops at b's tail, the last block before its last token
+    b = [*long[:PROMPT], 1]  # vLLM's own hit stops at b's tail, the last block before its last token
     assert planner.tail_boundary(len(b)) and planner.tail_boundary(len(b)) < PROMPT
     req_long = create_request("long", long, max_tokens=2, block_size=BS)
     eng.scheduler.add_request(req_long)
@@ -781,7 +781,8 @@ def test_partial_tail_restores_attention_to_the_unit_and_the_state_vllm_material
         restored: dict[str, list[bytes]] = {}
         tables: list[tuple[list[int], ...]] = []
 
-        def grab() -> None:  # the load is done and vLLM has not scheduled the request's compute yet
+        # The load is done and vLLM has not scheduled the request's compute yet.
+        def grab(rid=rid, tables=tables, restored=restored) -> None:
             if not tables and eng.status(rid) == WAITING_FOR_KV:
                 tables.append(table_all(eng, rid))
             if not restored and eng.status(rid) == WAITING_FOR_KV and rid not in worker.connector._worker._loads:
@@ -800,7 +801,7 @@ def test_partial_tail_restores_attention_to_the_unit_and_the_state_vllm_material
         assert_same_bytes(restored["tail"], expected_tail_block,
                           f"{rid}: the tail's attention block (tokens 128-191, zero past them)")
         assert_same_bytes(restored["state"], state, f"{rid}: the GDN state at the tail")
-        eng.run_until(lambda: rid in eng.finished)
+        eng.run_until(lambda rid=rid: rid in eng.finished)
         assert tier_params(eng, rid) == {"restored_tokens": tail, "load_failed": False}, rid
         assert eng.scheduled[rid] == len(toks) - tail + 1, rid  # the rest of the prompt, one decode step
         assert sched.reset_prefix_cache()

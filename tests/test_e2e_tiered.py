@@ -25,7 +25,7 @@ HITS = [(len(p) - 1) // CHUNK * CHUNK for p in PROMPTS]
 # Attention only: whole chunks (a chunk-aligned prompt hits whole: vLLM computes
 # its last token again on top of the restored KV), or the tail of whole blocks
 # behind them, as the plan's planner states it for vLLM's blocks here.
-LLAMA_PROMPTS = PROMPTS + [random_prompt(rng, 768)]
+LLAMA_PROMPTS = [*PROMPTS, random_prompt(rng, 768)]
 
 
 def tiered(path, cpu_bytes: int | None = None) -> dict:

@@ -86,7 +86,7 @@ def key_of(name: str) -> bytes:
     return hashlib.sha256(name.encode()).digest()
 
 
-def header(key: bytes = None, fp: bytes = FP, **over) -> ChunkHeader:
+def header(key: bytes | None = None, fp: bytes = FP, **over) -> ChunkHeader:
     d = dict(fingerprint=fp, key=key if key is not None else key_of("A"), group=1,
              kind=GroupKind.FULL_ATTENTION, token_start=256, token_end=512, num_pages=NPAGES,
              page_bytes=PAGE)

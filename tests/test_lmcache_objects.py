@@ -127,10 +127,11 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.tmp), "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"],
-            stdout=open(self.tmp / "redis.log", "ab"), stderr=subprocess.STDOUT)
+        with open(self.tmp / "redis.log", "ab") as log:  # the server keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--dir", str(self.tmp), "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru"],
+                stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while True:
             assert self.proc.poll() is None, (self.tmp / "redis.log").read_text()
@@ -204,7 +205,7 @@ def test_remote_shared_killed_and_restarted(redis_server):
         # Kill the server mid-run: remote lookups and loads become misses, quickly, without raising.
         redis_server.kill()
         worst = 0.0
-        for name, seed, size in second:
+        for name, _seed, size in second:
             found, dt_c = timed(b.contains, name)
             loaded, dt_g = timed(b.get_into, name, torch.empty(size, dtype=torch.uint8))
             assert not found and not loaded, name
@@ -225,7 +226,7 @@ def test_remote_shared_killed_and_restarted(redis_server):
         # The server returns (empty: no persistence): the same B recovers with no reopen.
         redis_server.start()
         assert b.put("B/after", payload(31, 300_000)) and b.flush(5)
-        for name, seed, size in second:  # gone with the old server: misses, not garbage
+        for name, _seed, size in second:  # gone with the old server: misses, not garbage
             assert not b.get_into(name, torch.empty(size, dtype=torch.uint8))
         # A hung server (SIGSTOP): calls wait at most the timeout, then miss.
         redis_server.signal(signal.SIGSTOP)

@@ -86,7 +86,8 @@ def test_kill9_of_store_writer_never_leaves_a_loadable_corrupt_file(tmp_path):
         zygote.kill()
         zygote.wait()
     print(f"\nkill -9 store-writer cycles: {CYCLES}, files verified: {totals['files_verified']}, "
-          f"kills that hit a write in flight: {totals['kills_mid_write']}, orphans removed: {totals['orphans_removed']}")
+          f"kills that hit a write in flight: {totals['kills_mid_write']}, "
+          f"orphans removed: {totals['orphans_removed']}")
     assert totals["files_verified"] >= CYCLES
     assert totals["kills_mid_write"] >= 1, "no kill landed during a write: the test proves nothing about orphans"
     record("1a kill -9 of a store-writing process (FsData + C++ copier, 4 I/O threads)",
