@@ -12,8 +12,8 @@ and the latest gauge values, all keyed by label values, so that several tiers
 of one MultiConnector (all of class OffloadConnector, which vLLM merges into
 one stats object) stay apart. Counters only ever receive non-negative deltas
 and are incremented by prometheus-client in one process: they cannot go
-backwards, whatever the concurrency in the engine (seed 002 crashed on a
-negative counter increment).
+backwards, whatever the concurrency in the engine (prometheus-client raises
+ValueError on a negative increment, inside the engine's stats path).
 
 Every metric and its labels are defined in METRICS; docs/operations.md lists them.
 """

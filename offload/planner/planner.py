@@ -1,8 +1,8 @@
 """HybridOffloadPlanner: per-group chunk contents and the restorable-prefix lookup.
 
 A hit of N tokens is only safe when *every* group can be restored at exactly N
-(seed 003: a hybrid hit is the minimum over groups, and an attention-only
-restore silently corrupts output). The planner states, per group, what one
+(a hybrid hit is the minimum over groups: restoring the attention KV without
+the matching Mamba state silently corrupts output). The planner states, per group, what one
 (chunk, group) file holds and which files a hit of N needs, and answers the
 lookup with a binary search over the part that is monotone (full attention)
 followed by a short walk down over the part that is not (Mamba states and

@@ -28,7 +28,8 @@ class GroupKind(str, enum.Enum):
 
     @property
     def grows_with_sequence(self) -> bool:
-        """Only full attention needs memory for every token (seed 004)."""
+        """Only full attention needs memory for every token; windowed KV and a
+        Mamba state stay the same size however long the sequence grows."""
         return self is GroupKind.FULL_ATTENTION
 
 

@@ -185,8 +185,8 @@ class CacheDirs:
     def attached(cls, anchor: object) -> CacheDirs:
         """The `CacheDirs` kept on `anchor` (made on first use): an object that
         both halves of a connector see in one process (vLLM's config), so
-        that they share their owners exactly as before, and separate
-        processes (which each unpickle their own anchor) do not."""
+        that they share their owners, and separate processes (which each
+        unpickle their own anchor) do not."""
         dirs = getattr(anchor, cls._ANCHOR_ATTR, None)
         if dirs is None:
             dirs = cls()

@@ -3,8 +3,8 @@
 Every KV cache group gets the same number of slots, one per chunk, each sized
 for what that group really stores per chunk: full attention the chunk's pages;
 a windowed group only the pages inside its window; a Mamba group one state
-page. Nothing is padded to another group's page size (seed 001), and slot ids
-of one pool are never used in another.
+page. Nothing is padded to another group's page size (that would waste host
+memory on every smaller group), and slot ids of one pool are never used in another.
 
 Eviction is LRU per pool, with one rule that keeps every prefix restorable:
 an attention or windowed entry is only evicted together with its
@@ -67,7 +67,8 @@ class CpuLayout:
         return self.pages_per_slot[group] * self.page_bytes[group]
 
     def describe(self, planner: HybridOffloadPlanner) -> str:
-        """Capacity in tokens counts only groups that grow with the sequence (seed 004)."""
+        """Capacity in tokens is tokens of full-attention KV, the only kind that grows
+        with the sequence; a model without it reports 0 tokens."""
         grows = any(s.kind.grows_with_sequence for s in planner.groups)
         tokens = self.slots * planner.chunk_size if grows else 0
         per_group = ", ".join(
