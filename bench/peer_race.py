@@ -1,4 +1,4 @@
-"""Issue 13 items 1 and 2: our tier stack against vLLM's own tiering, end to end, in the same run.
+"""Our tier stack against vLLM's own tiering and against recomputing, end to end, in the same run.
 
 Three configurations on the same engine build, model, prompts and disk, each through vLLM's OpenAI
 server (`python -m vllm.entrypoints.openai.api_server`: `vllm serve` and `vllm bench serve` need
@@ -28,7 +28,7 @@ Per model:
      KV cache cut to `--num-gpu-blocks-override` blocks so that the prefixes do not all fit and
      the connectors' host memory serves the evicted ones;
    * CPU seconds of the server's process tree (API server, engine core, worker) per phase.
-With `none` the long prompts are computed: that is the recompute baseline of item 2.
+With `none` the long prompts are computed: that is the recompute baseline the restores are set against.
 
 `--multi-turn` (`run_multi_turn`): the same three configurations in a conversation of `--turns`
 (default 4) turns. Turn 1's prompt is random tokens; each later turn's prompt is the previous
@@ -373,7 +373,7 @@ class ModelRun:
     rounds: int = 3
     seed: int = SEED
     with_load: bool = True  # False: TTFT only (a model whose prefill is too slow here for the load)
-    configs: tuple[str, ...] = CONFIGS  # ("ours", "none"): restore vs compute only (issue 13 item 2)
+    configs: tuple[str, ...] = CONFIGS  # ("ours", "none"): restore vs compute only
     results: dict[str, Any] = field(default_factory=dict)
 
 
@@ -846,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated: hybrid, llama-tiny-long, llama (the 8B geometry), hybrid-tiny, llama-tiny "
                          "(default: hybrid,llama-tiny-long; with --multi-turn: hybrid)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--hybrid-tokens", default="4096,8192,16384", help="long prompts on the hybrid (item 2)")
+    ap.add_argument("--hybrid-tokens", default="4096,8192,16384", help="long prompts on the hybrid")
     ap.add_argument("--llama-tokens", default="3900,3840",
                     help="llama-tiny's limit is 4096 tokens. 3900: both connectors restore 3840 tokens; 3840: a "
                          "chunk-aligned prompt, which both connectors restore whole "

@@ -1,6 +1,6 @@
-"""Issue 11: the tier stack's one gather per entry, against two independent
-connectors (what `OffloadMultiConnector` with a CPU child and a file child
-did: each child gathers every entry itself), and the stack's store/load GB/s
+"""The tier stack's one gather per entry, against two independent connectors
+(an `OffloadMultiConnector` with a CPU child and a file child, each child
+gathering every entry itself), and the stack's store/load GB/s
 against each tier alone, in the same run.
 
 Drives the real worker half (`offload.connector.worker.WorkerSide`) and the
@@ -12,8 +12,8 @@ Configurations, alternating within each repetition:
 - cpu: the host-memory tier alone;
 - fs: the file tier alone;
 - stack: host memory, then files (write-through from the host copy);
-- two-connectors: the cpu and fs tiers as two workers, each gathering (what
-  our MultiConnector did with two of our children);
+- two-connectors: the cpu and fs tiers as two workers, each gathering (our
+  MultiConnector with two of our children and no shared gather);
 - two-connectors-shared: the same with the MultiConnector's `GatherShare`
   (the first child gathers, the second copies its host bytes).
 Loads: stack from host memory (after a reset), stack after a restart (host

@@ -1,7 +1,7 @@
 """vLLM 0.32's own `OffloadingConnector` on the CPU platform: a benchmark harness, not product code.
 
-Why this file exists (issue 13 item 1, issue 10)
-------------------------------------------------
+Why this file exists
+--------------------
 vLLM's `OffloadingConnector` (vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py)
 delegates to an `OffloadingSpec` chosen by `kv_connector_extra_config["spec_name"]` (+
 `"spec_module_path"` for out-of-tree specs, vllm/v1/kv_offload/factory.py). Its two in-tree specs
@@ -46,7 +46,7 @@ kv-transfer-config (see `vllm_cpu_kv_config` / `vllm_tiered_kv_config` below)::
                                    "spec_module_path": "bench.vllm_offloading_cpu",
                                    "cpu_bytes_to_use": 268435456}}
 
-The harness (item 2): `run_connector(...)` / `python -m bench.vllm_offloading_cpu` serve a prompt
+The harness: `run_connector(...)` / `python -m bench.vllm_offloading_cpu` serve a prompt
 set through `vllm.LLM` in a fresh process with a given kv-transfer-config, one prompt at a time,
 in `passes` passes with `LLM.reset_prefix_cache()` between them (host memory survives that, not a
 restart), or `--restart` (a second process on the same config: only file tiers survive). Per

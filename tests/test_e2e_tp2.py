@@ -1,4 +1,4 @@
-"""Tensor parallel 2 on vLLM-CPU (issue 10, item 7): files per rank, restore after a restart.
+"""Tensor parallel 2 on vLLM-CPU: files per rank, restore after a restart.
 
 vLLM-CPU runs TP 2 on this 2-core machine with one OpenMP thread per rank
 (`VLLM_CPU_OMP_THREADS_BIND=0|1`). The tiny GDN hybrid cannot be split (one

@@ -1,5 +1,5 @@
-"""Usage accounting of the file tier from per-instance ledgers (issue 13,
-item 4): several instances (processes, or accounts in this process) share one
+"""Usage accounting of the file tier from per-instance ledgers: several
+instances (processes, or accounts in this process) share one
 directory of real chunk files; their accounted usage must stay within 5% of
 the bytes on disk, eviction must keep the directory under its budget, a
 crashed instance's torn or damaged line must be tolerated, and a reconcile

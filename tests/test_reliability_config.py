@@ -1,4 +1,4 @@
-"""Malformed or dangerous configurations fail at start-up (issue 5, item 7).
+"""Malformed or dangerous configurations fail at start-up (docs/reliability.md, row 7).
 
 Each case goes through the real start-up path, the connector's constructor
 as vLLM calls it in the engine core (role SCHEDULER), with a real VllmConfig
@@ -161,7 +161,7 @@ def test_at_least_30_bad_configs_fail_at_start_up_naming_key_and_fix(vllm_setup,
 @pytest.mark.parametrize("target", ["/proc/version", "<tmp>/afile", "<tmp>/afile/cache"])
 def test_start_up_refuses_a_path_that_is_not_a_directory(vllm_setup, tmp_path, monkeypatch, target):
     """The start-up check on its own (the config validated elsewhere, or the file created since): a path that
-    exists and is not a directory is refused with the key, the value and the fix (issue 11 item 6)."""
+    exists and is not a directory is refused with the key, the value and the fix."""
     import offload.config
     import offload.store.options
 
@@ -179,7 +179,7 @@ def test_start_up_refuses_a_path_that_is_not_a_directory(vllm_setup, tmp_path, m
 
 
 def test_models_dtypes_tp_layouts_and_chunk_sizes_never_share_files(vllm_setup, tmp_path):
-    """Item 9: every variant gets its own fingerprint directory, and a file of
+    """Row 9 of docs/reliability.md: every variant gets its own fingerprint directory, and a file of
     one variant placed where another looks is refused (identity check).
     Different models sharing a directory run on real engines in
     tests/test_e2e_fs.py; other format versions in test_reliability_e2e.py."""

@@ -1,4 +1,4 @@
-"""Reliability on real vLLM engines (issue 5): corruption, failed loads between
+"""Reliability on real vLLM engines: corruption, failed loads between
 lookup and load, foreign format versions, I/O errors, full disks, kill -9,
 slow storage, a shared directory under a byte budget.
 
@@ -99,7 +99,7 @@ def fix_header_crc(raw: bytearray) -> None:
     raw[HEADER_LEN - 4:HEADER_LEN] = struct.pack("<I", crc32c(bytes(raw[:HEADER_LEN - 4])))
 
 
-# ---- corruption, version, vanishing and unreadable files (items 2, 6, 9) -----------------
+# ---- corruption, version, vanishing and unreadable files (rows 2, 6, 9) -----------------
 
 CORRUPTIONS = ["bitflip", "truncate", "zero_page", "header_field", "header_crc_only"]
 N_CORRUPT = int(os.environ.get("KVOFFLOAD_CORRUPT_FILES", "200"))  # two per prompt: its g0 and g1 files
@@ -270,7 +270,7 @@ def test_no_request_data_in_paths_and_default_modes(bad_files):
     assert {m for d, m in modes if d} == {"0o750"}, modes
 
 
-# ---- a full disk (item 3) ------------------------------------------------------------------
+# ---- a full disk (row 3) ------------------------------------------------------------------
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
@@ -330,7 +330,7 @@ def test_full_disk_drops_and_counts_stores_serves_every_request_and_recovers(pre
     assert c["chunk_misses"].get("corrupt", 0) == 0
 
 
-# ---- kill -9 with stores in flight, and slow storage (items 1 and 5) ---------------------------
+# ---- kill -9 with stores in flight, and slow storage (rows 1 and 5) ---------------------------
 
 KILL_CYCLES = int(os.environ.get("KVOFFLOAD_ENGINE_KILL_CYCLES", "1"))
 DECODE_TOKENS = 48
@@ -476,7 +476,7 @@ def test_kill9_real_engine_many_cycles(models_dir, tmp_path, cycles, monkeypatch
     test_kill9_with_stores_in_flight_and_slow_storage(models_dir, tmp_path)
 
 
-# ---- two engines, one directory, one byte budget (item 4) ------------------------------------
+# ---- two engines, one directory, one byte budget (row 4) ------------------------------------
 
 SHARED_BUDGET = 32 << 20
 

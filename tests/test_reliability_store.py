@@ -1,4 +1,4 @@
-"""Reliability of the filesystem tier below the engine (issue 5): kill -9 of a
+"""Reliability of the filesystem tier below the engine: kill -9 of a
 store-writing process on the worker's real store path, orphaned temporary
 files, symlinks, permissions, the byte budget, foreign format versions.
 

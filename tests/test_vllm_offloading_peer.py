@@ -1,4 +1,4 @@
-"""Peer comparison (issue 10, issue 13 item 1): our `configs/fs.json` connector against vLLM 0.32's
+"""Peer comparison: our `configs/fs.json` connector against vLLM 0.32's
 own `OffloadingConnector`, on the toy hybrid model (Qwen3-Next: GDN state + full attention) with
 vLLM's default scheduling flags: no `max_num_batched_tokens`, no `prefix_cache_retention_interval`
 (only prefix caching on, plus the model length and eager mode every engine test uses).
