@@ -150,7 +150,7 @@ def _bench_e2e_small(models_dir: Path, tmp_path: Path) -> dict:
 
 
 @pytest.mark.e2e
-@pytest.mark.long  # `make test` stays within 12 minutes (README, Tests); `make bench` runs it at size
+@pytest.mark.long  # `make test` stays within 12 minutes (docs/development.md); `make bench` runs it at size
 @pytest.mark.prefetch.with_args(_bench_e2e_small)
 def test_bench_e2e_small(prefetched, models_dir) -> None:
     """Items 5 and 6 on the tiny Llama: one engine pair (no connector; the
@@ -210,7 +210,7 @@ def _bench_peer_race_small(models_dir: Path, tmp_path: Path) -> dict:
 
 
 @pytest.mark.e2e
-@pytest.mark.long  # `make test` stays within 12 minutes (README, Tests); `make bench` runs it at size
+@pytest.mark.long  # `make test` stays within 12 minutes (docs/development.md); `make bench` runs it at size
 @pytest.mark.prefetch.with_args(_bench_peer_race_small)
 def test_bench_peer_race_small(prefetched) -> None:
     """bench/peer_race.py at a small size: after a restart both connectors restore from their file

@@ -28,7 +28,7 @@ from offload.engine_run import RunSpec, run_engine, wait_until
 from offload.keys import chunk_keys, request_root
 from offload.store.format import HEADER_LEN, ChunkHeader
 
-pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (README, Tests)
+pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
 
 GDN, ATTN = 0, 1  # Qwen3-Next groups: GDN state, full attention
 rng = random.Random(4004)

@@ -71,7 +71,7 @@ from loadgen import LoadReport, Request, Result, run_load
 from offload.store.format import HEADER_LEN, ChunkHeader
 from serving import api_server, metric_by_label, metric_sum, scrape, wait_until
 
-pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (README, Tests)
+pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
 
 MODEL = "qwen3-next-tiny"
 # 11 blocks (128 tokens each on this model): one request of up to MAX_MODEL_LEN tokens, so two long

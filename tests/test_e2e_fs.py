@@ -18,7 +18,7 @@ from conftest import CHUNK, engine_args, fs_kv_config, in_background, layouts, r
 from offload.engine_run import RunResult, RunSpec, run_engine
 from offload.keys import chunk_keys, request_root
 
-pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (README, Tests)
+pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
 
 GDN, ATTN = 0, 1  # Qwen3-Next groups: GDN state, full attention
 

@@ -38,7 +38,7 @@ def test_invalid_chunk_size_fails_engine_start_naming_sizes_and_a_valid_value(mo
 
 
 @pytest.mark.e2e
-@pytest.mark.long  # a three-process server start: `make test` stays within 12 minutes (README, Tests)
+@pytest.mark.long  # a three-process server start: `make test` stays within 12 minutes (docs/development.md)
 @pytest.mark.stops_fs_server  # runs right after the other tests of the session's server
 def test_sigterm_of_api_server_finishes_stores(fs_server):
     prompt = random_prompt(random.Random(9), 4 * CHUNK + 50)

@@ -19,7 +19,7 @@ from offload.engine_run import RunSpec, run_engine
 from offload.keys import rank_fingerprint
 from offload.store.format import HEADER_LEN
 
-pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (README, Tests)
+pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
 
 TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 

@@ -28,7 +28,7 @@ from offload.engine_run import RunSpec, run_engine
 from offload.plan import cpu_isa, plan_for_model
 from test_plan import config, expected_layout, vllm_cpu_facts
 
-pytestmark = pytest.mark.long  # a plan per kind and TP size, and engine runs (README, Tests)
+pytestmark = pytest.mark.long  # a plan per kind and TP size, and engine runs (docs/development.md)
 
 KINDS = ("avx2", "avx512", "avx512_bf16")  # from oldest to newest; a CPU runs its own and older ones
 NATIVE = cpu_isa()

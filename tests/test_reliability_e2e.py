@@ -38,7 +38,7 @@ from offload.engine_run import EngineRun, RunResult, RunSpec, start_engine
 from offload.keys import chunk_keys, request_root
 from offload.store.format import HEADER_LEN
 
-pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (README, Tests)
+pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
 
 GDN, ATTN = 0, 1
 MODEL = "qwen3-next-tiny"

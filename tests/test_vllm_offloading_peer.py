@@ -41,7 +41,7 @@ from bench.vllm_offloading_cpu import (
     vllm_tiered_kv_config,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (README, Tests)
+pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
 
 # vLLM's defaults plus prefix caching; max_model_len/enforce_eager as in conftest.engine_args.
 DEFAULT_FLAGS = {"enable_prefix_caching": True, "max_model_len": 4096, "enforce_eager": True}
