@@ -69,20 +69,20 @@ def runs(models_dir, tmp_path_factory):
                 timeout_s=TIMEOUT_S)
     out: dict = {"plan": plan, "chunk": c, "prompts": prompts}
     with api_server(model, shipped("hybrid-tiered.json", tmp / "cache"), tmp / "a.log", **args) as base:
-        out["A"] = {k: complete(base, prompts[k], 8, TIMEOUT_S) for k in ("P1", "P3")}
+        out["A"] = {k: complete(base, prompts[k], 8, timeout_s=TIMEOUT_S) for k in ("P1", "P3")}
         post(base, "/reset_prefix_cache")
-        out["A"]["P1 again"] = complete(base, p1, 8, TIMEOUT_S)
+        out["A"]["P1 again"] = complete(base, p1, 8, timeout_s=TIMEOUT_S)
         out["A cpu restored"] = restored(base, "cpu")
     out["A log"] = (tmp / "a.log").read_text()
     with api_server(model, shipped("fs.json", tmp / "cache"), tmp / "b.log", **args) as base:
         out["B"] = {}
         for k in ("P2", "P3", "P1"):
             post(base, "/reset_prefix_cache")
-            out["B"][k] = complete(base, prompts[k], 8, TIMEOUT_S)
+            out["B"][k] = complete(base, prompts[k], 8, timeout_s=TIMEOUT_S)
         out["B fs restored"] = restored(base, "fs")
     out["B log"] = (tmp / "b.log").read_text()
     with api_server(model, None, tmp / "c.log", **args) as base:
-        out["C"] = {k: complete(base, v, 8, TIMEOUT_S) for k, v in prompts.items()}
+        out["C"] = {k: complete(base, v, 8, timeout_s=TIMEOUT_S) for k, v in prompts.items()}
     return out
 
 
