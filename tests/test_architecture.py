@@ -98,3 +98,74 @@ def test_the_checker_catches_a_forbidden_import():
     assert not allowed("", {"store.options"}, "offload.store.fs")
     assert not allowed("", set(), "offload")
     assert not allowed("", set(), "offload.keys")
+
+
+# ---- no module-level state ---------------------------------------------------------------------
+# State has an owner that creates and stops it: a module may hold constants, never a lock, a thread
+# or a container that its functions fill (a registry).
+
+SYNC = re.compile(r"(^|\.)(Lock|RLock|Thread|Event|Condition|Semaphore|BoundedSemaphore|Timer|local|Queue)$")
+MUTATORS = {"append", "add", "update", "setdefault", "pop", "popitem", "clear", "extend", "remove", "discard",
+            "insert"}
+
+
+def module_state(source: str) -> list[str]:
+    """What in `source` is module-level state: a `global` statement, a module-level
+    synchronisation object or thread, a module-level container whose name is not a CONSTANT,
+    or a function that changes a module-level container."""
+    tree = ast.parse(source)
+    problems: list[str] = []
+    containers: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [t.id for t in targets if isinstance(t, ast.Name)]
+            v = node.value
+            if isinstance(v, ast.Call) and SYNC.search(ast.unparse(v.func)):
+                problems.extend(f"line {node.lineno}: {n} = {ast.unparse(v.func)}()" for n in names)
+            is_container = isinstance(v, (ast.Dict, ast.List, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)) or (
+                isinstance(v, ast.Call) and ast.unparse(v.func) in {"dict", "list", "set", "defaultdict",
+                                                                    "collections.defaultdict", "OrderedDict"})
+            if is_container:
+                containers.update(names)
+                problems.extend(f"line {node.lineno}: {n} is a module-level container" for n in names
+                                if n != "__all__" and not n.lstrip("_").isupper())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):
+            problems.append(f"line {node.lineno}: global {', '.join(node.names)}")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for sub in ast.walk(node):
+                target = None
+                if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr in MUTATORS:
+                    target = sub.func.value
+                elif isinstance(sub, (ast.Assign, ast.AugAssign, ast.Delete)):
+                    for t in (sub.targets if isinstance(sub, (ast.Assign, ast.Delete)) else [sub.target]):
+                        if isinstance(t, ast.Subscript):
+                            target = t.value
+                if isinstance(target, ast.Name) and target.id in containers:
+                    problems.append(f"line {sub.lineno}: {node.name} changes module-level {target.id}")
+    return problems
+
+
+def test_no_module_level_state_in_offload():
+    problems = [f"{p.relative_to(REPO)} {msg}" for p in sorted(PKG.rglob("*.py"))
+                for msg in module_state(p.read_text())]
+    assert problems == []
+
+
+def test_the_state_checker_catches_a_registry_a_lock_and_a_global():
+    found = module_state(
+        "import threading\n"
+        "_LOCK = threading.Lock()\n"
+        "_OWNERS = {}\n"
+        "_cache = []\n"
+        "def own(k, v):\n"
+        "    _OWNERS[k] = v\n"
+        "def forget(k):\n"
+        "    _OWNERS.pop(k)\n"
+        "def count():\n"
+        "    global N\n")
+    assert found == ["line 2: _LOCK = threading.Lock()", "line 4: _cache is a module-level container",
+                     "line 6: own changes module-level _OWNERS", "line 8: forget changes module-level _OWNERS",
+                     "line 10: global N"]
+    assert module_state("UNITS = {'k': 1}\n__all__ = ['x']\ndef f(d):\n    d['k'] = 1\n    return UNITS['k']\n") == []

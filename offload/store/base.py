@@ -102,6 +102,8 @@ class HostChunk:
     buf: torch.Tensor | None = None
     pool: BufferPool | None = None
     refs: int = 1  # holders; the buffer goes back to the pool when the last one releases
+    # Holders of one chunk release it on different threads (forward path, store threads).
+    _refs_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @classmethod
     def pooled(cls, pool: BufferPool, payload_len: int) -> HostChunk:
@@ -109,22 +111,18 @@ class HostChunk:
         return cls(buf[HEADER_LEN:HEADER_LEN + payload_len], buf, pool)
 
     def hold(self) -> HostChunk:
-        with _REFS_LOCK:
+        with self._refs_lock:
             self.refs += 1
         return self
 
     def release(self) -> None:
-        with _REFS_LOCK:
+        with self._refs_lock:
             self.refs -= 1
             last = self.refs == 0
         if last:
             if self.pool is not None and self.buf is not None:
                 self.pool.put(self.buf)
             self.pool = None
-
-
-# Holders of one chunk release it on different threads (forward path, store threads).
-_REFS_LOCK = threading.Lock()
 
 
 class TierIndex(ABC):

@@ -40,10 +40,10 @@ from pathlib import Path
 from offload.store import compaction, hygiene
 from offload.store.compaction import FOLDED_IDLE_S
 from offload.store.ledger import (
+    PUT,
     End,
     Lease,
     LedgerWriter,
-    Offset,
     Record,
     Snapshot,
     parse,
@@ -187,7 +187,7 @@ class DirBudget:
         if not self.loaded or not self._lock.acquire(blocking=False):
             return  # the next sync reads the record back
         try:
-            self.index.apply(Record("+", t, size, parent, rel))
+            self.index.put(rel, t, size, parent)
             if self.max_bytes:
                 # Near the budget, every write first reads the other instances'
                 # new records (one listing and a read per log): they may have
@@ -205,7 +205,7 @@ class DirBudget:
         self.ledger.drop(rel, t)
         if self.loaded:
             with self._lock:
-                self.index.apply(Record("-", t, 0, None, rel))
+                self.index.drop(rel, t)
 
     # ---- loading and tailing ---------------------------------------------------------------
 
@@ -305,14 +305,19 @@ class DirBudget:
                         continue
                     lines = lines[1:]
                 self._offsets[name] = new_off
+                put, drop = self.index.put, self.index.drop
                 for line in lines:
                     r = parse(line)
-                    if r is None:
+                    if type(r) is Record:  # the common line first: once per file written anywhere
+                        op, t, size, parent, rel = r
+                        if op == PUT:
+                            put(rel, t, size, parent)
+                        else:
+                            drop(rel, t)
+                    elif r is None:
                         self.bad_lines += 1  # torn or damaged: its file is found again by the next walk
                     elif isinstance(r, End):
                         self._sealed.add(name)
-                    elif not isinstance(r, Offset):
-                        self.index.apply(r)
                 base = self._snap.offsets.get(name, 0) if self._snap is not None else 0
                 pending += max(0, size - base)
             elif SNAPSHOT_NAME.match(name):

@@ -35,7 +35,7 @@ KEY_PREFIX_HEX = 16  # a chunk header's `parent` field: the first 8 bytes of the
 
 # What a ledger record may name, relative to the layout directory: nothing
 # else is ever unlinked through a ledger (a forged line cannot reach outside).
-CHUNK_REL = re.compile(r"^[0-9a-f]{64}/g\d{1,5}/[0-9a-f]{2}/[0-9a-f]{64}\.kv$")
+CHUNK_REL = re.compile(r"[0-9a-f]{64}/g[0-9]{1,5}/[0-9a-f]{2}/[0-9a-f]{64}\.kv")  # fullmatch
 OTHER_REL = re.compile(r"^[0-9a-f]{64}/(?:layout\.json|quarantine/[^/\s]+)$")
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 GROUP_DIR = re.compile(r"^g(\d+)$")
@@ -133,11 +133,11 @@ def snapshot_names(ms: int) -> tuple[str, str]:
 
 def valid_rel(rel: str) -> bool:
     """Whether a ledger record may name `rel`."""
-    return bool(CHUNK_REL.match(rel) or (OTHER_REL.match(rel) and not rel.endswith(("/.", "/.."))))
+    return bool(CHUNK_REL.fullmatch(rel) or (OTHER_REL.match(rel) and not rel.endswith(("/.", "/.."))))
 
 
 def is_chunk_rel(rel: str) -> bool:
-    return bool(CHUNK_REL.match(rel))
+    return bool(CHUNK_REL.fullmatch(rel))
 
 
 def parse_chunk_rel(rel: str) -> ChunkRel | None:
@@ -150,6 +150,19 @@ def parse_chunk_rel(rel: str) -> ChunkRel | None:
     if not group.isdigit():
         return None
     return ChunkRel(parts[0], int(group), parts[3].removesuffix(CHUNK_SUFFIX))
+
+
+def group_dir_of(rel: str) -> str:
+    """The group directory (`<fingerprint hex>/g<group>`) of a chunk file's rel,
+    which must be one (`is_chunk_rel`). Cheap: the ledger's index calls it per file."""
+    return rel.rsplit("/", 2)[0]
+
+
+def parse_group_dir(gdir: str) -> tuple[str, int] | None:
+    """(fingerprint hex, group) of a group directory's rel; None for any other rel."""
+    fp, _, name = gdir.partition("/")
+    group = group_of_dir(name)
+    return None if group is None or not HEX64.match(fp) else (fp, group)
 
 
 def is_quarantined_rel(rel: str) -> bool:

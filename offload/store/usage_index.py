@@ -14,20 +14,24 @@ from collections.abc import Iterable
 
 from offload.store.evictor import LeafQueue
 from offload.store.ledger import PUT, Entry, Record
-from offload.store.paths import is_evictable_rel, parse_chunk_rel
+from offload.store.paths import CHUNK_SUFFIX, group_dir_of, is_evictable_rel, parse_chunk_rel, parse_group_dir
 
 # An eviction link: (group directory, key prefix), as a child's header names its parent.
 Link = tuple[str, int]
 
 
 class IndexEntry:
-    __slots__ = ("parent", "seen", "size", "t")
+    __slots__ = ("fig", "gdir", "parent", "seen", "size", "t")
 
     def __init__(self, size: int, t: float, parent: int | None, seen: int = 0) -> None:
         self.size = size
         self.t = t  # recency: mtime, or the time of the record that added it
         self.parent = parent  # first 8 bytes of the parent key, as an int; None: stands alone
         self.seen = seen  # the walk that last saw the file
+        # Its rel decoded once, when the index takes it (a record names a file many times over):
+        # its group's [files, bytes] and its group directory (None and "" for a file that is no chunk).
+        self.fig: list[int] | None = None
+        self.gdir = ""
 
 
 class UsageIndex:
@@ -40,7 +44,7 @@ class UsageIndex:
     def clear(self) -> None:
         self.entries: dict[str, IndexEntry] = {}
         self.queue: LeafQueue[str, Link] = LeafQueue()
-        self.groups: dict[tuple[str, int], list[int]] = {}  # (fingerprint, group) -> [files, bytes]
+        self.groups: dict[str, list[int]] = {}  # group directory -> [files, bytes]
         self._gdirs: dict[str, str] = {}
         self.bytes = 0
         self.tombs: dict[str, float] = {}
@@ -61,17 +65,22 @@ class UsageIndex:
         c = parse_chunk_rel(rel)
         return None if c is None else (self._gdir(c.group_dir), c.key_prefix)
 
+    def _decode(self, rel: str, e: IndexEntry) -> None:
+        if rel.endswith(CHUNK_SUFFIX):  # a rel the index takes is valid (offload.store.paths.valid_rel)
+            gdir = self._gdir(group_dir_of(rel))
+            fig = self.groups.get(gdir)
+            if fig is None:
+                fig = self.groups[gdir] = [0, 0]
+            e.fig, e.gdir = fig, gdir
+
     def _account(self, rel: str, e: IndexEntry, push: bool = True) -> None:
         self.bytes += e.size
-        c = parse_chunk_rel(rel)
-        if c is not None:
-            fig = self.groups.get((c.fingerprint, c.group))
-            if fig is None:
-                fig = self.groups[(c.fingerprint, c.group)] = [0, 0]
+        fig = e.fig
+        if fig is not None:
             fig[0] += 1
             fig[1] += e.size
             if e.parent is not None:
-                self.queue.link((self._gdir(c.group_dir), e.parent))
+                self.queue.link((e.gdir, e.parent))
             if push:
                 self.queue.push(e.t, rel)
         elif push and is_evictable_rel(rel):
@@ -79,13 +88,12 @@ class UsageIndex:
 
     def _unaccount(self, rel: str, e: IndexEntry) -> None:
         self.bytes -= e.size
-        c = parse_chunk_rel(rel)
-        if c is not None:
-            fig = self.groups[(c.fingerprint, c.group)]
+        fig = e.fig
+        if fig is not None:
             fig[0] -= 1
             fig[1] -= e.size
             if e.parent is not None:
-                prel = self.queue.unlink((self._gdir(c.group_dir), e.parent))
+                prel = self.queue.unlink((e.gdir, e.parent))
                 if prel is not None:
                     pe = self.entries.get(prel)
                     if pe is not None:
@@ -95,6 +103,9 @@ class UsageIndex:
         old = self.entries.get(rel)
         if old is not None:
             self._unaccount(rel, old)
+            e.fig, e.gdir = old.fig, old.gdir
+        else:
+            self._decode(rel, e)
         self.entries[rel] = e
         self._account(rel, e)
 
@@ -107,7 +118,7 @@ class UsageIndex:
     def touch(self, rel: str, e: IndexEntry, t: float) -> None:
         """`rel` was used at `t` (newer than its recency): requeue it."""
         e.t = t
-        if is_evictable_rel(rel):
+        if e.fig is not None or is_evictable_rel(rel):
             self.queue.push(t, rel)
 
     def tomb(self, rel: str, t: float) -> None:
@@ -123,34 +134,43 @@ class UsageIndex:
     def apply(self, r: Record) -> None:
         """Fold one record in (records of several logs arrive in any order)."""
         if r.op == PUT:
-            tomb = self.tombs.get(r.rel)
-            if tomb is not None and tomb >= r.t:
-                return  # removed after this was written
-            cur = self.entries.get(r.rel)
-            if cur is not None:
-                if cur.t >= r.t:
-                    return  # known (our own record read back, or an older duplicate write)
-                if cur.size == r.size and cur.parent == r.parent:
-                    self.touch(r.rel, cur, r.t)
-                    return
-            self.add(r.rel, IndexEntry(r.size, r.t, r.parent))
+            self.put(r.rel, r.t, r.size, r.parent)
         else:
-            self.tomb(r.rel, r.t)
-            cur = self.entries.get(r.rel)
-            if cur is not None and cur.t <= r.t:
-                self.remove(r.rel)
+            self.drop(r.rel, r.t)
+
+    def put(self, rel: str, t: float, size: int, parent: int | None) -> None:
+        """Fold in a record of `rel` written at `t`."""
+        tomb = self.tombs.get(rel)
+        if tomb is not None and tomb >= t:
+            return  # removed after this was written
+        cur = self.entries.get(rel)
+        if cur is not None:
+            if cur.t >= t:
+                return  # known (our own record read back, or an older duplicate write)
+            if cur.size == size and cur.parent == parent:
+                self.touch(rel, cur, t)
+                return
+        self.add(rel, IndexEntry(size, t, parent))
+
+    def drop(self, rel: str, t: float) -> None:
+        """Fold in a record of `rel` removed at `t`."""
+        self.tomb(rel, t)
+        cur = self.entries.get(rel)
+        if cur is not None and cur.t <= t:
+            self.remove(rel)
 
     def install(self, records: Iterable[Record]) -> None:
         """Replace the index with a snapshot's entries."""
         self.clear()
         for r in records:
             e = IndexEntry(r.size, r.t, r.parent)
+            self._decode(r.rel, e)
             self.entries[r.rel] = e
             self._account(r.rel, e, push=False)
         self.rebuild_queue()
 
     def snapshot_entries(self) -> list[Entry]:
-        return [Entry(rel, e.size, e.t, e.parent) for rel, e in self.entries.items()]
+        return [(rel, e.size, e.t, e.parent) for rel, e in self.entries.items()]
 
     def rebuild_queue(self) -> None:
         """Queue every evictable entry afresh (drops stale queue entries, unparks every node)."""
@@ -161,4 +181,8 @@ class UsageIndex:
 
     def by_group(self) -> dict[tuple[str, int], tuple[int, int]]:
         """(files, bytes) per (fingerprint directory name, group)."""
-        return {k: (v[0], v[1]) for k, v in list(self.groups.items())}
+        out = {}
+        for gdir, (files, size) in list(self.groups.items()):
+            if (key := parse_group_dir(gdir)) is not None:
+                out[key] = (files, size)
+        return out
