@@ -23,6 +23,7 @@ import stat
 
 import blake3
 
+from offload.store.base import OptionError
 from offload.store.format import MAC_LEN, MAC_OFFSET, NO_KEY, ChunkHeader, FormatError
 from offload.store.options import AuthRef  # the tier option lives with the others; imported from here too
 
@@ -254,3 +255,13 @@ def load_keyring(ref: AuthRef) -> Keyring:
     previous += [_secret(f"{f}.previous_key_envs[{i}]", _env_secret(f"{f}.previous_key_envs[{i}]", v))
                  for i, v in enumerate(ref.previous_key_envs)]
     return Keyring(current, tuple(previous))
+
+
+def open_keyring(ref: AuthRef | None) -> Keyring | None:
+    """The keys `ref` names (None without it); OptionError naming the option otherwise."""
+    if ref is None:
+        return None
+    try:
+        return load_keyring(ref)
+    except KeyConfigError as e:
+        raise OptionError(str(e)) from None

@@ -26,7 +26,7 @@ from offload import copier
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind
 from offload.store import hygiene, paths
-from offload.store.auth import AuthRef, KeyConfigError, Keyring, Unauthenticated, check_entry, frame, load_keyring
+from offload.store.auth import Keyring, Unauthenticated, check_entry, frame, open_keyring
 from offload.store.base import (
     Backed,
     ChunkMiss,
@@ -444,16 +444,6 @@ class FsData(TierData):
             chunk.release()
             raise
         return chunk
-
-
-def open_keyring(ref: AuthRef | None) -> Keyring | None:
-    """The keys `ref` names (None without it); OptionError naming the option otherwise."""
-    if ref is None:
-        return None
-    try:
-        return load_keyring(ref)
-    except KeyConfigError as e:
-        raise OptionError(str(e)) from None
 
 
 def unauthenticated_risks(path: str) -> list[str]:

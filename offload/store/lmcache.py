@@ -37,7 +37,7 @@ from dataclasses import replace
 import torch
 
 from offload.keys import ChunkKey
-from offload.store.auth import Keyring, Unauthenticated, check_entry, frame
+from offload.store.auth import Keyring, Unauthenticated, check_entry, frame, open_keyring
 from offload.store.base import (
     Backed,
     ChunkMiss,
@@ -259,8 +259,6 @@ class LMCacheTier(TierSpec[LMCacheOptions]):
         except ImportError as e:
             raise OptionError(f"store='lmcache': LMCache is not importable ({e}); install lmcache==0.5.6 "
                               "(make setup)") from None
-        from offload.store.fs import open_keyring
-
         if self.options.auth is not None:
             open_keyring(self.options.auth)  # fails start-up here, naming the option
         elif self.options.remote_url:
@@ -283,7 +281,5 @@ class LMCacheTier(TierSpec[LMCacheOptions]):
         return LMCacheIndex(open_objects(self.ctx.dirs, remote), self.options, self.ctx, remote)
 
     def data(self, device: torch.device) -> LMCacheData:
-        from offload.store.fs import open_keyring
-
         keyring = open_keyring(self.options.auth)
         return LMCacheData(open_objects(self.ctx.dirs, self.options), self.options, keyring, self.ctx.dirs)
