@@ -69,7 +69,7 @@ def crc32c_ref(data: bytes) -> int:
 
 def raw_header(**over) -> bytes:
     """A header built by hand from the documented layout, with a valid CRC."""
-    f = dict(magic=MAGIC, version=2, header_len=DOC_HEADER_LEN, group=1, kind=1, fingerprint=b"F" * 32,
+    f = dict(magic=MAGIC, version=3, header_len=DOC_HEADER_LEN, group=1, kind=1, fingerprint=b"F" * 32,
              key=b"K" * 32, token_start=256, token_end=512, num_pages=NPAGES, page_bytes=PAGE,
              payload_len=NPAGES * PAGE, payload_crc=0x12345678, parent=bytes(8), key_id=bytes(8),
              reserved=bytes(24), mac=bytes(32))
@@ -116,7 +116,7 @@ def test_pack_matches_documented_layout():
     assert len(raw) == HEADER_LEN == DOC_HEADER_LEN
     fields = dict(zip(FIELD_OFFSETS, LAYOUT.unpack(raw)))
     assert fields == {
-        "magic": b"KVOFFLD\x00", "version": 2, "header_len": DOC_HEADER_LEN, "group": 7, "kind": 4,
+        "magic": b"KVOFFLD\x00", "version": 3, "header_len": DOC_HEADER_LEN, "group": 7, "kind": 4,
         "fingerprint": FP, "key": key_of("A"), "token_start": 1024, "token_end": 1280,
         "num_pages": 1, "page_bytes": 65536, "payload_len": 65536, "payload_crc": 0xDEADBEEF,
         "parent": b"P" * 8, "key_id": b"I" * 8, "reserved": bytes(24), "mac": b"M" * 32,
@@ -176,10 +176,21 @@ def test_bad_magic_is_named():
         ChunkHeader.unpack(raw_header(magic=b"KVOFFLD\x01"))
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, 7, 65535])
+@pytest.mark.parametrize("version", [0, 1, 2, 4, 7, 65535])
 def test_other_format_version_is_refused_by_number(version):
+    """2 included: a version 2 attention-only tail started at its chunk (docs/format.md, Version 3)."""
+    assert FORMAT_VERSION == 3
     with pytest.raises(FormatError, match=rf"version {version}\b"):
         ChunkHeader.unpack(raw_header(version=version))
+
+
+def test_attention_only_tail_entry_is_checked_on_its_token_start():
+    """An attention-only tail entry names [b - unit, b); a file under the
+    same key that says [chunk start, b) (a version 2 tail's shape) is not it."""
+    entry = header(token_start=544, token_end=560, num_pages=1)
+    header(token_start=544, token_end=560, num_pages=1).check_matches(entry)
+    with pytest.raises(FormatError, match="token_start"):
+        header(token_start=512, token_end=560, num_pages=1).check_matches(entry)
 
 
 def test_wrong_header_len_is_rejected_even_with_valid_crc():
