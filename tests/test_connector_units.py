@@ -334,27 +334,24 @@ def test_attention_only_shared_prefix_restores_every_block_vllms_own_cache_hits(
     assert vllm_hits[0] > PROMPT // CHUNK * CHUNK and vllm_hits[3] > 0, vllm_hits  # inside the tail region
 
     eng = make("fs")
-    stored = {}
-    for name, base in (("a", a), ("s", short)):
-        snap = store_prompt(eng, name, base, tmp_path)
-        stored[id(base)] = snap
+    stored = [store_prompt(eng, name, base, tmp_path) for name, base in (("a", a), ("s", short))]
     assert entries(eng) == 2 + (hit(eng) - 2 * CHUNK) // BS  # two chunks, one entry per tail block
     wait_for_files(tmp_path / "cache", entries(eng) + entries(eng, len(short)))
     per_block = BLOCK_BYTES // len(LAYERS)
     for i, ((base, shared, n), b) in enumerate(zip(cases, bs)):
+        rid = f"r{i}"
         assert eng.scheduler.reset_prefix_cache()  # only our tier can hit
         eng.worker.scramble()
-        req = create_request(f"r{i}", b, max_tokens=2, block_size=BS)
-        eng.scheduler.add_request(req)
+        eng.scheduler.add_request(create_request(rid, b, max_tokens=2, block_size=BS))
         eng.step()
-        assert eng.status(f"r{i}") == WAITING_FOR_KV, (shared, n)
-        dest = table(eng, f"r{i}")[:vllm_hits[i] // BS]
-        eng.run_until(lambda: eng.status(f"r{i}") != WAITING_FOR_KV)
-        assert_same_bytes(eng.worker.blocks_bytes(dest), [x[:len(dest) * per_block] for x in stored[id(base)]],
+        assert eng.status(rid) == WAITING_FOR_KV, (shared, n)
+        dest = table(eng, rid)[:vllm_hits[i] // BS]
+        eng.run_until(lambda rid=rid: eng.status(rid) != WAITING_FOR_KV)
+        assert_same_bytes(eng.worker.blocks_bytes(dest), [x[:len(dest) * per_block] for x in stored[base is short]],
                           f"the first {vllm_hits[i]} tokens of a prompt sharing {shared} tokens")
         eng.run_to_completion()
-        assert tier_params(eng, f"r{i}") == {"restored_tokens": vllm_hits[i], "load_failed": False}, (shared, n)
-        assert eng.scheduled[f"r{i}"] == len(b) - vllm_hits[i] + 1
+        assert tier_params(eng, rid) == {"restored_tokens": vllm_hits[i], "load_failed": False}, (shared, n)
+        assert eng.scheduled[rid] == len(b) - vllm_hits[i] + 1
     assert pinned(eng) == 0
     assert_scheduler_empty(eng.scheduler)
 

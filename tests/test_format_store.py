@@ -676,3 +676,44 @@ def test_write_layout_shared_by_two_instances(tmp_path):
     c = FileStore.open(str(tmp_path), FP2)
     c.write_layout({"tensors": [[9]]})
     assert c.root != a.root
+
+
+# ================================================= attention-only tail entries in fsck and gc ==
+
+def test_fsck_and_gc_take_attention_only_tail_entries_for_a_chain(tmp_path, capsys):
+    """Format 3 (docs/format.md, Attention-only models): behind chunk 0, tail
+    entries [256, 272), [272, 288), [288, 304) of one 16-token block each,
+    each naming the one before as its parent. `fsck` verifies them clean and
+    links them into a chain; gc's eviction order takes the chain's last entry
+    first; a range that is neither a chunk nor inside one is corrupt."""
+    from offload import cli
+    from offload.cli.cache import chunks, scan
+    from offload.cli.gc import eviction_order
+
+    store = FileStore.open(str(tmp_path), FP)
+    store.write_layout({"chunk_size": 256, "groups": [{"spec": "FullAttentionSpec(...)"}], "tensors": {}})
+    keys = [key_of(f"t{i}") for i in range(4)]
+    ranges = [(0, 256, 16), (256, 272, 1), (272, 288, 1), (288, 304, 1)]
+    for i, (k, (t0, t1, n)) in enumerate(zip(keys, ranges)):
+        h = header(key=k, group=0, token_start=t0, token_end=t1, num_pages=n,
+                   parent=keys[i - 1][:8] if i else bytes(8))
+        assert store.write(h, payload(i, n * PAGE))
+    assert cli.main(["fsck", str(tmp_path)]) == 0, capsys.readouterr().out
+    [fp] = scan(tmp_path, verify_payloads=True).dirs
+    assert [f.problem for f in fp.files if f.problem] == []
+    linked = chunks(fp)
+    assert all(c.complete and c.orphan is None for c in linked.values())
+    by_key = {bytes.fromhex(c.key): c for c in linked.values()}
+    assert [[bytes.fromhex(ch.key) for ch in by_key[k].children] for k in keys] == [[k] for k in keys[1:]] + [[]]
+    order = [bytes.fromhex(c.key) for _, _, c in sorted(eviction_order(fp, by_mtime=True))]
+    assert order == keys[::-1], "gc must evict a chain from its end"
+    # Remove the middle entry: the one behind it is below a hole.
+    store.file_path(0, keys[2]).unlink()
+    [fp] = scan(tmp_path).dirs
+    holes = {bytes.fromhex(c.key) for c in chunks(fp).values() if c.orphan}
+    assert holes == {keys[3]}
+    # A range across a chunk boundary is no entry of this format.
+    bad = header(key=key_of("x"), group=0, token_start=240, token_end=272, num_pages=2, parent=keys[0][:8])
+    assert store.write(bad, payload(9, 2 * PAGE))
+    [fp] = scan(tmp_path).dirs
+    assert [f.problem_kind for f in fp.files if f.key == key_of("x").hex()] == ["corrupt"]
