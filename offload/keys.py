@@ -16,7 +16,7 @@ from typing import Any, NewType
 
 import numpy as np
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 Fingerprint = NewType("Fingerprint", bytes)  # 32 bytes
 ChunkKey = NewType("ChunkKey", bytes)  # 32 bytes
@@ -79,7 +79,9 @@ def tail_key(parent: bytes, tail_tokens: Sequence[int]) -> ChunkKey:
 
     tail_key = sha256(key(c-1) || TAIL_TAG || tokens[c*C:boundary] as
     little-endian uint32), with key(-1) = the request root; `parent` is that
-    key. A tail entry is a leaf: no key chains from it.
+    key. No key is derived from a tail key: on an attention-only model the
+    tail entries of one chunk link to each other only through their headers'
+    `parent` field (docs/format.md, "Attention-only models").
     """
     if not tail_tokens:
         raise ValueError("a partial tail holds at least one token")

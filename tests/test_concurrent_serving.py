@@ -69,6 +69,7 @@ import pytest
 from conftest import layouts, shipped_config
 from loadgen import LoadReport, Request, Result, run_load
 from offload.store.format import HEADER_LEN, ChunkHeader
+from offload.store.paths import LAYOUT_DIR
 from serving import api_server, metric_by_label, metric_sum, scrape, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
@@ -257,7 +258,7 @@ def page_sizes(cache: Path) -> dict[str, float]:
     """Bytes a restore moves, by group kind, from the files our filesystem tier wrote (the CPU tier
     uses the same pages): full attention per token, a Mamba/GDN state per load."""
     sizes: dict[str, float] = {}
-    for f in cache.glob("kvoffload-v2/*/g*/*/*.kv"):
+    for f in cache.glob(f"{LAYOUT_DIR}/*/g*/*/*.kv"):
         h = ChunkHeader.unpack(f.read_bytes()[:HEADER_LEN])
         if h.kind.value == "full_attention":
             sizes.setdefault(h.kind.value, h.page_bytes * h.num_pages / (h.token_end - h.token_start))

@@ -28,6 +28,7 @@ import pytest
 import torch
 from vllm.v1.request import RequestStatus
 
+from offload.store.paths import LAYOUT_DIR
 from vllm_unit_utils import (
     Engine,
     WorkerStep,
@@ -81,9 +82,12 @@ def hit(eng: Engine, n: int = PROMPT) -> int:
 
 
 def entries(eng: Engine, n: int = PROMPT) -> int:
-    """Entries (one group here: files) an n-token prompt stores: its whole chunks and at most one tail."""
+    """Entries (one group here: files) an n-token prompt stores: its whole chunks, then its tail
+    behind them as a chain of one-block entries (attention only)."""
     p = eng.scheduler.connector.planner
-    return p.max_hit_chunks(n) + (1 if p.tail_boundary(n) else 0)
+    t = p.tail_boundary(n)
+    return p.max_hit_chunks(n) + (len(p.tail_entries(t // p.chunk_size, t // p.chunk_size * p.chunk_size, t))
+                                  if t else 0)
 
 
 def prompt(seed: int, n: int = PROMPT) -> list[int]:
@@ -105,7 +109,7 @@ def pinned(eng: Engine) -> int:
 def wait_for_files(path: Path, n: int, timeout: float = 30.0) -> None:
     """The file tier writes on its I/O threads: wait until `n` chunk files are visible."""
     deadline = time.monotonic() + timeout
-    while len(list(path.glob("kvoffload-v2/*/g*/*/*.kv"))) < n:
+    while len(list(path.glob(f"{LAYOUT_DIR}/*/g*/*/*.kv"))) < n:
         assert time.monotonic() < deadline, f"fewer than {n} chunk files under {path} after {timeout}s"
         time.sleep(0.01)
 
@@ -238,42 +242,46 @@ def run(eng: Engine, req_id: str, tokens: list[int]) -> None:
 
 def test_attention_only_tails_a_short_prompt_a_next_turn_and_a_tail_vllm_cached(make, tmp_path):
     """Attention only, vLLM's own cache hits at every block, ours behind the
-    last whole chunk too, one tail entry per prompt:
+    last whole chunk too, as a chain of one-block tail entries:
     - a prompt shorter than a chunk restores its last whole block before its
       last token (nothing without tails);
     - the next turn of a stored prompt restores the earlier prompt's tail
-      (probed inside the chunk where the stored chunks end) and stores its
-      own: chunks + one tail, never a file per block;
+      (probed inside the chunk where the stored chunks end) and stores only
+      the entries past it: at most a chunk's blocks of tail entries per prompt;
     - a prompt whose tail vLLM's own cache already held (a longer prompt
-      computed it) stores that tail anyway: the whole blocks are computed KV,
-      so after a reset a repeat restores it with the exact bytes."""
+      computed it inside a whole chunk) stores that tail anyway: the whole
+      blocks are computed KV, so after a reset a repeat restores it with the
+      exact bytes."""
     eng = make("fs")
     planner = eng.scheduler.connector.planner
-    files = lambda: sorted(tmp_path.glob("cache/kvoffload-v2/*/g*/*/*.kv"))
+    files = lambda: sorted(tmp_path.glob(f"cache/{LAYOUT_DIR}/*/g*/*/*.kv"))
     short = prompt(21, CHUNK - 50)
     assert hit(eng, len(short)) == (len(short) - 1) // BS * BS > 0 and planner.max_hit_chunks(len(short)) == 0
     store_prompt(eng, "s", short, tmp_path)
-    assert len(files()) == entries(eng, len(short)) == 1
+    assert len(files()) == entries(eng, len(short)) == hit(eng, len(short)) // BS  # one file per block
     run(eng, "s2", short)
     assert tier_params(eng, "s2") == {"restored_tokens": hit(eng, len(short)), "load_failed": False}
     assert eng.scheduled["s2"] == len(short) - hit(eng, len(short)) + 1  # the rest of the prompt, one decode step
 
-    # The next turn: the earlier prompt's tail restored, then its own tail stored.
+    # The next turn: the earlier prompt's tail restored, then the rest of its own tail stored.
     a = prompt(22)
     store_prompt(eng, "a", a, tmp_path)
-    wait_for_files(tmp_path / "cache", 1 + entries(eng))  # the short prompt's file and all of a's
+    wait_for_files(tmp_path / "cache", entries(eng, len(short)) + entries(eng))  # the short prompt's and a's
     turn = a + prompt(23, 150)
     run(eng, "t", turn)
     assert tier_params(eng, "t") == {"restored_tokens": hit(eng), "load_failed": False}
-    wait_for_files(tmp_path / "cache", 1 + entries(eng) + entries(eng, len(turn)) - planner.max_hit_chunks(PROMPT))
-    assert len(files()) == 1 + entries(eng) + entries(eng, len(turn)) - planner.max_hit_chunks(PROMPT)
+    # turn's entries are a's (its chunks and tail entries, restored) and the tail entries past them.
+    wait_for_files(tmp_path / "cache", entries(eng, len(short)) + entries(eng, len(turn)))
+    assert len(files()) == entries(eng, len(short)) + entries(eng, len(turn))
+    assert entries(eng, len(turn)) - entries(eng) == (hit(eng, len(turn)) - hit(eng)) // BS < CHUNK // BS
 
-    # vLLM's own cache holds b's tail (long computed it): b stores it from there.
+    # vLLM's own cache holds b's tail (long computed it, inside its whole chunk 2): b stores it from there.
     assert eng.scheduler.reset_prefix_cache()
     before = len(files())
-    long = prompt(24, PROMPT + 100)
+    long = prompt(24, 3 * CHUNK + 20)
     b = [*long[:PROMPT], 1]  # vLLM's own hit stops at b's tail, the last block before its last token
     assert planner.tail_boundary(len(b)) and planner.tail_boundary(len(b)) < PROMPT
+    b_tail = entries(eng, len(b)) - planner.max_hit_chunks(len(b))  # its tail entries: in no entry of long's
     req_long = create_request("long", long, max_tokens=2, block_size=BS)
     eng.scheduler.add_request(req_long)
     snapshot = None
@@ -284,8 +292,8 @@ def test_attention_only_tails_a_short_prompt_a_next_turn_and_a_tail_vllm_cached(
     run(eng, "b", b)
     assert eng.scheduled["b"] == len(b) - planner.tail_boundary(len(b)) + 1, "vLLM's own cache did not hold b's tail"
     assert tier_params(eng, "b") == {"restored_tokens": 0, "load_failed": False}
-    wait_for_files(tmp_path / "cache", before + entries(eng, len(long)) + 1)  # long's entries, then b's tail
-    assert len(files()) == before + entries(eng, len(long)) + 1
+    wait_for_files(tmp_path / "cache", before + entries(eng, len(long)) + b_tail)  # long's entries, then b's tail
+    assert len(files()) == before + entries(eng, len(long)) + b_tail
     assert eng.scheduler.reset_prefix_cache()
     eng.worker.scramble()
     c = create_request("c", b, max_tokens=2, block_size=BS)
@@ -297,6 +305,53 @@ def test_attention_only_tails_a_short_prompt_a_next_turn_and_a_tail_vllm_cached(
     assert_same_bytes(eng.worker.blocks_bytes(dest), snapshot, "b's chunks and tail, stored from vLLM's own cache")
     eng.run_to_completion()
     assert tier_params(eng, "c") == {"restored_tokens": hit(eng, len(b)), "load_failed": False}
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+
+
+def test_attention_only_shared_prefix_restores_every_block_vllms_own_cache_hits(make, tmp_path):
+    """A (600 tokens) and a short prompt S (200) stored: A's two chunks and
+    its tail [512, 592) as one-block entries, S's twelve. Prompts that share
+    only a prefix of them, ending inside that tail (560, 520, and 550 being
+    their whole length) or inside S, restore up to the last block boundary of
+    the shared prefix, capped by their own last block before their last token:
+    exactly what vLLM's own prefix cache hits on A (or S) then them in one
+    process, measured first on an engine of its own. The restored blocks hold
+    A's (S's) bytes."""
+    a, short = prompt(31), prompt(32, 200)
+    rng = random.Random(33)
+    cases = [(a, 560, 700), (a, 520, 700), (a, 550, 550), (short, 150, 300)]
+    bs = [base[:shared] + [rng.randrange(1000, 2000) for _ in range(n - shared)] for base, shared, n in cases]
+
+    own = make("cpu")  # vLLM's own cache: the bases, then each b with nothing reset
+    for i, base in enumerate((a, short)):
+        run(own, f"base{i}", base)
+    vllm_hits = []
+    for i, b in enumerate(bs):
+        run(own, f"b{i}", b)
+        assert tier_params(own, f"b{i}")["restored_tokens"] == 0
+        vllm_hits.append(len(b) + 1 - own.scheduled[f"b{i}"])  # prompt - cached + one decode step
+    assert vllm_hits[0] > PROMPT // CHUNK * CHUNK and vllm_hits[3] > 0, vllm_hits  # inside the tail region
+
+    eng = make("fs")
+    stored = [store_prompt(eng, name, base, tmp_path) for name, base in (("a", a), ("s", short))]
+    assert entries(eng) == 2 + (hit(eng) - 2 * CHUNK) // BS  # two chunks, one entry per tail block
+    wait_for_files(tmp_path / "cache", entries(eng) + entries(eng, len(short)))
+    per_block = BLOCK_BYTES // len(LAYERS)
+    for i, ((base, shared, n), b) in enumerate(zip(cases, bs)):
+        rid = f"r{i}"
+        assert eng.scheduler.reset_prefix_cache()  # only our tier can hit
+        eng.worker.scramble()
+        eng.scheduler.add_request(create_request(rid, b, max_tokens=2, block_size=BS))
+        eng.step()
+        assert eng.status(rid) == WAITING_FOR_KV, (shared, n)
+        dest = table(eng, rid)[:vllm_hits[i] // BS]
+        eng.run_until(lambda rid=rid: eng.status(rid) != WAITING_FOR_KV)
+        assert_same_bytes(eng.worker.blocks_bytes(dest), [x[:len(dest) * per_block] for x in stored[base is short]],
+                          f"the first {vllm_hits[i]} tokens of a prompt sharing {shared} tokens")
+        eng.run_to_completion()
+        assert tier_params(eng, rid) == {"restored_tokens": vllm_hits[i], "load_failed": False}, (shared, n)
+        assert eng.scheduled[rid] == len(b) - vllm_hits[i] + 1
     assert pinned(eng) == 0
     assert_scheduler_empty(eng.scheduler)
 
@@ -648,7 +703,7 @@ def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make,
         if snapshot is None and a.num_computed_tokens >= HIT:
             snapshot = eng.worker.blocks_bytes(table(eng, "a")[:HIT // BS])
     assert snapshot is not None and len(reserved) == entries(eng)
-    assert not list((tmp_path / "cache").glob("kvoffload-v2/*/g*/*/*.kv")), "a write landed while held"
+    assert not list((tmp_path / "cache").glob(f"{LAYOUT_DIR}/*/g*/*/*.kv")), "a write landed while held"
     assert eng.scheduler.reset_prefix_cache()
     eng.worker.scramble()
 
@@ -659,7 +714,7 @@ def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make,
     dest = table(eng, "b")[:HIT // BS]
     eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV and b.num_computed_tokens > HIT)
     assert_same_bytes(eng.worker.blocks_bytes(dest), snapshot, "restored from the queued write")
-    assert not list((tmp_path / "cache").glob("kvoffload-v2/*/g*/*/*.kv")), "a write landed while held"
+    assert not list((tmp_path / "cache").glob(f"{LAYOUT_DIR}/*/g*/*/*.kv")), "a write landed while held"
     release.set()
     eng.run_to_completion()
     assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}

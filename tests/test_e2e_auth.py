@@ -37,6 +37,7 @@ from offload.keys import chunk_keys, request_root
 from offload.planner import GroupKind, GroupSpec, HybridOffloadPlanner
 from offload.store.auth import KEY_ID_CONTEXT, MAC_CONTEXT, Keyring, frame
 from offload.store.format import HEADER_LEN, NO_KEY, ChunkHeader
+from offload.store.paths import LAYOUT_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
 
@@ -76,7 +77,7 @@ def group_kinds(cache: Path) -> list[GroupKind]:
     from offload.cli.cache import FpDir
 
     [(dirname, lay)] = list(layouts(cache).items())
-    kinds = FpDir(cache / "kvoffload-v2" / dirname, layout=lay).layout_kinds()
+    kinds = FpDir(cache / LAYOUT_DIR / dirname, layout=lay).layout_kinds()
     return [kinds[g] for g in range(len(lay["groups"]))]
 
 
@@ -90,7 +91,7 @@ def files_per_load(cache: Path, chunk: int, hit: int) -> int:
 def file_of(cache: Path, prompt: list[int], group: int, chunk: int, chunk_size: int = CHUNK) -> Path:
     [(dirname, lay)] = list(layouts(cache).items())
     key = chunk_keys(request_root(bytes.fromhex(lay["base_fingerprint"])), prompt, chunk_size)[chunk]
-    return cache / "kvoffload-v2" / dirname / f"g{group}" / key.hex()[:2] / f"{key.hex()}.kv"
+    return cache / LAYOUT_DIR / dirname / f"g{group}" / key.hex()[:2] / f"{key.hex()}.kv"
 
 
 def reframe(raw: bytes, payload: bytes | None = None, keyring: Keyring | None = None, **fields) -> bytes:

@@ -17,6 +17,7 @@ import pytest
 from conftest import CHUNK, engine_args, fs_kv_config, in_background, layouts, random_prompt, side_by_side
 from offload.engine_run import RunResult, RunSpec, run_engine
 from offload.keys import chunk_keys, request_root
+from offload.store.paths import LAYOUT_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
 
@@ -39,7 +40,7 @@ def chunk_files(cache: Path, model: str, prompt: list[int], group: int) -> list[
     from the fingerprint the connector recorded in layout.json."""
     [(dirname, lay)] = [(d, lay) for d, lay in layouts(cache).items() if lay["model"].endswith(model)]
     keys = chunk_keys(request_root(bytes.fromhex(lay["base_fingerprint"])), prompt, CHUNK)
-    base = cache / "kvoffload-v2" / dirname / f"g{group}"
+    base = cache / LAYOUT_DIR / dirname / f"g{group}"
     return [base / k.hex()[:2] / f"{k.hex()}.kv" for k in keys]
 
 
@@ -182,7 +183,7 @@ def test_two_models_sharing_a_directory_never_hit_each_other(llama):
 def test_same_prompts_produce_byte_identical_files(llama):
     def files(cache: Path) -> dict[str, bytes]:
         [d] = [d for d, lay in layouts(cache).items() if lay["model"].endswith("llama-tiny")]
-        root = cache / "kvoffload-v2" / d
+        root = cache / LAYOUT_DIR / d
         return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*.kv")}
 
     a, b = files(llama["shared"]), files(llama["other"])

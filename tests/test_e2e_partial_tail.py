@@ -15,8 +15,9 @@ connector configured in each:
   cache hit, and greedy tokens equal the cold reference's.
 The tail files are canonical: the same prompt writes byte-identical files in
 two engines (D and the own run's directory). Much the same on llama-tiny (attention
-only, default flags, three engines) checks the tail of whole blocks an
-attention-only model stores behind its last whole chunk.
+only, default flags, a chunk of four blocks, three engines) checks the chain of
+one-block tail entries an attention-only model stores behind its last whole
+chunk, and a prompt sharing only part of it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import pytest
 from conftest import CHUNK, engine_args, random_prompt, shipped_config, side_by_side
 from offload.engine_run import RunSpec, run_engine
 from offload.store.format import HEADER_LEN, ChunkHeader
+from offload.store.paths import LAYOUT_DIR
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +56,7 @@ def scenario(model: str, prompts: list[list[int]], args: dict, tmp_path, timeout
         lambda: run_engine(RunSpec(model, prompts, shipped_config("fs.json", f), 12, args, skip_prefix_cache=True),
                            timeout_s=timeout_s),
         lambda: run_engine(RunSpec(model, prompts[:1], shipped_config("fs.json", d), 12, args), timeout_s=timeout_s))
-    a_files = {p.relative_to(d): p.read_bytes() for p in d.glob("kvoffload-v2/*/g*/*/*.kv")}
+    a_files = {p.relative_to(d): p.read_bytes() for p in d.glob(f"{LAYOUT_DIR}/*/g*/*/*.kv")}
     restart = run_engine(RunSpec(model, prompts, shipped_config("fs.json", d), 12, args, order=[[0], [1], [2]]),
                          timeout_s=timeout_s)
     return {"own": own, "ref": ref, "cold": cold, "restart": restart, "a_files": a_files, "d": d, "e": e}
@@ -99,7 +101,7 @@ def test_tail_files_are_byte_identical_across_engines(runs):
     both groups; the tail headed [chunk start, tail)) were written by the own
     run's engine too, with the same bytes."""
     files = runs["a_files"]
-    other = {p.relative_to(runs["e"]): p.read_bytes() for p in runs["e"].glob("kvoffload-v2/*/g*/*/*.kv")}
+    other = {p.relative_to(runs["e"]): p.read_bytes() for p in runs["e"].glob(f"{LAYOUT_DIR}/*/g*/*/*.kv")}
     heads = sorted((h.group, h.token_start, h.token_end) for h in
                    (ChunkHeader.unpack(data[:HEADER_LEN]) for data in files.values()))
     start = TAIL // CHUNK * CHUNK
@@ -123,66 +125,97 @@ def test_fsck_takes_tails_for_leaves_not_corruption(runs):
     assert all(c.orphan is None for c in linked.values())
 
 
-# ---- attention only: the tail of whole blocks behind the last whole chunk ---------------------------------
+# ---- attention only: the tail behind the last whole chunk, one block per entry --------------------------
 # llama-tiny with its default flags (no unit to set: vLLM's own cache hits an
-# attention-only model at every block). For any block size up to 128: A's last
-# whole block before its last token, 384, lies past its last whole chunk (256);
-# the next turn (+2 tokens) ends in the same block, so it stores no entry A did
-# not; the shared prefix (260 tokens) ends inside chunk 1 and its prompt's last
-# block before the last token is the chunk boundary, where vLLM's own cache hits
-# too (one tail per prompt: a prefix that is no stored prompt's tail restores
-# its whole chunks). So the own run's directory holds A's entries only, and is
-# the one the restart reads: three engines, not four.
-L_A = random_prompt(rng, 390)
-L_PROMPTS = [L_A, L_A + random_prompt(rng, 2), L_A[:260] + random_prompt(rng, 10)]
+# attention-only model at every block) and a chunk of four blocks
+# (`hybrid_chunk_size`), so that the region behind A's whole chunk holds
+# several blocks. With B the block vLLM picks here (from the plan), A has 7B +
+# 10 tokens: chunk 0 whole, then its tail [4B, 7B) as entries ending at 5B, 6B
+# and 7B. Its next turn (+2 tokens) ends in the same block, so it stores no
+# entry A did not. The shared prompt has A's first 6.5B tokens, then B/4
+# others: vLLM's own cache hits 6B (the last block boundary of the shared
+# prefix, also its own last block before its last token), which A's entries
+# ending at 5B and 6B reach (one tail entry per prompt reached only the chunk,
+# 4B); its own entries are A's, so the own run's directory holds A's entries
+# only, and is the one the restart reads: three engines, not four.
+
+
+def _llama_prompts(block: int) -> list[list[int]]:
+    rng = random.Random(23)
+    a = random_prompt(rng, 7 * block + 10)
+    return [a, a + random_prompt(rng, 2), a[:6 * block + block // 2] + random_prompt(rng, block // 4)]
 
 
 def _llama_runs(models_dir, tmp_path):
+    from dataclasses import replace
+
     from offload.plan import plan_for_model
+    from offload.planner import HybridOffloadPlanner
 
     llama, args = str(models_dir / "llama-tiny"), engine_args(False)
+    plan = plan_for_model(llama)
+    block = HybridOffloadPlanner.block_lcm(plan.specs)
+    planner = replace(plan, hybrid_chunk_size=4 * block).planner()  # the planner the connector builds then
+    prompts = _llama_prompts(block)
+
+    def config(d):
+        kv = shipped_config("fs.json", d)
+        kv["kv_connector_extra_config"]["hybrid_chunk_size"] = planner.chunk_size
+        return kv
+
     e, f = tmp_path / "e", tmp_path / "f"
     e.mkdir()
     f.mkdir()
-    own, ref, planner = side_by_side(
-        lambda: run_engine(RunSpec(llama, L_PROMPTS, shipped_config("fs.json", e), 12, args, order=[[0, 0, 1, 2]])),
-        lambda: run_engine(RunSpec(llama, L_PROMPTS, shipped_config("fs.json", f), 12, args, skip_prefix_cache=True)),
-        lambda: plan_for_model(llama).planner())
-    files = {name: {p.relative_to(d): p.read_bytes() for p in d.glob("kvoffload-v2/*/g*/*/*.kv")}
+    own, ref = side_by_side(
+        lambda: run_engine(RunSpec(llama, prompts, config(e), 12, args, order=[[0, 0, 1, 2]]),
+                           env={"PYTHONHASHSEED": "1"}),
+        lambda: run_engine(RunSpec(llama, prompts, config(f), 12, args, skip_prefix_cache=True)))
+    files = {name: {p.relative_to(d): p.read_bytes() for p in d.glob(f"{LAYOUT_DIR}/*/g*/*/*.kv")}
              for name, d in (("e", e), ("f", f))}
-    restart = run_engine(RunSpec(llama, L_PROMPTS, shipped_config("fs.json", e), 12, args, order=[[0], [1], [2]]))
+    restart = run_engine(RunSpec(llama, prompts, config(e), 12, args, order=[[0], [1], [2]]),
+                         env={"PYTHONHASHSEED": "2"})
     # The own run's first pass of A is cold (nothing cached, nothing restored): A's cold run.
-    return {"own": own, "ref": ref, "cold": own, "restart": restart, "files": files, "e": e, "planner": planner}
+    return {"own": own, "ref": ref, "cold": own, "restart": restart, "files": files, "e": e, "planner": planner,
+            "prompts": prompts}
 
 
 @pytest.mark.prefetch.with_args(_llama_runs)
-def test_attention_only_restart_restores_the_tail_vllms_own_cache_hits(prefetched):
-    """After a restart, restored == vLLM's own in-process hit for A repeated,
-    its next turn and a shared prefix, greedy tokens == the cold reference's;
-    A's tail (past its whole chunks, as the plan's planner states) restored;
-    the files are A's chunk and tail, byte-identical in the two engines that
-    stored them, and fsck takes the tail for a leaf."""
+def test_attention_only_restart_restores_every_block_vllms_own_cache_hits(prefetched):
+    """After a restart (new process, new PYTHONHASHSEED), restored == vLLM's
+    own in-process hit for A repeated, its next turn and a prompt sharing a
+    prefix that ends inside A's tail region; greedy tokens == the cold
+    reference's. The files are A's chunk and its one-block tail entries,
+    byte-identical in the two engines that stored them, and fsck takes the
+    entries for a chain behind the chunk: complete, no hole."""
     runs = prefetched(_llama_runs)
-    planner = runs["planner"]
-    c, a_len = planner.chunk_size, len(L_A)
+    planner, prompts = runs["planner"], runs["prompts"]
+    c, u, a_len = planner.chunk_size, planner.tail_unit, len(prompts[0])
     tail = planner.tail_boundary(a_len)
-    assert [planner.tail_boundary(len(p)) for p in L_PROMPTS] == [tail, tail, 0]  # see above
+    ends = list(planner.tail_entries(tail // c, tail // c * c, tail))  # A's tail entries, by boundary
+    assert planner.chained_tails and len(ends) == 3 and tail // c == planner.max_hit_chunks(a_len)
+    assert [planner.tail_boundary(len(p)) for p in prompts] == [tail, tail, ends[-2]]  # see above
     rows = check_restores(runs, c, a_len)
-    assert rows[0][1] == planner.repeat_hit(a_len) == tail > planner.max_hit_chunks(a_len) * c
+    assert rows[0][1] == planner.repeat_hit(a_len) == tail
+    # The shared prefix: restored past A's chunk, to vLLM's own hit inside A's tail.
+    assert rows[2] == (ends[-2], ends[-2]) and ends[-2] > planner.max_hit_chunks(a_len) * c
     e, f = runs["files"]["e"], runs["files"]["f"]
     heads = sorted((h.group, h.token_start, h.token_end) for h in
                    (ChunkHeader.unpack(data[:HEADER_LEN]) for data in e.values()))
     assert heads == [(0, k * c, (k + 1) * c) for k in range(planner.max_hit_chunks(a_len))] + \
-        [(0, tail // c * c, tail)], heads
+        [(0, b - u, b) for b in ends], heads
     assert e == f, "two engines that stored the same prompts wrote different files"
-    # fsck: every file verifies, the tail is a leaf of A's chain, nothing is a hole.
+    # fsck: every file verifies; A's tail entries chain from its chunk, one after the other; no hole.
     from offload.cli.cache import chunks, scan
 
     [fp] = scan(runs["e"], verify_payloads=True).dirs
     assert fp.files and [x.problem for x in fp.files if x.problem] == []
     linked = chunks(fp)
-    tails = [k for k in linked.values() if any(x.header.token_end % c for x in k.files)]
-    assert len(tails) == 1 and tails[0].complete and tails[0].orphan is None and not tails[0].children
+    assert all(k.complete and k.orphan is None for k in linked.values())
+    tails = sorted((k for k in linked.values() if k.start % c or k.end % c), key=lambda k: k.start)
+    assert [(k.start, k.end) for k in tails] == [(b - u, b) for b in ends]
+    assert [[ch.key for ch in k.children] for k in tails] == [[t.key] for t in tails[1:]] + [[]]
+    [whole] = [k for k in linked.values() if k.end == tails[0].start]
+    assert tails[0] in whole.children
 
 
 # ---- vLLM's own hit vs ours on the Qwen3-Next-80B geometry (long) ---------------------------------------

@@ -14,6 +14,7 @@ from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt, s
 from offload.config import ConfigError
 from offload.engine_run import RunSpec, run_engine
 from offload.keys import chunk_keys, request_root
+from offload.store.paths import LAYOUT_DIR
 from serving import complete
 
 
@@ -51,7 +52,7 @@ def test_sigterm_of_api_server_finishes_stores(fs_server):
     assert "'shutdown'" not in log.split("kvoffload worker counters")[-1].splitlines()[0], "no store dropped"
     [(d, lay)] = list(layouts(cache).items())
     keys = chunk_keys(request_root(bytes.fromhex(lay["base_fingerprint"])), prompt, CHUNK)
-    root = Path(cache / "kvoffload-v2" / d)
+    root = Path(cache / LAYOUT_DIR / d)
     for g, n in ((1, len(prompt) // CHUNK), (0, (len(prompt) - 1) // CHUNK)):
         missing = [k.hex() for k in keys[:n] if not (root / f"g{g}" / k.hex()[:2] / f"{k.hex()}.kv").exists()]
         assert not missing, f"group {g}: chunks not stored before exit: {missing}"

@@ -18,6 +18,7 @@ from conftest import fs_kv_config, random_prompt
 from offload.engine_run import RunSpec, run_engine
 from offload.keys import rank_fingerprint
 from offload.store.format import HEADER_LEN
+from offload.store.paths import LAYOUT_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
 
@@ -41,7 +42,7 @@ def _tp2_runs(models_dir, tmp_path):
 @pytest.mark.prefetch.with_args(_tp2_runs)
 def test_tp2_stores_one_directory_per_rank_and_restores_after_a_restart(prefetched):
     prompts, cold, warm, tmp_path = prefetched(_tp2_runs)
-    dirs = sorted(p.parent for p in tmp_path.glob("kvoffload-v2/*/layout.json"))
+    dirs = sorted(p.parent for p in tmp_path.glob(f"{LAYOUT_DIR}/*/layout.json"))
     layout = json.loads((dirs[0] / "layout.json").read_text())
     base = bytes.fromhex(layout["base_fingerprint"])
     assert layout["tp_size"] == 2 and layout["chunk_size"] == 256

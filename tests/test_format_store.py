@@ -69,7 +69,7 @@ def crc32c_ref(data: bytes) -> int:
 
 def raw_header(**over) -> bytes:
     """A header built by hand from the documented layout, with a valid CRC."""
-    f = dict(magic=MAGIC, version=2, header_len=DOC_HEADER_LEN, group=1, kind=1, fingerprint=b"F" * 32,
+    f = dict(magic=MAGIC, version=3, header_len=DOC_HEADER_LEN, group=1, kind=1, fingerprint=b"F" * 32,
              key=b"K" * 32, token_start=256, token_end=512, num_pages=NPAGES, page_bytes=PAGE,
              payload_len=NPAGES * PAGE, payload_crc=0x12345678, parent=bytes(8), key_id=bytes(8),
              reserved=bytes(24), mac=bytes(32))
@@ -116,7 +116,7 @@ def test_pack_matches_documented_layout():
     assert len(raw) == HEADER_LEN == DOC_HEADER_LEN
     fields = dict(zip(FIELD_OFFSETS, LAYOUT.unpack(raw)))
     assert fields == {
-        "magic": b"KVOFFLD\x00", "version": 2, "header_len": DOC_HEADER_LEN, "group": 7, "kind": 4,
+        "magic": b"KVOFFLD\x00", "version": 3, "header_len": DOC_HEADER_LEN, "group": 7, "kind": 4,
         "fingerprint": FP, "key": key_of("A"), "token_start": 1024, "token_end": 1280,
         "num_pages": 1, "page_bytes": 65536, "payload_len": 65536, "payload_crc": 0xDEADBEEF,
         "parent": b"P" * 8, "key_id": b"I" * 8, "reserved": bytes(24), "mac": b"M" * 32,
@@ -176,10 +176,21 @@ def test_bad_magic_is_named():
         ChunkHeader.unpack(raw_header(magic=b"KVOFFLD\x01"))
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, 7, 65535])
+@pytest.mark.parametrize("version", [0, 1, 2, 4, 7, 65535])
 def test_other_format_version_is_refused_by_number(version):
+    """2 included: a version 2 attention-only tail started at its chunk (docs/format.md, Version 3)."""
+    assert FORMAT_VERSION == 3
     with pytest.raises(FormatError, match=rf"version {version}\b"):
         ChunkHeader.unpack(raw_header(version=version))
+
+
+def test_attention_only_tail_entry_is_checked_on_its_token_start():
+    """An attention-only tail entry names [b - unit, b); a file under the
+    same key that says [chunk start, b) (a version 2 tail's shape) is not it."""
+    entry = header(token_start=544, token_end=560, num_pages=1)
+    header(token_start=544, token_end=560, num_pages=1).check_matches(entry)
+    with pytest.raises(FormatError, match="token_start"):
+        header(token_start=512, token_end=560, num_pages=1).check_matches(entry)
 
 
 def test_wrong_header_len_is_rejected_even_with_valid_crc():
@@ -665,3 +676,44 @@ def test_write_layout_shared_by_two_instances(tmp_path):
     c = FileStore.open(str(tmp_path), FP2)
     c.write_layout({"tensors": [[9]]})
     assert c.root != a.root
+
+
+# ================================================= attention-only tail entries in fsck and gc ==
+
+def test_fsck_and_gc_take_attention_only_tail_entries_for_a_chain(tmp_path, capsys):
+    """Format 3 (docs/format.md, Attention-only models): behind chunk 0, tail
+    entries [256, 272), [272, 288), [288, 304) of one 16-token block each,
+    each naming the one before as its parent. `fsck` verifies them clean and
+    links them into a chain; gc's eviction order takes the chain's last entry
+    first; a range that is neither a chunk nor inside one is corrupt."""
+    from offload import cli
+    from offload.cli.cache import chunks, scan
+    from offload.cli.gc import eviction_order
+
+    store = FileStore.open(str(tmp_path), FP)
+    store.write_layout({"chunk_size": 256, "groups": [{"spec": "FullAttentionSpec(...)"}], "tensors": {}})
+    keys = [key_of(f"t{i}") for i in range(4)]
+    ranges = [(0, 256, 16), (256, 272, 1), (272, 288, 1), (288, 304, 1)]
+    for i, (k, (t0, t1, n)) in enumerate(zip(keys, ranges)):
+        h = header(key=k, group=0, token_start=t0, token_end=t1, num_pages=n,
+                   parent=keys[i - 1][:8] if i else bytes(8))
+        assert store.write(h, payload(i, n * PAGE))
+    assert cli.main(["fsck", str(tmp_path)]) == 0, capsys.readouterr().out
+    [fp] = scan(tmp_path, verify_payloads=True).dirs
+    assert [f.problem for f in fp.files if f.problem] == []
+    linked = chunks(fp)
+    assert all(c.complete and c.orphan is None for c in linked.values())
+    by_key = {bytes.fromhex(c.key): c for c in linked.values()}
+    assert [[bytes.fromhex(ch.key) for ch in by_key[k].children] for k in keys] == [[k] for k in keys[1:]] + [[]]
+    order = [bytes.fromhex(c.key) for _, _, c in sorted(eviction_order(fp, by_mtime=True))]
+    assert order == keys[::-1], "gc must evict a chain from its end"
+    # Remove the middle entry: the one behind it is below a hole.
+    store.file_path(0, keys[2]).unlink()
+    [fp] = scan(tmp_path).dirs
+    holes = {bytes.fromhex(c.key) for c in chunks(fp).values() if c.orphan}
+    assert holes == {keys[3]}
+    # A range across a chunk boundary is no entry of this format.
+    bad = header(key=key_of("x"), group=0, token_start=240, token_end=272, num_pages=2, parent=keys[0][:8])
+    assert store.write(bad, payload(9, 2 * PAGE))
+    [fp] = scan(tmp_path).dirs
+    assert [f.problem_kind for f in fp.files if f.key == key_of("x").hex()] == ["corrupt"]

@@ -126,14 +126,14 @@ def test_chunk_keys_accepts_numpy_tokens():
 
 def test_fingerprint_known_answer_includes_format_version():
     fields = base_fields()
-    doc = json.dumps({"format_version": 2, **fields}, sort_keys=True, separators=(",", ":"))
-    assert keys.FORMAT_VERSION == 2
+    doc = json.dumps({"format_version": 3, **fields}, sort_keys=True, separators=(",", ":"))
+    assert keys.FORMAT_VERSION == 3
     assert fingerprint(fields) == hashlib.sha256(doc.encode()).digest()
 
 
 def test_fingerprint_changes_with_format_version(monkeypatch):
     before = fingerprint(base_fields())
-    monkeypatch.setattr(keys, "FORMAT_VERSION", 3)
+    monkeypatch.setattr(keys, "FORMAT_VERSION", 2)
     assert fingerprint(base_fields()) != before
 
 

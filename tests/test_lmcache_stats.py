@@ -29,6 +29,7 @@ from offload.store.cachedir import CacheDirs
 from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.lmcache import LMCacheData, LMCacheOptions, open_objects
 from offload.store.lmcache_objects import object_name, redis_key
+from offload.store.paths import LAYOUT_DIR
 from serving import free_port
 from test_format_store import FP, FP2, key_of, payload
 from test_lmcache_objects import RedisServer
@@ -126,7 +127,7 @@ def test_stats_reports_what_the_tier_put(redis_server, tmp_path, capsys):
     put_through_tier(redis_server.url, A + B)
     cfg, files = config_for(tmp_path, redis_server.url)
     # The file tier of the same stack holds A's layout.json: it names the model.
-    lay = files / "kvoffload-v2" / FP.hex()
+    lay = files / LAYOUT_DIR / FP.hex()
     lay.mkdir(parents=True)
     (lay / "layout.json").write_text(json.dumps({"model": "/models/tiny", "chunk_size": A_CHUNK, "tp_size": 1,
                                                  "dtype": "torch.bfloat16", "groups": []}))

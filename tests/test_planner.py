@@ -303,26 +303,129 @@ def test_attention_only_tail_boundary_is_the_last_block_before_the_last_token():
     assert [cpu.repeat_hit(n) for n in (400, 390, 600, 768, 1100)] == [384, 384, 512, 768, 1024]
 
 
-def test_attention_only_lookup_restores_the_tail_only_behind_every_whole_chunk():
-    p = HybridOffloadPlanner(pure_attention(16), tail_unit=16)
-    c = p.chunk_size
-    stored = {(0, 0), (0, 1)}  # a 600-token prompt: two chunks and one tail entry, 3 files
-    tails = {(0, 592)}
+class PrefixStore:
+    """An attention-only tier as the planner sees it, by prefix: a stored
+    prompt's whole chunks and its chained tail entries (the entry ending at
+    b is the prefix up to b, as its key is). Counts the lookup's tail probes."""
 
-    def lookup(n, computed=0, stored=stored, tails=tails, prompt=None):
-        hit = p.lookup(n, lambda g, ch: (g, ch) in stored, computed, prompt,
-                       present_tail=lambda g, t: (g, t) in tails)
+    def __init__(self, p: HybridOffloadPlanner) -> None:
+        self.p, self.chunks, self.tails, self.probes = p, set(), set(), 0
+
+    def store(self, toks: list[int]) -> int:
+        """Store a prompt's entries; returns how many it added."""
+        p, c, before = self.p, self.p.chunk_size, len(self.chunks) + len(self.tails)
+        self.chunks |= {tuple(toks[:(k + 1) * c]) for k in range(p.max_hit_chunks(len(toks)))}
+        t = p.tail_boundary(len(toks))
+        if t:
+            self.tails |= {tuple(toks[:b]) for b in p.tail_entries(t // c, t // c * c, t)}
+        return len(self.chunks) + len(self.tails) - before
+
+    def present_tail(self, toks: list[int], b: int) -> bool:
+        self.probes += 1
+        return tuple(toks[:b]) in self.tails
+
+    def lookup(self, toks: list[int], computed: int = 0) -> int:
+        c = self.p.chunk_size
+        hit = self.p.lookup(len(toks), lambda g, ch: tuple(toks[:(ch + 1) * c]) in self.chunks, computed,
+                            present_tail=lambda g, b: self.present_tail(toks, b))
         return hit.chunks * c + hit.tail
 
-    assert lookup(600) == 592  # the repeat
-    assert lookup(700) == 592  # the next turn: the tail probed inside chunk 2, where the chunks end
-    assert lookup(593) == 592 and lookup(592) == 512  # a hit stops before the last token
-    assert lookup(600, computed=512) == 592 and lookup(600, computed=592) == 0
-    assert lookup(600, stored={(0, 0)}) == 256  # the tail needs chunk 1: never reported without it
-    assert lookup(600, tails=set()) == 512
-    assert lookup(200, stored=set(), tails={(0, 192)}) == 192  # a prompt shorter than a chunk
-    # Needed entries past vLLM's own hit of 384: chunk 1, then the tail's blocks 32-36 (whole).
-    needed = p.needed(0, 2, 384, tail=80)
-    assert [(gc.chunk, gc.tail_end, list(gc.blocks)) for gc in needed] == [(0 + 1, None, list(range(16, 32))),
-                                                                            (2, 592, list(range(32, 37)))]
-    assert p.blocks_to_load(0, 2, 384, tail=80) == set(range(24, 37))
+
+def tokens_sharing(base: list[int], shared: int, n: int, seed: int) -> list[int]:
+    """An n-token prompt whose first `shared` tokens are base's and whose next one differs."""
+    rng = random.Random(seed)
+    out = base[:shared] + [rng.randrange(2000, 3000) for _ in range(n - shared)]
+    assert n <= shared or out[shared] != base[shared]
+    return out
+
+
+def test_attention_only_tail_is_a_chain_of_one_unit_entries():
+    """The tail region [c*C, T) is stored as entries of one unit each, the
+    entry ending at b holding only the blocks of [b - unit, b) and chaining
+    from the one ending at b - unit (the first from chunk c - 1)."""
+    p = HybridOffloadPlanner(pure_attention(16), tail_unit=16)
+    assert p.chained_tails and not HybridOffloadPlanner(qwen35_like(1152), tail_unit=64).chained_tails
+    gc = p.stored_tail(0, 2, 544)
+    assert (list(gc.blocks), gc.tail_start, gc.tail_end) == ([33], 528, 544)
+    assert p.tail_parent(528) is None and p.tail_parent(544) == 528 and p.tail_parent(16) is None
+    assert list(p.tail_entries(2, 512, 592)) == [528, 544, 560, 576, 592]
+    assert list(p.tail_entries(2, 530, 592)) == [544, 560, 576, 592]  # past vLLM's own hit only
+    with pytest.raises(ValueError):
+        p.stored_tail(0, 2, 540)  # not a unit boundary
+    # Several groups: the unit is the blocks' LCM, each entry whole blocks of every group.
+    two = HybridOffloadPlanner([GroupSpec(FULL, 16, 1, 1), GroupSpec(FULL, 32, 1, 1)], tail_unit=32)
+    assert [list(two.stored_tail(g, 1, 320).blocks) for g in (0, 1)] == [[18, 19], [9]]
+    # A hybrid's tail stays one entry from its chunk's start.
+    hy = HybridOffloadPlanner(qwen35_like(1152), tail_unit=64)
+    assert (list(hy.stored_tail(3, 2, 2944).blocks), hy.stored_tail(3, 2, 2944).tail_start) == ([2], 2304)
+    assert hy.tail_parent(2944) is None
+
+
+def test_attention_only_entries_hold_every_block_once_and_a_bounded_number_per_prompt():
+    p = HybridOffloadPlanner(pure_attention(16), tail_unit=16)
+    c = p.chunk_size
+    for n in (2, 17, 200, 257, 600, 1000, 10_100):
+        t = p.tail_boundary(n)
+        entries = [p.stored(0, k) for k in range(p.max_hit_chunks(n))]
+        if t:
+            entries += [p.stored_tail(0, t // c, b) for b in p.tail_entries(t // c, t // c * c, t)]
+        blocks = [b for e in entries for b in e.blocks]
+        assert sorted(blocks) == list(range(p.repeat_hit(n) // 16)), n  # every block once, none twice
+        assert len(entries) - p.max_hit_chunks(n) <= c // 16 - 1, n  # at most C/B - 1 tail entries
+    store = PrefixStore(p)
+    assert store.store(list(range(600))) == 2 + 5  # two chunks and entries ending at 528 ... 592
+
+
+def test_attention_only_shared_prefix_hits_at_every_block_vllms_own_cache_hits():
+    """A (600 tokens, 16-token blocks, 256-token chunks) stored; a prompt
+    sharing only a prefix of it restores the last block boundary of the
+    shared prefix, as vLLM's own cache does (min(shared // B * B, its own
+    (len - 1) // B * B)), whole chunks and tail entries alike."""
+    p = HybridOffloadPlanner(pure_attention(16), tail_unit=16)
+    rng = random.Random(5)
+    a = [rng.randrange(2, 1000) for _ in range(600)]
+    store = PrefixStore(p)
+    store.store(a)
+
+    def vllm(b: list[int], shared: int) -> int:
+        return min(shared // 16 * 16, (len(b) - 1) // 16 * 16)
+
+    for shared, n, expected in ((560, 700, 560), (520, 700, 512), (599, 700, 592), (550, 550, 544),
+                                (560, 565, 560), (600, 600, 592), (300, 700, 256), (10, 700, 0)):
+        b = tokens_sharing(a, shared, n, seed=shared)
+        assert store.lookup(b) == expected, (shared, n)
+        if shared > 512:  # inside A's tail region: what vLLM's own cache hits
+            assert expected == vllm(b, shared), (shared, n)
+    # O(log) probes: a binary search over the chunk's 15 boundaries, per lookup.
+    store.probes = 0
+    assert store.lookup(tokens_sharing(a, 560, 700, seed=1)) == 560
+    assert store.probes <= math.ceil(math.log2(256 // 16)) + 1
+    # vLLM's own cache holds 528 of B: only the entries past it are probed and needed.
+    b = tokens_sharing(a, 560, 700, seed=2)
+    assert store.lookup(b, computed=528) == 560 and store.lookup(b, computed=560) == 0
+    needed = p.needed(0, 2, 528, tail=48)
+    assert [(gc.chunk, gc.tail_start, gc.tail_end, list(gc.blocks)) for gc in needed] == \
+        [(2, 528, 544, [33]), (2, 544, 560, [34])]
+    # From vLLM's own hit of 384: chunk 1's blocks past it, then the entries ending at 528, 544, 560.
+    needed = p.needed(0, 2, 384, tail=48)
+    assert [(gc.chunk, gc.tail_end, list(gc.blocks)) for gc in needed] == \
+        [(1, None, list(range(16, 32))), (2, 528, [32]), (2, 544, [33]), (2, 560, [34])]
+    assert p.blocks_to_load(0, 2, 384, tail=48) == set(range(24, 35))
+    # The tail needs its chunks: never reported without chunk 1.
+    store.chunks.discard(tuple(a[:512]))
+    assert store.lookup(tokens_sharing(a, 560, 700, seed=3)) == 256
+
+
+def test_attention_only_prompt_shorter_than_a_chunk_and_its_next_turn():
+    p = HybridOffloadPlanner(pure_attention(16), tail_unit=16)
+    rng = random.Random(6)
+    a = [rng.randrange(2, 1000) for _ in range(200)]
+    store = PrefixStore(p)
+    assert store.store(a) == 12  # entries ending at 16, 32, ..., 192; no chunk
+    assert store.lookup(tokens_sharing(a, 150, 300, seed=1)) == 144
+    assert store.lookup(a) == 192  # the repeat
+    turn = a + [rng.randrange(2, 1000) for _ in range(150)]  # 350 tokens: chunk 0 whole, then its own tail
+    assert store.lookup(turn) == 192  # the earlier prompt's entries, inside chunk 0
+    assert store.store(turn) == 1 + (349 // 16 * 16 - 256) // 16  # chunk 0 and its own tail entries
+    assert store.lookup(tokens_sharing(turn, 300, 400, seed=2)) == 288
+

@@ -37,6 +37,7 @@ from offload.copier import crc32c
 from offload.engine_run import EngineRun, RunResult, RunSpec, start_engine
 from offload.keys import chunk_keys, request_root
 from offload.store.format import HEADER_LEN
+from offload.store.paths import LAYOUT_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
 
@@ -91,7 +92,7 @@ def counters(run: RunResult) -> dict:
 def files_of(cache: Path, prompt: list[int], group: int) -> list[Path]:
     [(dirname, lay)] = list(layouts(cache).items())
     keys = chunk_keys(request_root(bytes.fromhex(lay["base_fingerprint"])), prompt, CHUNK)
-    base = cache / "kvoffload-v2" / dirname / f"g{group}"
+    base = cache / LAYOUT_DIR / dirname / f"g{group}"
     return [base / k.hex()[:2] / f"{k.hex()}.kv" for k in keys]
 
 
@@ -103,7 +104,7 @@ def fix_header_crc(raw: bytearray) -> None:
 
 CORRUPTIONS = ["bitflip", "truncate", "zero_page", "header_field", "header_crc_only"]
 N_CORRUPT = int(os.environ.get("KVOFFLOAD_CORRUPT_FILES", "200"))  # two per prompt: its g0 and g1 files
-VERSIONS = [0, 1, 0, 3, 7]  # never FORMAT_VERSION (2)
+VERSIONS = [0, 1, 0, 2, 7]  # never FORMAT_VERSION (3)
 
 
 def corrupt(path: Path, how: str, rng: random.Random) -> None:
@@ -200,7 +201,7 @@ def test_corrupt_and_foreign_version_files_are_all_detected_counted_and_healed(b
     detected = sum(1 for _, _, _, path in b["damaged"]
                    if list(path.parents[2].glob(f"quarantine/{path.name}.*")))
     c = counters(b["warm"])
-    q = list(b["cache"].glob("kvoffload-v2/*/quarantine/*"))
+    q = list(b["cache"].glob(f"{LAYOUT_DIR}/*/quarantine/*"))
     n = len(b["damaged"])
     # + 1: the GDN state overwritten between lookup and load (next test)
     assert c["chunk_misses"].get("corrupt") == n + 1, c
@@ -248,7 +249,7 @@ def test_unreadable_file_is_a_miss_and_kept(bad_files):
         assert p1[i]["load_failed"] and p1[i]["output_ids"] == cold[i]["output_ids"]
     misses = counters(b["warm"])["chunk_misses"]
     assert misses.get("io_error") == 2 * len(b["idx"]["eio"]), misses  # every pass
-    kept = [k for k in b["eio_keys"] if list(b["cache"].glob(f"kvoffload-v2/*/g1/*/{k}.kv"))]
+    kept = [k for k in b["eio_keys"] if list(b["cache"].glob(f"{LAYOUT_DIR}/*/g1/*/{k}.kv"))]
     assert len(kept) == len(b["eio_keys"]), "a file that failed with EIO is not quarantined"
     record("3b EIO on read", "injected EIO on every read of 2 files", 4, 4, 0,
            "none: a miss and a recompute; the file is kept (it may be fine)")
@@ -257,7 +258,8 @@ def test_unreadable_file_is_a_miss_and_kept(bad_files):
 def test_no_request_data_in_paths_and_default_modes(bad_files):
     cache = bad_files["cache"]
     names = [p.relative_to(cache).as_posix() for p in cache.rglob("*")]
-    pat = re.compile(r"^kvoffload-v2(/[0-9a-f]{64}(/layout\.json|/g\d+(/[0-9a-f]{2}(/[0-9a-f]{64}\.kv)?)?"
+    pat = re.compile("^" + re.escape(LAYOUT_DIR)
+                     + r"(/[0-9a-f]{64}(/layout\.json|/g\d+(/[0-9a-f]{2}(/[0-9a-f]{64}\.kv)?)?"
                      r"|/quarantine(/[0-9a-f]{64}\.kv\.[0-9a-f]{8})?)?"
                      # ledgers are named by host tag, pid and a random tag: nothing from a request
                      r"|/ledger-v1(/[0-9a-f]{8}-\d+-[0-9a-f]{8}\.log|/snapshot-\d{13}-[0-9a-f]{8}\.snap|/lease)?)?$")
@@ -507,7 +509,7 @@ def _shared_directory(models_dir, tmp_path, repeats: int) -> None:
     # Passes: [] (the engine is up), the hand-off prompts, the load, the settling prompt.
     a, b = (start(models_dir, tmp_path, f"share-{n}", prompts, [[], ho, order, settle], kv=kv, max_tokens=4,
                   gated=True) for n, order in (("a", order_a), ("b", order_b)))
-    top, peak, samples, stop = cache / "kvoffload-v2", [0], [0], threading.Event()
+    top, peak, samples, stop = cache / LAYOUT_DIR, [0], [0], threading.Event()
 
     def sample():
         while not stop.is_set():

@@ -145,7 +145,9 @@ def vllm_config(models_dir):
 
 @pytest.fixture
 def eng(vllm_config):
-    set_connector(vllm_config, {"store": "cpu", "cpu_bytes": 4 << 20})
+    # A load thread per file of a repeat's load (two chunks and a one-block entry per tail block), so
+    # that every file's copy can be in progress at once.
+    set_connector(vllm_config, {"store": "cpu", "cpu_bytes": 4 << 20, "io_threads": 16})
     kcc = attention_kv_cache_config(LAYERS, block_size=BS, num_kv_heads=2, head_size=32, num_blocks=128)
     scheduler = create_scheduler(vllm_config, kcc)
     e = Engine(scheduler, WorkerStep(vllm_config, kcc, scheduler))
@@ -255,11 +257,11 @@ def test_unregister_waits_for_the_copy_in_progress(eng, monkeypatch):
     stored = _store(eng, "a", tokens)
     assert eng.scheduler.reset_prefix_cache()
     eng.worker.scramble()
-    release, entered = threading.Event(), threading.Event()
+    release, entered = threading.Event(), threading.Semaphore(0)
     real = GroupPages.scatter
 
     def held(self, *args, **kwargs):
-        entered.set()
+        entered.release()
         assert release.wait(30)
         return real(self, *args, **kwargs)
 
@@ -267,7 +269,11 @@ def test_unregister_waits_for_the_copy_in_progress(eng, monkeypatch):
     b = create_request("b", tokens, max_tokens=2, block_size=BS)
     eng.scheduler.add_request(b)
     eng.step()
-    assert entered.wait(10)
+    p = eng.scheduler.connector.planner
+    chunks = _hit(eng) // p.chunk_size
+    files = len(p.needed(0, chunks, 0, _hit(eng) - chunks * p.chunk_size))  # the load's files
+    for _ in range(files):  # every file's copy has started
+        assert entered.acquire(timeout=10)
     sleeper = threading.Thread(target=eng.worker.connector.unregister_kv_caches)
     sleeper.start()
     sleeper.join(0.5)

@@ -297,8 +297,12 @@ def _check(fp: FpDir, cf: ChunkFile, verify: bool, kinds: dict[int, GroupKind],
             if h.key.hex() != cf.key or h.fingerprint.hex() != fp.path.name or h.group != cf.group:
                 raise FormatError("header identity (key, fingerprint or group) does not match the file's place")
             cs = fp.chunk_size
-            # One chunk, or a partial tail: from a chunk start to a boundary inside it (docs/format.md).
-            if cs and (h.token_start % cs or not 0 < h.token_end - h.token_start <= cs):
+            # One chunk, or a partial tail inside one: from the chunk's start (a hybrid's
+            # tail), or from a unit boundary inside it (attention-only tail entries) to a
+            # boundary inside it (docs/format.md).
+            inside = 0 < h.token_end - h.token_start <= cs and h.token_start // cs == (h.token_end - 1) // cs \
+                if cs else True
+            if cs and (not inside or (h.token_start % cs and h.token_end % cs == 0)):
                 raise FormatError(f"token range [{h.token_start}, {h.token_end}) is neither one chunk of {cs} "
                                   "nor a partial tail inside one")
             kind = kinds.get(cf.group)
@@ -331,6 +335,8 @@ class Chunk:
     pos: int  # chunk index: token_start // chunk size
     files: list[ChunkFile]
     parent: bytes | None  # first 8 bytes of the parent's key; None: chunk 0, or unknown (older files)
+    start: int = 0  # token range [start, end) (its files' headers): a parent ends where its child starts
+    end: int = 0
     complete: bool = False  # every full-attention group has its file
     children: list[Chunk] = field(default_factory=list)
     orphan: str | None = None  # why a lookup could report a hit through this chunk that fails to load
@@ -347,8 +353,10 @@ class Chunk:
 def chunks(fp: FpDir) -> dict[str, Chunk]:
     """Good files by chunk key, linked parent -> children.
 
-    A chunk whose header names a parent links to the chunk one position
-    earlier whose key starts with those 8 bytes. A chunk whose parent is
+    A chunk whose header names a parent links to the entry whose key starts
+    with those 8 bytes and whose token range ends where its own starts: the
+    chunk one position earlier, or (attention-only tail entries inside a
+    chunk) the tail entry one unit earlier. A chunk whose parent is
     unknown (all-zero `parent` past chunk 0: files written before the header
     carried the link) has no link; `gc` treats it as a possible descendant
     of every chunk at an earlier position in its directory (the safe side).
@@ -367,26 +375,27 @@ def chunks(fp: FpDir) -> dict[str, Chunk]:
         h = f.header
         pos = h.token_start // (cs or (h.token_end - h.token_start) or 1)
         par = bytes(getattr(h, "parent", NO_PARENT))
-        c = out.setdefault(f.key, Chunk(f.key, pos, [], None if par == NO_PARENT else par))
+        c = out.setdefault(f.key, Chunk(f.key, pos, [], None if par == NO_PARENT else par, h.token_start,
+                                        h.token_end))
         c.files.append(f)
     full = {g for g, k in fp.group_kinds().items() if k is GroupKind.FULL_ATTENTION}
     if not full:  # no full-attention group: no chains; every state stands alone
         for c in out.values():
             c.complete = True
         return out
-    by_prefix: dict[tuple[int, str], list[Chunk]] = {}
+    by_prefix: dict[tuple[int, str], list[Chunk]] = {}  # (end token, key prefix)
     for c in out.values():
         c.complete = full <= {f.group for f in c.files}
-        by_prefix.setdefault((c.pos, key_prefix_hex(c.key)), []).append(c)
+        by_prefix.setdefault((c.end, key_prefix_hex(c.key)), []).append(c)
     good_at: set[int] = set()  # positions holding a complete chunk not below a hole
-    for c in sorted(out.values(), key=lambda c: c.pos):
-        if c.pos == 0:
+    for c in sorted(out.values(), key=lambda c: (c.start, c.end)):  # every parent before its children
+        if c.start == 0:
             pass
         elif c.parent is None:
             if c.pos - 1 not in good_at:
                 c.orphan = f"parent unknown and no complete chunk at position {c.pos - 1}"
         else:
-            parents = by_prefix.get((c.pos - 1, c.parent.hex()), [])
+            parents = by_prefix.get((c.start, c.parent.hex()), [])
             for p in parents:
                 p.children.append(c)
             if not parents:

@@ -100,17 +100,19 @@ def eviction_order(fp: FpDir, by_mtime: bool) -> list[tuple[float, int, Chunk]]:
     """
     graph = {k: c for k, c in chunks(fp).items() if not c.orphan}
     recency = {k: (max(f.mtime for f in c.files) if by_mtime else c.used) for k, c in graph.items()}
+    # Positions are first tokens: an attention-only tail entry's parent may
+    # be in the same chunk, but always starts before it.
     by_pos: dict[int, list[Chunk]] = {}
     for c in graph.values():
-        by_pos.setdefault(c.pos, []).append(c)
+        by_pos.setdefault(c.start, []).append(c)
     unknown_below = float("-inf")  # latest recency of parent-unknown chunks at later positions
     for pos in sorted(by_pos, reverse=True):  # children before parents
         for c in by_pos[pos]:
             recency[c.key] = max([recency[c.key], unknown_below]
                                  + [recency[ch.key] for ch in c.children if ch.key in recency])
         unknown_below = max([unknown_below] + [recency[c.key] for c in by_pos[pos]
-                                               if c.parent is None and c.pos > 0])
-    return [(recency[k], -c.pos, c) for k, c in graph.items()]
+                                               if c.parent is None and c.start > 0])
+    return [(recency[k], -c.start, c) for k, c in graph.items()]
 
 
 Node = tuple[int, str]  # (fingerprint directory's index, chunk key)

@@ -38,8 +38,9 @@ class _Req:
     stored_chunks: int = 0
     # Partial-tail keys by boundary (computed once per request and boundary).
     tail_keys: dict[int, ChunkKey] = field(default_factory=dict)
-    # Its own prompt's tail: attention stored (or found stored) already.
-    tail_stored: bool = False
+    # Its own prompt's tail: attention stored (or found stored) up to this
+    # boundary (0: none of it).
+    tail_stored_to: int = 0
     # Where the restore this connector planned for it ends (0: none).
     restored_end: int = 0
     # A chunk it must not store: vLLM's own prefix cache started it inside
@@ -133,15 +134,26 @@ class SchedulerSide:
     def _entry_key(self, st: _Req, gc: GroupChunk) -> ChunkKey:
         return self._tail_key(st, gc.tail_end) if gc.tail_end is not None else st.keys[gc.chunk]
 
+    def _parent_key(self, st: _Req, gc: GroupChunk) -> ChunkKey | None:
+        """The key the entry chains from: the previous chunk's (None for chunk
+        0), or for a chained tail entry past its chunk's first unit, the
+        tail entry one unit earlier."""
+        prev = self.planner.tail_parent(gc.tail_end) if gc.tail_end is not None else None
+        if prev is not None:
+            return self._tail_key(st, prev)
+        return st.keys[gc.chunk - 1] if gc.chunk else None
+
     def _ref(self, st: _Req, group: int, chunk: int, gc: GroupChunk | None = None) -> FileRef:
         if gc is None:
             gc = self.planner.stored(GroupIndex(group), ChunkIndex(chunk))
         c = self.planner.chunk_size
+        parent = self._parent_key(st, gc)
         return FileRef(
             group=group, kind=self.planner.groups[group].kind, key=self._entry_key(st, gc),
-            token_start=chunk * c, token_end=gc.tail_end if gc.tail_end is not None else (chunk + 1) * c,
+            token_start=gc.tail_start if gc.tail_start is not None else chunk * c,
+            token_end=gc.tail_end if gc.tail_end is not None else (chunk + 1) * c,
             num_pages=1 if gc.state_at is not None else len(gc.blocks),
-            parent=st.keys[chunk - 1][:8] if chunk else bytes(8),
+            parent=parent[:8] if parent is not None else bytes(8),
         )
 
     # ---- lookup and load ----------------------------------------------------------
@@ -241,7 +253,7 @@ class SchedulerSide:
                 if source is None:
                     fail = MissReason.MISSING, f"group {g} chunk {gc.chunk} left every tier before its load"
                     break
-                parent = st.keys[gc.chunk - 1] if gc.chunk else None
+                parent = self._parent_key(st, gc)
                 ups = []
                 for t in range(source.tier):  # promotion: the same bytes into every faster tier
                     placement = self.indices[t].reserve(g, key, parent)
@@ -264,8 +276,10 @@ class SchedulerSide:
                 st.loading_by_tier[t] = st.loading_by_tier.get(t, 0) + tokens
         st.stored_chunks = max(st.stored_chunks, n)
         st.restored_end = end if not fail else 0
-        if tail and end == self.planner.tail_boundary(len(request.prompt_token_ids or [])):
-            st.tail_stored = True  # its own tail's attention is what was just restored
+        if tail and (self.planner.chained_tails
+                     or end == self.planner.tail_boundary(len(request.prompt_token_ids or []))):
+            # Its own tail's attention up to `end` is what was just restored.
+            st.tail_stored_to = max(st.tail_stored_to, end)
         self._loads.append(LoadJob(request.request_id, tuple(entries), fail_reason=fail[0] if fail else None,
                                    fail_detail=fail[1] if fail else ""))
 
@@ -317,10 +331,16 @@ class SchedulerSide:
 
     def _plan_stores(self, meta: OffloadMetadata, st: _Req, before: int, after: int,
                      table: tuple[list[int], ...] | None) -> None:
-        if table is not None:
-            self._plan_tail_store(meta, st, before, after, table)
+        if table is None:
+            return
+        self._plan_chunk_stores(meta, st, after, table)
+        # After the chunks: a tail chains from the last of them (a tier that
+        # keeps presence prefix-closed refuses an entry whose parent it lacks).
+        self._plan_tail_store(meta, st, before, after, table)
+
+    def _plan_chunk_stores(self, meta: OffloadMetadata, st: _Req, after: int, table: tuple[list[int], ...]) -> None:
         end = self._prompt_chunks(st, after)
-        if end <= st.stored_chunks or table is None:
+        if end <= st.stored_chunks:
             return
         self._keys(st, end)  # the keys the stores below name
         for chunk in range(st.stored_chunks, end):
@@ -345,11 +365,16 @@ class SchedulerSide:
         put it there (a sub-block hit copies the block, not always
         completely); attention only, the tail is whole blocks, which vLLM's
         prefix cache holds as computed, so like whole chunks it is stored
-        from wherever they came."""
+        from wherever they came, and (`chained_tails`) one unit at a time as
+        the prefill computes it, each entry behind its parent."""
         end = self.planner.tail_boundary(len(st.request.prompt_token_ids or []))
-        if st.tail_stored or not end or after < end or (before >= end and not self.planner.full_prompt_hits):
+        if self.planner.chained_tails:
+            if end:
+                self._plan_tail_chain(meta, st, ChunkIndex(end // self.planner.chunk_size), min(after, end), table)
             return
-        st.tail_stored = True
+        if st.tail_stored_to >= end or not end or after < end or (before >= end and not self.planner.full_prompt_hits):
+            return
+        st.tail_stored_to = end
         chunk = end // self.planner.chunk_size
         self._keys(st, chunk)
         for g in self._storable:
@@ -359,6 +384,32 @@ class SchedulerSide:
             ids = tuple(table[g][b] for b in gc.blocks)
             if NULL_BLOCK not in ids:
                 self._store(meta, st, g, chunk, ids, gc)
+
+    def _plan_tail_chain(self, meta: OffloadMetadata, st: _Req, chunk: ChunkIndex, upto: int,
+                         table: tuple[list[int], ...]) -> None:
+        """Attention only: the tail entries of `chunk` (the prompt's tail's)
+        from the first one not stored yet up to the last unit boundary <=
+        `upto`, in order; the chain stops at an entry it cannot store (its
+        children would be orphans)."""
+        assert self.planner.tail_unit is not None
+        c = self.planner.chunk_size
+        if st.unstorable_chunk is not None and chunk >= st.unstorable_chunk:
+            return
+        ends = self.planner.tail_entries(chunk, max(st.tail_stored_to, chunk * c),
+                                         upto // self.planner.tail_unit * self.planner.tail_unit)
+        if not ends:
+            return
+        self._keys(st, chunk)
+        for b in ends:
+            gcs = [self.planner.stored_tail(GroupIndex(g), chunk, b) for g in self._storable]
+            ids = [tuple(table[gc.group][i] for i in gc.blocks) if gc.blocks[-1] < len(table[gc.group]) else None
+                   for gc in gcs]
+            if any(x is None or NULL_BLOCK in x for x in ids):
+                return
+            for gc, block_ids in zip(gcs, ids):
+                assert block_ids is not None
+                self._store(meta, st, gc.group, chunk, block_ids, gc)
+            st.tail_stored_to = b
 
     def _plan_state_stores(self, meta: OffloadMetadata, st: _Req, entries: list[tuple[int, int, int]]) -> None:
         c = self.planner.chunk_size
@@ -386,7 +437,9 @@ class SchedulerSide:
 
     def _store(self, meta: OffloadMetadata, st: _Req, group: int, chunk: int, block_ids: tuple[int, ...],
                gc: GroupChunk | None = None) -> None:
-        parent = st.keys[chunk - 1] if chunk else None
+        if gc is None:
+            gc = self.planner.stored(GroupIndex(group), ChunkIndex(chunk))
+        parent = self._parent_key(st, gc)
         ref = self._ref(st, group, chunk, gc)
         targets = []
         for t, ix in enumerate(self.indices):
@@ -411,7 +464,7 @@ class SchedulerSide:
             if req_id in failed:
                 st.load_failed = True  # its retry must not be offered the same hit
                 st.stored_chunks = 0
-                st.tail_stored = False
+                st.tail_stored_to = 0
             else:
                 for t, tokens in st.loading_by_tier.items():
                     st.restored_by_tier[t] = st.restored_by_tier.get(t, 0) + tokens

@@ -62,6 +62,9 @@ class GroupChunk:
     # `chunk` (attention: the chunk's blocks up to the one holding token
     # tail_end - 1, that one masked past it; Mamba: the state at tail_end).
     tail_end: int | None = None
+    # A tail entry's first token (its header's token_start): the chunk's start,
+    # or on an attention-only plan (`chained_tails`) the previous unit boundary.
+    tail_start: int | None = None
 
 
 class HybridOffloadPlanner:
@@ -114,6 +117,15 @@ class HybridOffloadPlanner:
         the last token's window; a sliding window is restored for the next
         token's window, which under the wider edge convention misses one token
         the last token sees. With any of them a hit stops at `num_tokens - 1`."""
+        self.chained_tails = self.tail_unit is not None and self.full_prompt_hits
+        """Attention only: the tail behind the last whole chunk is a chain of
+        entries of one unit each (the entry ending at boundary b holds the
+        blocks of [b - unit, b) and chains from the entry ending at b - unit,
+        the first from the previous chunk), so a prompt that shares only a
+        prefix of a stored tail hits at every unit boundary of it, as vLLM's
+        own cache does, with no byte stored twice and at most
+        chunk_size / unit - 1 entries per prompt. On a hybrid a tail is one
+        entry per group (the Mamba state exists only at the prompt's tail)."""
 
     # ---- chunk size -------------------------------------------------------------
 
@@ -188,15 +200,43 @@ class HybridOffloadPlanner:
         """Contents of the partial-tail entry of `group` ending at `boundary`,
         inside `chunk`: full attention, the chunk's blocks up to the one
         holding token `boundary - 1` (its slots from `boundary` on are zero);
-        Mamba, the state at `boundary`."""
+        Mamba, the state at `boundary`. With `chained_tails`, only the
+        blocks of the unit before `boundary` (whole blocks: nothing zeroed)."""
         spec = self.groups[group]
         start = chunk * self.chunk_size
         if not start < boundary < start + self.chunk_size:
             raise ValueError(f"a tail boundary {boundary} must lie inside chunk {chunk}")
         if spec.kind is GroupKind.MAMBA:
-            return GroupChunk(group, chunk, range(0), state_at=boundary, tail_end=boundary)
+            return GroupChunk(group, chunk, range(0), state_at=boundary, tail_end=boundary, tail_start=start)
         bs = spec.block_size
-        return GroupChunk(group, chunk, range(start // bs, -(-boundary // bs)), tail_end=boundary)
+        if self.chained_tails:
+            assert self.tail_unit is not None
+            if boundary % self.tail_unit:
+                raise ValueError(f"a tail boundary {boundary} must be a multiple of the unit {self.tail_unit}")
+            first = boundary - self.tail_unit
+            return GroupChunk(group, chunk, range(first // bs, boundary // bs), tail_end=boundary, tail_start=first)
+        return GroupChunk(group, chunk, range(start // bs, -(-boundary // bs)), tail_end=boundary, tail_start=start)
+
+    def tail_parent(self, boundary: int) -> int | None:
+        """The boundary of the tail entry the entry ending at `boundary`
+        chains from (its header's `parent`), or None where it chains from the
+        previous whole chunk (the request root in chunk 0)."""
+        if not self.chained_tails:
+            return None
+        assert self.tail_unit is not None
+        prev = boundary - self.tail_unit
+        return prev if prev % self.chunk_size else None
+
+    def tail_entries(self, chunk: ChunkIndex, first_token: int, end: int) -> range:
+        """Boundaries of the tail entries inside `chunk` that a restore up to
+        `end` needs when the KV of tokens before `first_token` is in place
+        already (one boundary, `end`, unless `chained_tails`)."""
+        if not self.chained_tails:
+            return range(end, end + 1)
+        assert self.tail_unit is not None
+        u = self.tail_unit
+        first = max(chunk * self.chunk_size, first_token // u * u) + u
+        return range(first, end + 1, u)
 
     def needed(self, group: GroupIndex, n_chunks: int, computed_tokens: int = 0, tail: int = 0) -> list[GroupChunk]:
         """Entries of `group` a hit of `n_chunks` whole chunks plus `tail`
@@ -206,8 +246,11 @@ class HybridOffloadPlanner:
         boundary = n_chunks * self.chunk_size
         if tail:
             end = boundary + tail
-            whole = self.needed(group, n_chunks, computed_tokens) if spec.kind is not GroupKind.MAMBA else []
-            return [*whole, self.stored_tail(group, ChunkIndex(n_chunks), end)]
+            if spec.kind is GroupKind.MAMBA:
+                return [self.stored_tail(group, ChunkIndex(n_chunks), end)]
+            return [*self.needed(group, n_chunks, computed_tokens),
+                    *(self.stored_tail(group, ChunkIndex(n_chunks), b)
+                      for b in self.tail_entries(ChunkIndex(n_chunks), computed_tokens, end))]
         if spec.kind is GroupKind.MAMBA:
             return [self.stored(group, ChunkIndex(n_chunks - 1))]
         if spec.kind is GroupKind.FULL_ATTENTION:
@@ -280,7 +323,10 @@ class HybridOffloadPlanner:
 
         With a `tail_unit` and `present_tail`, a partial tail inside chunk
         `lo` (where the full-attention prefix ends) is tried first, longest
-        first: every group's tail entry at that boundary must be stored.
+        first: every group's tail entry at that boundary must be stored. With
+        `chained_tails` a tail entry is stored only behind its parent (the
+        entry one unit earlier), so tails are prefix-closed too: a binary
+        search finds the furthest stored boundary in O(log(chunk / unit)) probes.
         """
         max_n = self.max_hit_chunks(num_tokens, prompt_tokens)
         min_n = computed_tokens // self.chunk_size + 1
@@ -309,9 +355,22 @@ class HybridOffloadPlanner:
             limit = min(prompt, num_tokens - 1)
             start = lo * self.chunk_size
             top = min(limit, start + self.chunk_size - 1) // self.tail_unit * self.tail_unit
-            for end in range(top, max(start, computed_tokens), -self.tail_unit):
-                if all(present_tail(GroupIndex(g), end) for g in range(len(self.groups))):
-                    return Lookup(lo, lo, end - start)
+            if self.chained_tails:
+                ends = self.tail_entries(ChunkIndex(lo), computed_tokens, top)
+                # First index in `ends` whose entry is missing from some group.
+                a, b = 0, len(ends)
+                while a < b:
+                    mid = (a + b) // 2
+                    if all(present_tail(GroupIndex(g), ends[mid]) for g in range(len(self.groups))):
+                        a = mid + 1
+                    else:
+                        b = mid
+                if a:
+                    return Lookup(lo, lo, ends[a - 1] - start)
+            else:
+                for end in range(top, max(start, computed_tokens), -self.tail_unit):
+                    if all(present_tail(GroupIndex(g), end) for g in range(len(self.groups))):
+                        return Lookup(lo, lo, end - start)
         for n in range(lo, min_n - 1, -1):
             if all(
                 present(gc.group, gc.chunk)

@@ -51,9 +51,11 @@ class ChunkHeader:
     num_pages: int
     page_bytes: int
     payload_crc: int = 0
-    # First 8 bytes of the parent chunk's key (zeros for chunk 0, or unknown).
-    # Not identity (the key already chains from the parent); it lets tools
-    # such as `kvoffload gc` find a chunk's descendants without the prompts.
+    # First 8 bytes of the parent entry's key: the previous chunk's, or for an
+    # attention-only tail entry past its chunk's first unit the tail entry
+    # ending where it starts (zeros for chunk 0, or unknown). Not identity
+    # (the key already covers the prefix); it lets eviction and tools such as
+    # `kvoffload gc` find an entry's descendants without the prompts.
     parent: bytes = bytes(8)
     # The deployment key that signed the file (offload/store/auth.py: derived
     # from the key, reveals nothing of it), and the keyed BLAKE3 MAC over

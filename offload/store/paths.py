@@ -2,12 +2,12 @@
 (format: docs/format.md). Every store, the ledger and the CLI name paths
 through this module; nothing else spells the layout out.
 
-    <path>/kvoffload-v2/                                  LAYOUT_DIR ("top")
-    <path>/kvoffload-v2/ledger-v1/                        LEDGER_DIR: logs, snapshots, the lease
-    <path>/kvoffload-v2/<fingerprint hex>/                a fingerprint directory ("root")
-    <path>/kvoffload-v2/<fingerprint hex>/layout.json     LAYOUT_FILE
-    <path>/kvoffload-v2/<fingerprint hex>/g<group>/<key[:2]>/<key hex>.kv
-    <path>/kvoffload-v2/<fingerprint hex>/quarantine/<name>.<8 hex>
+    <path>/kvoffload-v3/                                  LAYOUT_DIR ("top"; v<FORMAT_VERSION>)
+    <path>/kvoffload-v3/ledger-v1/                        LEDGER_DIR: logs, snapshots, the lease
+    <path>/kvoffload-v3/<fingerprint hex>/                a fingerprint directory ("root")
+    <path>/kvoffload-v3/<fingerprint hex>/layout.json     LAYOUT_FILE
+    <path>/kvoffload-v3/<fingerprint hex>/g<group>/<key[:2]>/<key hex>.kv
+    <path>/kvoffload-v3/<fingerprint hex>/quarantine/<name>.<8 hex>
 
 A *rel* is a path relative to the layout directory, as the ledger records
 it (`<fingerprint hex>/g<group>/<xx>/<key hex>.kv`). Temporary files are
