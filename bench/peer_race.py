@@ -165,9 +165,8 @@ def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: in
     server only (e.g. a smaller VLLM_CPU_KVCACHE_SPACE), over the defaults below. `warm`: a
     request served once the server is up, before it is yielded (every phase's warm-up)."""
     w0 = time.perf_counter()
-    port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", SERVED, "--host", "127.0.0.1",
            "--max-model-len", str(max_model_len), "--enforce-eager", "--shutdown-timeout", "60",
            "--enable-prompt-tokens-details", *serve_args]
     if blocks:
@@ -182,11 +181,25 @@ def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: in
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
     env.update(env_over or {})
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-    s = Server(proc, f"http://127.0.0.1:{port}", log)
+    for attempt in range(3):
+        # The port is free when picked, not when the server binds it 10-30 s later: another
+        # process (a server beside this one picking its internal ports) may take it first.
+        port = free_port()
+        with open(log, "w") as f:
+            proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                    cwd=REPO, start_new_session=True)
+        s = Server(proc, f"http://127.0.0.1:{port}", log)
+        try:
+            wait_until(s.answers, start_s, f"the server on {s.base} to start", interval_s=1)
+            break
+        except BaseException as e:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            if not isinstance(e, RuntimeError) or attempt == 2 \
+                    or "Address already in use" not in log.read_text(errors="replace"):
+                raise
     try:
-        wait_until(s.answers, start_s, f"the server on {s.base} to start", interval_s=1)
         s.start_s = time.perf_counter() - w0
         if warm:
             s.complete(warm)
@@ -375,6 +388,7 @@ class ModelRun:
     with_load: bool = True  # False: TTFT only (a model whose prefill is too slow here for the load)
     configs: tuple[str, ...] = CONFIGS  # ("ours", "none"): restore vs compute only
     results: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # per server, e.g. a smaller VLLM_CPU_KVCACHE_SPACE
 
 
 def _each(configs: tuple[str, ...], fn: Any, parallel: bool) -> dict[str, Any]:
@@ -418,7 +432,7 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         log = log_dir / f"{mr.label}-store-{c}.log"
         print(f"[{mr.label}] store: {c}", flush=True)
         bind = str(("ours", "vllm").index(c) % (os.cpu_count() or 1)) if parallel_store else None
-        with server(mr.model, kv_config(c, d), args, max_len, log, bind=bind, warm=warm) as s:
+        with server(mr.model, kv_config(c, d), args, max_len, log, bind=bind, env=mr.env, warm=warm) as s:
             t0 = s.tree()
             rows = serve_long(s, long_p, flush)
             size, nfiles = wait_quiet(d)
@@ -443,7 +457,7 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         method = method or drop_page_cache(files)
         log = log_dir / f"{mr.label}-r{r}-{c}.log"
         print(f"[{mr.label}] round {r}: {c}", flush=True)
-        with server(mr.model, kv_config(c, d), args, max_len, log, warm=warm) as s:
+        with server(mr.model, kv_config(c, d), args, max_len, log, env=mr.env, warm=warm) as s:
             start_s = s.start_s
             rows = serve_long(s, long_p, flush)
             # vLLM's own prefix cache in this process: each prompt again, on the server that
@@ -461,7 +475,7 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
             # A server of its own: a KV cache too small for the load's prefixes needs the load's
             # max_model_len, not the long prompts'.
             log = log_dir / f"{mr.label}-r{r}-{c}-load.log"
-            with server(mr.model, kv_config(c, d), args, load_len, log, blocks, warm=warm[:32]) as s:
+            with server(mr.model, kv_config(c, d), args, load_len, log, blocks, env=mr.env, warm=warm[:32]) as s:
                 load = bench_serve(s, mr.model, mr.load, log_dir, mr.seed + 1)
             out["load_worker_counters"] = worker_counters(log.read_text(errors="replace"))
         out["load"] = load

@@ -199,12 +199,13 @@ def test_bench_scale_small(tmp_path: Path) -> None:
 
 def _bench_peer_race_small(models_dir: Path, tmp_path: Path) -> dict:
     """bench/peer_race.py on the tiny hybrid: the three servers of a round side by side and the
-    load on the TTFT server (`parallel`, no separate load server), so only correctness holds."""
+    load on the TTFT server (`parallel`, no separate load server), so only correctness holds;
+    1 GiB of KV cache each (three servers of the default 4 GiB beside other tests ran out of memory)."""
     from bench import peer_race
 
     mr = peer_race.ModelRun("qwen3-next-tiny", str(models_dir / "qwen3-next-tiny"), [640, 1024],
                             {"num_prompts": 4, "num_prefixes": 2, "prefix_len": 256, "suffix_len": 32,
-                             "output_len": 2, "concurrency": 2}, rounds=1)
+                             "output_len": 2, "concurrency": 2}, rounds=1, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     return peer_race.run([mr], work_dir=str(tmp_path), out_dir=tmp_path, name="peer_race_small",
                          parallel=True, separate_load=False)
 
