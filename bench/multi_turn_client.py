@@ -22,18 +22,21 @@ served by `peer_race.server()` with the plan's flags and its `--prefix-match-uni
   `--override-generation-config {"temperature": 0}`: greedy answers of tokens that have text (the
   client counts a request whose streamed deltas are all empty as failed, and its TTFT is the first
   non-empty delta), exactly `max_tokens` long (no EOS);
-* `--num-gpu-blocks-override` (`cache_blocks`): room for the clients' requests in flight and a
-  third of the other conversations' histories, so that a conversation's prefix is evicted from
-  vLLM's own cache between its turns and comes back from the offload tier (or is computed again).
+* `--num-gpu-blocks-override` (`cache_blocks`): room for every client's request at
+  mid-conversation, so that in the later turns a conversation's prefix is evicted from vLLM's own
+  cache between its turns and comes back from the offload tier (or is computed again).
 
 The conversations are the client's synthetic ones (`"filetype": "generate_conversations"`), every
 size a constant (`Workload`), the text from a corpus of the model tokenizer's own words (the client
 needs text files; the README's Gutenberg book is not reachable here). Each round (rotated order,
 as the race) and configuration: a new, empty cache directory, a new server, the client with
-`--num-clients` clients over `--conversations` conversations of `--turns` user turns, all of them
-active at once (round robin: between two turns of a conversation the client's other conversations
-take theirs), `--no-early-stop`. Per server: the client's per-request stats (`--stats-json-output`)
-summarized (TTFT mean/p50/p90 over all requests and over turns 2+, TPOT, latency, requests/s,
+`--num-clients` clients over `--conversations` conversations of `--turns` user turns, one
+conversation at a time per client (the client's default; between two turns of a conversation the
+other clients' conversations take theirs), `--no-early-stop`. With more active conversations per
+client, vLLM 0.32's client stops a client as soon as one of its conversations ends once no new one
+is left, so the other conversations' last turns are never sent and "every request completed"
+could not be told from "some were never asked". Per server: the client's per-request stats
+(`--stats-json-output`) summarized (TTFT mean/p50/p90 over all requests and over turns 2+, TPOT, latency, requests/s,
 tokens/s, requests completed of those asked), and the server's own counters over the run: restored
 tokens (`vllm:external_prefix_cache_hits`), vLLM's local prefix-cache hits, prompt tokens,
 finished requests, vLLM's TTFT, our restored bytes per group kind, the process tree's CPU seconds.
@@ -213,8 +216,8 @@ class Workload:
     """The client's synthetic conversations, every size a constant: `conversations` conversations
     of `turns` user turns; the first user message carries `prefix_tokens` of its own context (and
     `common_prefix_tokens` shared by all), every user message `message_tokens`, every answer
-    `answer_tokens` (the client's max_tokens). `clients` send at once; `active` conversations at a
-    time over all clients (default: all)."""
+    `answer_tokens` (the client's max_tokens). `clients` send at once, each one conversation at a
+    time."""
 
     conversations: int
     clients: int
@@ -223,7 +226,6 @@ class Workload:
     message_tokens: int
     answer_tokens: int
     common_prefix_tokens: int = 0
-    active: int | None = None
     # The client's own words in every user message (`message_floor`: their tokens): a message is
     # never shorter than them.
     message_floor: int = 0
@@ -231,10 +233,6 @@ class Workload:
     @property
     def requests(self) -> int:
         return self.conversations * self.turns
-
-    @property
-    def active_conversations(self) -> int:
-        return self.active or self.conversations
 
     def prompt_tokens(self, turn: int) -> int:
         """About the prompt of user turn `turn` (1-based): the context, the messages and answers so
@@ -298,13 +296,14 @@ def write_corpus(model: str, tokens: int, path: Path, seed: int = SEED) -> int:
 
 
 def cache_blocks(plan: Any, wl: Workload, max_len: int) -> int:
-    """vLLM KV cache blocks: every group's blocks for each client's longest request, plus a third of
-    the active conversations' histories at mid-conversation, so that most of them are evicted
-    between two turns of a conversation."""
-    running = wl.clients * sum(-(-max_len // g.block_size) for g in plan.groups)
-    mid = wl.prompt_tokens(max(1, wl.turns // 2))
-    held = wl.active_conversations * sum(mid // g.block_size for g in plan.groups)
-    return running + held // 3
+    """vLLM KV cache blocks for every client's request at mid-conversation (every group's blocks),
+    and at least one request of `max_len`: the later turns of the clients' conversations do not
+    all fit, so a conversation's history is evicted (from its tail) while the other clients take
+    their turns, and the offload tier serves it back."""
+    def blocks(tokens: int) -> int:
+        return sum(-(-tokens // g.block_size) for g in plan.groups)
+
+    return max(blocks(max_len), wl.clients * blocks(wl.prompt_tokens(max(1, (wl.turns + 1) // 2))))
 
 
 def client_serve_args(plan: Any) -> list[str]:
@@ -351,7 +350,7 @@ def run_client(s: Server, client: Path, model: str, conv_file: Path, wl: Workloa
     stats, convs = out / "stats.json", out / "conversations.json"
     cmd = [sys.executable, str(client / CLIENT), "--input-file", str(conv_file), "--model", model,
            "--served-model-name", SERVED, "--url", s.base, "--num-clients", str(wl.clients),
-           "--max-active-conversations", str(wl.active_conversations), "--seed", str(seed), "--no-early-stop",
+           "--seed", str(seed), "--no-early-stop",
            "--request-timeout-sec", str(int(timeout_s)), "--stats-json-output", str(stats),
            "--output-file", str(convs)]
     with open(out / "client.log", "w") as log:
@@ -559,8 +558,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--message-tokens", type=int, default=None, help="each user message (default: per model)")
     ap.add_argument("--answer-tokens", type=int, default=None, help="each answer (default: per model)")
     ap.add_argument("--common-prefix-tokens", type=int, default=0, help="a context every conversation shares")
-    ap.add_argument("--active", type=int, default=None,
-                    help="conversations active at once over all clients (default: all)")
     ap.add_argument("--blocks", type=int, default=None, help="--num-gpu-blocks-override (default: cache_blocks)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of ours,vllm,none with ours")
     ap.add_argument("--dir", default=None, help="parent of the cache directories (default: $TMPDIR)")
@@ -592,10 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     for m in names:
         d, conv, prefix, msg, ans = presets[m]
         wl = Workload(a.conversations or conv, a.clients or 2, a.turns or 4, a.prefix_tokens or prefix,
-                      a.message_tokens or msg, a.answer_tokens or ans, a.common_prefix_tokens, a.active)
-        if wl.active_conversations < wl.clients or wl.conversations < wl.active_conversations:
-            ap.error(f"--active={wl.active_conversations}: between --clients ({wl.clients}) and --conversations "
-                     f"({wl.conversations})")
+                      a.message_tokens or msg, a.answer_tokens or ans, a.common_prefix_tokens)
+        if wl.conversations < wl.clients:
+            ap.error(f"--conversations={wl.conversations}: at least --clients ({wl.clients})")
         runs.append(ClientRun(d, str(models / d), wl, a.rounds, a.blocks, configs, client=client))
     run(runs, a.dir, a.out_dir, a.name, a.parallel)
     return 0
