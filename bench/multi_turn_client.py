@@ -22,9 +22,9 @@ served by `peer_race.server()` with the plan's flags and its `--prefix-match-uni
   `--override-generation-config {"temperature": 0}`: greedy answers of tokens that have text (the
   client counts a request whose streamed deltas are all empty as failed, and its TTFT is the first
   non-empty delta), exactly `max_tokens` long (no EOS);
-* `--num-gpu-blocks-override` (`cache_blocks`): room for every client's request at
-  mid-conversation, so that in the later turns a conversation's prefix is evicted from vLLM's own
-  cache between its turns and comes back from the offload tier (or is computed again).
+* `--num-gpu-blocks-override` (`cache_blocks`): room for half (`--cache-fraction`) of the
+  clients' requests at mid-conversation, so that a conversation's prefix is evicted from vLLM's
+  own cache between its turns and comes back from the offload tier (or is computed again).
 
 The conversations are the client's synthetic ones (`"filetype": "generate_conversations"`), every
 size a constant (`Workload`), the text from a corpus of the model tokenizer's own words (the client
@@ -295,15 +295,17 @@ def write_corpus(model: str, tokens: int, path: Path, seed: int = SEED) -> int:
         n *= 2
 
 
-def cache_blocks(plan: Any, wl: Workload, max_len: int) -> int:
-    """vLLM KV cache blocks for every client's request at mid-conversation (every group's blocks),
-    and at least one request of `max_len`: the later turns of the clients' conversations do not
-    all fit, so a conversation's history is evicted (from its tail) while the other clients take
-    their turns, and the offload tier serves it back."""
+def cache_blocks(plan: Any, wl: Workload, max_len: int, fraction: float = 0.5) -> int:
+    """vLLM KV cache blocks for `fraction` of the clients' requests at mid-conversation (every
+    group's blocks), and at least one request of `max_len`. Each client has one conversation at a
+    time, so its history is in flight or waiting for its next turn: with room for only part of
+    them, the other clients' turns evict a conversation's history (from its tail) between its
+    turns and the offload tier serves it back; the requests that do not fit wait in vLLM's queue,
+    in every configuration alike."""
     def blocks(tokens: int) -> int:
         return sum(-(-tokens // g.block_size) for g in plan.groups)
 
-    return max(blocks(max_len), wl.clients * blocks(wl.prompt_tokens(max(1, (wl.turns + 1) // 2))))
+    return max(blocks(max_len), int(fraction * wl.clients * blocks(wl.prompt_tokens(max(1, (wl.turns + 1) // 2)))))
 
 
 def client_serve_args(plan: Any) -> list[str]:
@@ -324,13 +326,19 @@ def _dist(xs: list[float]) -> dict[str, float | None]:
 
 def client_summary(stats: list[dict], conversations: list[dict], wl: Workload) -> dict:
     """The client's per-request stats (`--stats-json-output`) and answered conversations
-    (`--output-file`) summed up as its own summary does (runtime: first start to last end)."""
+    (`--output-file`) summed up as its own summary does (runtime: first start to last end).
+
+    Completed requests are counted from the conversations: the client writes out a conversation
+    only once every turn of it was answered. Its stats may miss a request that succeeded: vLLM
+    0.32's client collects them with `Queue.empty()` polls after its clients exit, which can
+    return before the last result has arrived (`requests_measured` is what it collected)."""
     ttft = [s["ttft_ms"] for s in stats]
+    completed = sum(1 for c in conversations if len(c["messages"]) == 2 * wl.turns
+                    and all(m["content"] for m in c["messages"] if m["role"] == "assistant"))
     out: dict[str, Any] = {
-        "requests": len(stats), "expected_requests": wl.requests, "failed": wl.requests - len(stats),
-        "conversations_completed": sum(
-            1 for c in conversations if len(c["messages"]) == 2 * wl.turns
-            and all(m["content"] for m in c["messages"] if m["role"] == "assistant")),
+        "expected_requests": wl.requests, "requests_completed": completed * wl.turns,
+        "failed": wl.requests - completed * wl.turns, "conversations_completed": completed,
+        "requests_measured": len(stats),
         "ttft_ms": _dist(ttft),
         "ttft_later_turns_ms": _dist([s["ttft_ms"] for s in stats if s["input_num_turns"] > 1]),
         "tpot_ms": _dist([s["tpot_ms"] for s in stats]), "latency_ms": _dist([s["latency_ms"] for s in stats]),
@@ -386,7 +394,8 @@ class ClientRun:
     model: str
     workload: Workload
     rounds: int = 3
-    blocks: int | None = None  # --num-gpu-blocks-override (default: cache_blocks)
+    blocks: int | None = None  # --num-gpu-blocks-override (default: cache_blocks with cache_fraction)
+    cache_fraction: float = 0.5
     configs: tuple[str, ...] = CONFIGS
     seed: int = SEED
     client: Path | None = None  # the client's directory (default: client_dir())
@@ -408,7 +417,7 @@ def run_model(cr: ClientRun, work: Path, plan: Any, log_dir: Path, parallel: boo
         raise ValueError(f"{cr.label}: the conversations need a max_model_len of about {max_len} tokens, the model "
                          f"takes {limit}: fewer --turns, or shorter --prefix-tokens, --message-tokens or "
                          "--answer-tokens")
-    blocks = cr.blocks or cache_blocks(plan, wl, max_len)
+    blocks = cr.blocks or cache_blocks(plan, wl, max_len, cr.cache_fraction)
     args = client_serve_args(plan)
     vocab = json.loads(Path(cr.model, "config.json").read_text()).get("vocab_size", 1000)
     rng = random.Random(cr.seed)
@@ -421,7 +430,8 @@ def run_model(cr: ClientRun, work: Path, plan: Any, log_dir: Path, parallel: boo
     provenance = client.parent.parent / "PROVENANCE.json"
     doc: dict[str, Any] = {
         "model": cr.model, "label": cr.label, "plan": plan.to_json(), "serve_args": args, "max_model_len": max_len,
-        "num_gpu_blocks_override": blocks, "workload": vars(wl) | {"requests": wl.requests},
+        "num_gpu_blocks_override": blocks, "cache_fraction": None if cr.blocks else cr.cache_fraction,
+        "workload": vars(wl) | {"requests": wl.requests},
         "generation_config": json.loads(conv_file.read_text()), "corpus_tokens": corpus_tokens,
         "client": {"dir": str(client), "provenance": json.loads(provenance.read_text()) if provenance.is_file()
                    else None}, "parallel": parallel, "configs": list(cr.configs), "env": dict(cr.env), "rounds": []}
@@ -477,7 +487,7 @@ METRICS: tuple[tuple[str, str, Any], ...] = (
     ("server_ttft_mean_ms", "vLLM's TTFT mean (ms)", lambda x: x["server"]["ttft_mean_ms"]),
     ("restored_tokens", "restored tokens", lambda x: x["server"]["restored_tokens"]),
     ("local_hit_tokens", "vLLM prefix-cache hit tokens", lambda x: x["server"]["local_hit_tokens"]),
-    ("requests", "requests completed", lambda x: x["client"]["requests"]),
+    ("requests", "requests completed", lambda x: x["client"]["requests_completed"]),
 )
 
 
@@ -552,13 +562,16 @@ def main(argv: list[str] | None = None) -> int:
                     "hybrid-tiny, llama-tiny (default: hybrid)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--conversations", type=int, default=None, help="conversations (default: per model)")
-    ap.add_argument("--clients", type=int, default=None, help="clients sending at once (default: 2)")
+    ap.add_argument("--clients", type=int, default=None,
+                    help="clients sending at once, one conversation each at a time (default: per model)")
     ap.add_argument("--turns", type=int, default=None, help="user turns per conversation (default: 4)")
     ap.add_argument("--prefix-tokens", type=int, default=None, help="first message's own context (default: per model)")
     ap.add_argument("--message-tokens", type=int, default=None, help="each user message (default: per model)")
     ap.add_argument("--answer-tokens", type=int, default=None, help="each answer (default: per model)")
     ap.add_argument("--common-prefix-tokens", type=int, default=0, help="a context every conversation shares")
     ap.add_argument("--blocks", type=int, default=None, help="--num-gpu-blocks-override (default: cache_blocks)")
+    ap.add_argument("--cache-fraction", type=float, default=0.5,
+                    help="vLLM's KV cache holds this share of the clients' requests at mid-conversation")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of ours,vllm,none with ours")
     ap.add_argument("--dir", default=None, help="parent of the cache directories (default: $TMPDIR)")
     ap.add_argument("--out-dir", type=Path, default=None)
@@ -574,10 +587,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the servers are stopped
     models = REPO / ".models"
-    # (model directory, conversations, first message's context, message, answer) per preset
-    presets = {"hybrid": ("qwen3-next-80b-geometry", 4, 2000, 120, 8),
-               "hybrid-tiny": ("qwen3-next-tiny", 8, 400, 40, 4),
-               "llama-tiny": ("llama-tiny", 8, 400, 40, 4)}
+    # (model directory, clients, conversations, first message's context, message, answer) per preset
+    presets = {"hybrid": ("qwen3-next-80b-geometry", 2, 4, 2000, 120, 8),
+               "hybrid-tiny": ("qwen3-next-tiny", 4, 8, 400, 40, 4),
+               "llama-tiny": ("llama-tiny", 4, 8, 400, 40, 4)}
     names = a.models.split(",")
     if unknown := [m for m in names if m not in presets]:
         ap.error(f"--models: {','.join(unknown)} unknown; valid: {', '.join(presets)}")
@@ -587,12 +600,12 @@ def main(argv: list[str] | None = None) -> int:
     client = source_client(a.vllm_src) if a.vllm_src else client_dir()
     runs = []
     for m in names:
-        d, conv, prefix, msg, ans = presets[m]
-        wl = Workload(a.conversations or conv, a.clients or 2, a.turns or 4, a.prefix_tokens or prefix,
+        d, clients, conv, prefix, msg, ans = presets[m]
+        wl = Workload(a.conversations or conv, a.clients or clients, a.turns or 4, a.prefix_tokens or prefix,
                       a.message_tokens or msg, a.answer_tokens or ans, a.common_prefix_tokens)
         if wl.conversations < wl.clients:
             ap.error(f"--conversations={wl.conversations}: at least --clients ({wl.clients})")
-        runs.append(ClientRun(d, str(models / d), wl, a.rounds, a.blocks, configs, client=client))
+        runs.append(ClientRun(d, str(models / d), wl, a.rounds, a.blocks, a.cache_fraction, configs, client=client))
     run(runs, a.dir, a.out_dir, a.name, a.parallel)
     return 0
 

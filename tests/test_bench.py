@@ -446,6 +446,8 @@ def test_bench_multi_turn_client_small(prefetched) -> None:
     """vLLM's own multi-turn client ran against each configuration: every request it asked completed
     (its stats and the servers' counters), every answer has text, ours restored tokens from its
     tier and recompute none, and the JSON holds every figure the table reads."""
+    from collections import Counter
+
     from bench import multi_turn_client as mtc
 
     doc, out = prefetched(_bench_multi_turn_client_small)
@@ -459,11 +461,15 @@ def test_bench_multi_turn_client_small(prefetched) -> None:
     [rnd] = m["rounds"]
     for c in mtc.CONFIGS:
         cl, sv = rnd[c]["client"], rnd[c]["server"]
-        assert cl["requests"] == cl["expected_requests"] == 12 and cl["failed"] == 0, (c, cl)
+        assert cl["requests_completed"] == cl["expected_requests"] == 12 and cl["failed"] == 0, (c, cl)
         assert cl["conversations_completed"] == 4, c
         assert sv["finished_requests"] >= 12, (c, sv)  # the flush request may land in it too
-        assert len(rnd[c]["requests"]) == 12 and all(r["ttft_ms"] > 0 for r in rnd[c]["requests"]), c
-        assert sorted(r["input_num_turns"] for r in rnd[c]["requests"]) == [1] * 4 + [3] * 4 + [5] * 4, c
+        # The client's stats may miss a last result (it polls its result queue's empty()).
+        reqs = rnd[c]["requests"]
+        assert 12 - 2 <= len(reqs) == cl["requests_measured"] <= 12, c
+        assert all(r["ttft_ms"] > 0 for r in reqs), c
+        assert all(n <= 4 for n in Counter(r["input_num_turns"] for r in reqs).values()), c
+        assert {r["input_num_turns"] for r in reqs} == {1, 3, 5}, c
         assert all(len(a) == 3 and all(t.strip() for t in a) for a in rnd[c]["answers"]), c
     assert rnd["ours"]["server"]["restored_tokens"] > 0, rnd["ours"]["server"]
     assert sum(rnd["ours"]["server"]["restored_bytes"].values()) > 0
@@ -477,3 +483,18 @@ def test_bench_multi_turn_client_small(prefetched) -> None:
     assert s["metrics"]["restored_tokens"]["ours"]["median"] > 0
     assert s["metrics"]["ttft_p50_ms"]["ours_over_vllm"]["median"] > 0
     mtc.print_tables(m)
+
+
+def test_multi_turn_client_summary_is_recomputed_from_the_committed_rounds(capsys) -> None:
+    """docs/performance.md's small-size table of vLLM's multi-turn client comes from `summarize`
+    over the committed rounds (rotated order), and every request of every round completed."""
+    from bench import multi_turn_client as mtc
+
+    doc = json.loads((REPO / "bench" / "results" / "multi_turn_client_tiny.json").read_text())
+    for m in doc["models"]:
+        assert [r["order"] for r in m["rounds"]][:3] == [["ours", "vllm", "none"], ["vllm", "none", "ours"],
+                                                         ["none", "ours", "vllm"]]
+        assert json.loads(json.dumps(mtc.summarize(m))) == json.loads(json.dumps(m["summary"]))
+        assert m["summary"]["all_requests_succeeded"] == {c: True for c in mtc.CONFIGS}
+        mtc.print_tables(m)
+        assert "restored tokens" in capsys.readouterr().out
