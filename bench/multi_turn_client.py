@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -408,6 +409,10 @@ def run_model(cr: ClientRun, work: Path, plan: Any, log_dir: Path, parallel: boo
     """Per round the configurations in rotated order (as the race); per configuration a new, empty
     cache directory, a new server, the client. `parallel`: the configurations of a round side by
     side (a correctness check: the timings mean nothing)."""
+    missing = [m for m in ("pandas", "aiohttp") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"vLLM's multi-turn client imports {', '.join(missing)}: pip install {' '.join(missing)} "
+                           "(pyproject.toml's bench and test extras)")
     client = cr.client or client_dir()
     wl = cr.workload
     wl.message_floor = message_floor(cr.model, wl.conversations)
