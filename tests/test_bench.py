@@ -345,3 +345,157 @@ def test_bench_multi_turn_small(prefetched, tmp_path: Path) -> None:
     assert not any(n.startswith("multi-turn race:") for n in rendered.notes)
     w, h = png_size(chart.path)
     assert w > 600 and h > 400
+
+
+# ---- vLLM's own multi-turn client (bench/multi_turn_client.py)
+
+def _sdist(path: Path, version: str, pkg_version: str | None = None, files: tuple[str, ...] | None = None) -> Path:
+    """A source distribution laid out as vLLM's: PKG-INFO and benchmarks/multi_turn/."""
+    import io
+    import tarfile
+
+    from bench.multi_turn_client import CLIENT_FILES
+
+    with tarfile.open(path, "w:gz") as tf:
+        entries = {"PKG-INFO": f"Metadata-Version: 2.4\nName: vllm\nVersion: {pkg_version or version}\n",
+                   "setup.py": "", **{f"benchmarks/multi_turn/{f}": f"# {f}\n" for f in files or CLIENT_FILES}}
+        for name, text in entries.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"vllm-{version}/{name}")
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_multi_turn_client_is_taken_from_a_matching_sdist_only(tmp_path: Path) -> None:
+    """The client comes from vLLM's sdist of the asked version, put in the cache by hand here (the
+    offline route): only benchmarks/multi_turn/ and PKG-INFO are kept, with the sdist's sha256; a
+    later call reuses them; an sdist of another version, or one without the client, is refused;
+    with neither a cached sdist nor a reachable index the error says where to put the file."""
+    import hashlib
+    import re
+
+    from bench.multi_turn_client import CLIENT_FILES, client_dir
+    from offload.engine_run import free_port
+
+    def free_port_url() -> str:  # an index nothing answers at: offline
+        return f"http://127.0.0.1:{free_port()}/simple"
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    sdist = _sdist(cache / "vllm-9.8.7.tar.gz", "9.8.7")
+    d = client_dir(cache, "9.8.7", index=free_port_url())
+    assert d == cache / "vllm-9.8.7" / "benchmarks" / "multi_turn"
+    assert sorted(p.name for p in d.iterdir()) == sorted(CLIENT_FILES)
+    assert sorted(p.name for p in d.parents[1].iterdir()) == ["PKG-INFO", "PROVENANCE.json", "benchmarks"]
+    prov = json.loads((d.parents[1] / "PROVENANCE.json").read_text())
+    assert prov == {"version": "9.8.7", "sdist": str(sdist), "sha256": hashlib.sha256(sdist.read_bytes()).hexdigest()}
+    sdist.unlink()
+    assert client_dir(cache, "9.8.7", index=free_port_url()) == d  # cached: no sdist, no index needed
+
+    _sdist(cache / "vllm-1.0.0.tar.gz", "1.0.0", pkg_version="1.0.1")
+    with pytest.raises(ValueError, match=r"version 1\.0\.1"):
+        client_dir(cache, "1.0.0")
+    _sdist(cache / "vllm-2.0.0.tar.gz", "2.0.0", files=("bench_dataset.py",))
+    with pytest.raises(ValueError, match=r"benchmark_serving_multi_turn\.py"):
+        client_dir(cache, "2.0.0")
+    assert not (cache / "vllm-1.0.0").exists() and not (cache / "vllm-2.0.0").exists()
+    with pytest.raises(RuntimeError, match=re.escape(str(cache / "vllm-3.0.0.tar.gz"))):
+        client_dir(cache, "3.0.0", index=free_port_url())
+
+
+def test_multi_turn_client_chat_prompts_extend_each_other(models_dir: Path) -> None:
+    """bench/chat_template.jinja: each turn's prompt (history + generation prompt), tokenized by the
+    model's tokenizer, is a prefix of the next turn's, so a conversation's previous turn can hit;
+    bench/visible_tokens.py lets answers use only tokens that decode to visible text."""
+    from transformers import AutoTokenizer
+
+    from bench.multi_turn_client import CHAT_TEMPLATE
+    from bench.visible_tokens import visible, visible_ids
+
+    tok = AutoTokenizer.from_pretrained(models_dir / "qwen3-next-tiny")
+    template = CHAT_TEMPLATE.read_text()
+    msgs = [{"role": "user", "content": "alpha beta 7, gamma"}]
+    prev: list[int] = []
+    for turn in range(3):
+        ids = tok(tok.apply_chat_template(msgs, chat_template=template, tokenize=False, add_generation_prompt=True),
+                  add_special_tokens=False)["input_ids"]
+        assert ids[:len(prev)] == prev and len(ids) > len(prev), turn
+        prev = ids
+        msgs += [{"role": "assistant", "content": " delta mu!"}, {"role": "user", "content": f"omega {turn} pi"}]
+    ok = visible_ids(tok)
+    assert ok and tok.eos_token_id not in ok and tok.pad_token_id not in ok
+    assert all(visible(tok.decode([i])) for i in ok)
+    assert len(ok) < len(tok)  # lone bytes of UTF-8 sequences and special tokens are left out
+
+
+def _bench_multi_turn_client_small(models_dir: Path, tmp_path: Path) -> tuple[dict, Path]:
+    """vLLM's multi-turn client on the tiny hybrid: 4 conversations of 3 turns, 2 clients, 1 round,
+    one server at a time (about 3 minutes on 2 cores)."""
+    from bench import multi_turn_client as mtc
+
+    cr = mtc.ClientRun("qwen3-next-tiny", str(models_dir / "qwen3-next-tiny"),
+                       mtc.Workload(conversations=4, clients=2, turns=3, prefix_tokens=200, message_tokens=40,
+                                    answer_tokens=4), rounds=1, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    return mtc.run([cr], work_dir=str(tmp_path), out_dir=tmp_path, name="multi_turn_client_small"), tmp_path
+
+
+@pytest.mark.e2e
+@pytest.mark.long  # three servers and vLLM's client (fetched once from vLLM's sdist): minutes on 2 cores
+@pytest.mark.prefetch.with_args(_bench_multi_turn_client_small)
+def test_bench_multi_turn_client_small(prefetched) -> None:
+    """vLLM's own multi-turn client ran against each configuration: every request it asked completed
+    (its stats and the servers' counters), every answer has text, ours restored tokens from its
+    tier and recompute none, and the JSON holds every figure the table reads."""
+    from collections import Counter
+
+    from bench import multi_turn_client as mtc
+
+    doc, out = prefetched(_bench_multi_turn_client_small)
+    assert json.loads((out / "multi_turn_client_small.json").read_text())["models"] == json.loads(
+        json.dumps(doc["models"]))
+    [m] = doc["models"]
+    assert m["client"]["provenance"]["version"] == mtc.vllm_version()
+    args = m["serve_args"]
+    assert args[args.index("--chat-template") + 1] == str(mtc.CHAT_TEMPLATE)
+    assert args[args.index("--logits-processors") + 1] == mtc.LOGITS_PROCESSOR
+    [rnd] = m["rounds"]
+    for c in mtc.CONFIGS:
+        cl, sv = rnd[c]["client"], rnd[c]["server"]
+        assert cl["requests_completed"] == cl["expected_requests"] == 12 and cl["failed"] == 0, (c, cl)
+        assert cl["conversations_completed"] == 4, c
+        assert sv["finished_requests"] >= 12, (c, sv)  # the flush request may land in it too
+        # The client's stats may miss a last result (it polls its result queue's empty()).
+        reqs = rnd[c]["requests"]
+        assert 12 - 2 <= len(reqs) == cl["requests_measured"] <= 12, c
+        assert all(r["ttft_ms"] > 0 for r in reqs), c
+        assert all(n <= 4 for n in Counter(r["input_num_turns"] for r in reqs).values()), c
+        assert {r["input_num_turns"] for r in reqs} == {1, 3, 5}, c
+        assert all(len(a) == 3 and all(t.strip() for t in a) for a in rnd[c]["answers"]), c
+    assert rnd["ours"]["server"]["restored_tokens"] > 0, rnd["ours"]["server"]
+    assert sum(rnd["ours"]["server"]["restored_bytes"].values()) > 0
+    assert rnd["none"]["server"]["restored_tokens"] == 0
+    s = m["summary"]
+    assert json.loads(json.dumps(mtc.summarize(m))) == json.loads(json.dumps(s))
+    assert s["all_requests_succeeded"] == {c: True for c in mtc.CONFIGS}
+    for key, _, _ in mtc.METRICS:
+        row = s["metrics"][key]
+        assert all(row[c]["median"] is not None for c in mtc.CONFIGS), key
+    assert s["metrics"]["restored_tokens"]["ours"]["median"] > 0
+    assert s["metrics"]["ttft_p50_ms"]["ours_over_vllm"]["median"] > 0
+    mtc.print_tables(m)
+
+
+def test_multi_turn_client_summary_is_recomputed_from_the_committed_rounds(capsys) -> None:
+    """docs/performance.md's small-size table of vLLM's multi-turn client comes from `summarize`
+    over the committed rounds (rotated order), and every request of every round completed."""
+    from bench import multi_turn_client as mtc
+
+    doc = json.loads((REPO / "bench" / "results" / "multi_turn_client_tiny.json").read_text())
+    for m in doc["models"]:
+        assert [r["order"] for r in m["rounds"]][:3] == [["ours", "vllm", "none"], ["vllm", "none", "ours"],
+                                                         ["none", "ours", "vllm"]]
+        assert json.loads(json.dumps(mtc.summarize(m))) == json.loads(json.dumps(m["summary"]))
+        assert m["summary"]["all_requests_succeeded"] == {c: True for c in mtc.CONFIGS}
+        mtc.print_tables(m)
+        assert "restored tokens" in capsys.readouterr().out
