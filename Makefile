@@ -37,6 +37,7 @@ bench:  ## issue 6 and 13 benchmarks at full size (hours with peer_race on 2 cor
 	$(PY) -m bench.e2e --cache-dir $(or $(BENCH_DIR),$(CURDIR)/.cache)
 	$(PY) -m bench.peer_race --dir $(or $(BENCH_DIR),$(CURDIR)/.cache) $(RACE_ARGS)
 	$(PY) -m bench.peer_race --multi-turn --dir $(or $(BENCH_DIR),$(CURDIR)/.cache) $(MULTI_TURN_ARGS)
+	$(PY) -m bench.multi_turn_client --dir $(or $(BENCH_DIR),$(CURDIR)/.cache) $(MT_CLIENT_ARGS)
 	$(MAKE) bench-scale
 	$(PY) -m bench.charts
 
