@@ -10,7 +10,9 @@ prompt's prefill at its unit-aligned tail, so the state exists there: one
 more step where that boundary falls inside a block.
 
 This serves the same long prompts, one at a time, greedy, one output token,
-without any connector (the flags are vLLM's cost, not ours), with engines of
+without any connector (the flags are vLLM's cost, not ours), twice per engine
+(the prefix cache emptied in between: the first pass warms the engine up, the
+second is measured and hits nothing), with engines of
 three configurations per rep in rotated order: vLLM's defaults, the plan's
 flags, the plan's flags plus its unit (skipped, saying why, where the plan
 prints no unit). It reports prefill tokens per second (prompt tokens / time to
@@ -138,8 +140,12 @@ def prefill_steps(plan: ModelPlan, engine_args: dict[str, Any], tokens: int) -> 
     return [n for n in steps if n]
 
 
-def run(model: str, tokens: int, prompts: int, reps: int, plan: ModelPlan | None = None) -> dict:
+def run(model: str, tokens: int, prompts: int, reps: int, plan: ModelPlan | None = None,
+        warmup: bool = True) -> dict:
+    """`warmup`: each engine serves the prompts twice, its prefix cache emptied in between, and
+    the second pass is measured (vLLM's first steps of each new shape pay one-time costs)."""
     plan = plan or plan_for_model(model)
+    passes = 2 if warmup else 1
     rng = random.Random(5)
     ps = [[rng.randrange(2, 1000) for _ in range(tokens)] for _ in range(prompts)]
     engines = configs(plan, tokens)
@@ -151,14 +157,18 @@ def run(model: str, tokens: int, prompts: int, reps: int, plan: ModelPlan | None
     names = list(engines)
     rows: dict[str, list[float]] = {k: [] for k in names}
     first: dict[str, list[list[int | None]]] = {k: [] for k in names}
+    cached: dict[str, list[list[int]]] = {k: [] for k in names}
     for rep in range(reps):
         order = names[rep % len(names):] + names[:rep % len(names)]  # rotated, so drift hits all alike
         for name in order:
             t = time.monotonic()
-            r = run_engine(RunSpec(model, ps, None, max_tokens=1, engine_args=engines[name]), timeout_s=7200)
-            tps = sum(x.prompt_tokens for x in r.results) / sum(x.ttft_s for x in r.results)
+            res = run_engine(RunSpec(model, ps, None, max_tokens=1, engine_args=engines[name], passes=passes),
+                             timeout_s=7200)
+            r = [res.by_pass(passes - 1)[i] for i in range(len(ps))]
+            cached[name].append([x.cached_tokens for x in r])
+            tps = sum(x.prompt_tokens for x in r) / sum(x.ttft_s for x in r)
             rows[name].append(tps)
-            first[name].append([x.output_ids[0] if x.output_ids else None for x in r.results])
+            first[name].append([x.output_ids[0] if x.output_ids else None for x in r])
             print(f"rep {rep + 1} {name:<18} {tps:8.1f} prompt tok/s  ({time.monotonic() - t:.0f} s with start-up)",
                   flush=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
@@ -166,7 +176,7 @@ def run(model: str, tokens: int, prompts: int, reps: int, plan: ModelPlan | None
         "model": model, "chunk": plan.hybrid_chunk_size, "block_sizes": plan.block_sizes, "cpu_isa": plan.cpu_isa,
         "plan_flags": plan.serve_args, "prefix_match_unit": plan.prefix_match_unit,
         "prefix_match": plan.prefix_match, "configs": engines, "tokens": tokens, "prompts": prompts, "reps": reps,
-        "runs_tok_s": rows, "median_tok_s": med, "first_tokens": first,
+        "warmup_pass": warmup, "runs_tok_s": rows, "cached_tokens": cached, "median_tok_s": med, "first_tokens": first,
         "prefill_steps_per_prompt": {k: len(v) for k, v in steps.items()},
         "prefill_step_tokens": steps, "prefill_steps_source": STEPS_SOURCE,
         "ratio_plan_over_default": med[PLAN] / med[DEFAULTS],
@@ -200,11 +210,13 @@ def main(argv: list[str] | None = None) -> int:
                     "unit-aligned tail is inside a block)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-warmup", action="store_true", help="measure each engine's first pass (no warm-up pass)")
     ap.add_argument("--out", type=Path, help="write the result JSON here")
     args = ap.parse_args(argv)
     plan = plan_for_model(args.model)
     tokens = args.tokens or split_length(plan, 3000)
-    doc = {"machine": machine_isa(), **run(args.model, tokens, args.prompts, args.reps, plan)}
+    doc = {"machine": machine_isa(),
+           **run(args.model, tokens, args.prompts, args.reps, plan, warmup=not args.no_warmup)}
     print(json.dumps({k: doc[k] for k in ("chunk", "prefix_match_unit", "tokens", "median_tok_s",
                                           "prefill_steps_per_prompt", "ratio_plan_over_default",
                                           "ratio_unit_over_plan", "ratio_unit_over_plan_per_rep",

@@ -295,6 +295,7 @@ def test_bench_prefill_flags_small(prefetched) -> None:
         assert len(doc["runs_tok_s"][k]) == 1 and doc["runs_tok_s"][k][0] > 0, k
         assert sum(doc["prefill_step_tokens"][k]) == doc["tokens"], k
         assert [len(f) for f in doc["first_tokens"][k]] == [2], k
+        assert doc["cached_tokens"][k] == [[0, 0]], (k, "the measured pass recomputes every prompt")
     med = doc["median_tok_s"]
     assert doc["ratio_unit_over_plan"] == pytest.approx(med[pf.UNIT] / med[pf.PLAN])
     assert doc["ratio_unit_over_plan_per_rep"] == [pytest.approx(doc["ratio_unit_over_plan"])]
