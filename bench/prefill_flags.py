@@ -82,6 +82,7 @@ def prefill_steps(plan: ModelPlan, engine_args: dict[str, Any], tokens: int) -> 
     import torch
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import (
         get_request_block_hasher,
@@ -94,7 +95,8 @@ def prefill_steps(plan: ModelPlan, engine_args: dict[str, Any], tokens: int) -> 
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
-    vc = EngineArgs(model=plan.model, **engine_args).create_engine_config()
+    # The LLM class's defaults (offload.engine_run serves through it): on CPU a larger token budget.
+    vc = EngineArgs(model=plan.model, **engine_args).create_engine_config(usage_context=UsageContext.LLM_CLASS)
     cc = vc.cache_config
     # What the platform's block-size rule settled on at plan time (`update_block_size_for_backend`).
     cc.block_size = max(plan.block_sizes)
