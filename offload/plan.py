@@ -148,9 +148,10 @@ def prefix_match_unit(groups: Sequence[Any], internal_checkpoints: bool = False,
     return unit, (f"--prefix-match-unit {unit}: vLLM's prefix cache and this connector also hit at every {unit} "
                   f"tokens inside a block: a repeated prompt or the next turn of a conversation restores "
                   f"(prompt - 1) // {unit} * {unit} tokens instead of stopping at the last whole "
-                  f"{g}-token block (up to {g - unit} tokens more per prompt); cost: vLLM splits each prompt's "
-                  f"prefill once more, at that boundary, and the connector stores one more entry per group "
-                  f"(the tail)")
+                  f"{g}-token block (up to {g - unit} tokens more per prompt); cost: vLLM splits a prompt's "
+                  f"prefill once more, at that boundary, where it falls inside a block (prefill throughput "
+                  f"measured by bench/prefill_flags.py, docs/performance.md), and the connector stores one "
+                  f"more entry per group (the tail)")
 
 
 def check_chunk_size(specs: Sequence[GroupSpec], explicit: int | None) -> None:

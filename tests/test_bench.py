@@ -241,6 +241,72 @@ def test_bench_peer_race_small(prefetched) -> None:
         assert row["restored_at_least_own_cache"]["ours"] is True, (n, row)
 
 
+def test_prefill_flags_steps_come_from_vllms_scheduler(models_dir) -> None:
+    """bench/prefill_flags.py's prefill steps per prompt, from vLLM's Scheduler on the tiny hybrid's
+    plan: every step within the configuration's token budget, the prompt whole, and the plan's unit
+    costs one more step exactly where the prompt's unit-aligned tail falls inside a block."""
+    from bench import prefill_flags as pf
+    from offload.plan import plan_for_model
+
+    plan = plan_for_model(models_dir / "qwen3-next-tiny")
+    unit, block = plan.prefix_match_unit, max(plan.block_sizes)
+    assert unit, plan.prefix_match
+    split = pf.split_length(plan, 300)
+    assert (split - 300) % unit == 0 and (split - 1) // unit * unit % block
+    aligned = next(n for n in range(300, 300 + block) if (n - 1) // unit * unit % block == 0)
+    for tokens, extra in ((split, 1), (aligned, 0)):
+        engines = pf.configs(plan, tokens)
+        assert list(engines) == [pf.DEFAULTS, pf.PLAN, pf.UNIT]
+        steps = {k: pf.prefill_steps(plan, eng, tokens) for k, eng in engines.items()}
+        for k, s in steps.items():
+            assert sum(s) == tokens and min(s) > 0, (k, s)
+        assert max(steps[pf.PLAN]) <= plan.engine_kwargs["max_num_batched_tokens"]
+        assert len(steps[pf.UNIT]) == len(steps[pf.PLAN]) + extra, (tokens, steps)
+        if extra:  # the extra step ends at the unit-aligned tail
+            ends = [sum(steps[pf.UNIT][:i + 1]) for i in range(len(steps[pf.UNIT]))]
+            assert (tokens - 1) // unit * unit in ends and (tokens - 1) // unit * unit not in \
+                [sum(steps[pf.PLAN][:i + 1]) for i in range(len(steps[pf.PLAN]))]
+
+
+def _bench_prefill_flags_small(models_dir: Path, tmp_path: Path) -> dict:
+    """bench/prefill_flags.py on the tiny hybrid: 2 prompts whose unit-aligned tail is inside a
+    block, 1 rep, the three engines one after the other."""
+    from bench import prefill_flags as pf
+    from offload.plan import plan_for_model
+
+    model = str(models_dir / "qwen3-next-tiny")
+    plan = plan_for_model(model)
+    return pf.run(model, pf.split_length(plan, 300), prompts=2, reps=1, plan=plan)
+
+
+@pytest.mark.e2e
+@pytest.mark.long  # three engine starts; `make bench` runs it at size
+@pytest.mark.prefetch.with_args(_bench_prefill_flags_small)
+def test_bench_prefill_flags_small(prefetched) -> None:
+    """bench/prefill_flags.py at a small size: the three configurations ran, the (plan + unit) / plan
+    ratio is the ratio of their medians, the unit took one more prefill step per prompt, and the
+    unit's greedy first tokens equal the plan's (no speed is asserted)."""
+    from bench import prefill_flags as pf
+
+    doc = json.loads(json.dumps(prefetched(_bench_prefill_flags_small)))
+    names = [pf.DEFAULTS, pf.PLAN, pf.UNIT]
+    assert list(doc["configs"]) == names and list(doc["runs_tok_s"]) == names
+    assert doc["configs"][pf.UNIT]["prefix_match_unit"] == doc["prefix_match_unit"] > 0
+    for k in names:
+        assert len(doc["runs_tok_s"][k]) == 1 and doc["runs_tok_s"][k][0] > 0, k
+        assert sum(doc["prefill_step_tokens"][k]) == doc["tokens"], k
+        assert [len(f) for f in doc["first_tokens"][k]] == [2], k
+        assert doc["cached_tokens"][k] == [[0, 0]], (k, "the measured pass recomputes every prompt")
+    med = doc["median_tok_s"]
+    assert doc["ratio_unit_over_plan"] == pytest.approx(med[pf.UNIT] / med[pf.PLAN])
+    assert doc["ratio_unit_over_plan_per_rep"] == [pytest.approx(doc["ratio_unit_over_plan"])]
+    steps = doc["prefill_steps_per_prompt"]
+    assert steps[pf.UNIT] == steps[pf.PLAN] + 1, doc["prefill_step_tokens"]
+    assert None not in doc["first_tokens"][pf.PLAN][0]
+    assert doc["first_tokens"][pf.UNIT] == doc["first_tokens"][pf.PLAN]
+    assert doc["unit_first_tokens_equal_plan"] is True
+
+
 @pytest.mark.parametrize("name", ["peer_race_hybrid", "peer_race_hybrid_load", "peer_race_llama8b", "peer_race_llama",
                                   "peer_race_llama_aligned"])
 def test_peer_race_summary_is_recomputed_from_the_committed_rounds(name: str, capsys) -> None:
