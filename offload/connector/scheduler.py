@@ -205,6 +205,8 @@ class SchedulerSide:
         if st is None or num_external_tokens == 0:
             if st is not None:
                 st.pending_hit = None
+                if request.num_computed_tokens == 0:
+                    st.restored_end = 0  # admitted after a lookup (again, if preempted): nothing of ours restored
             return
         block_ids = blocks.get_block_ids()
         hit = st.pending_hit
@@ -290,13 +292,17 @@ class SchedulerSide:
         state = so.kv_connector_block_state
         if state is None:
             return meta
-        for r in so.scheduled_new_reqs:
-            st = self.reqs.get(r.req_id)
-            start = r.num_computed_tokens
-            if st is not None and start % self._block_lcm and start != st.restored_end:
-                st.unstorable_chunk = start // self.planner.chunk_size
-        progress: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
+        # Where vLLM starts a request: a new one, or a preempted one it resumes (from its own cache too).
+        starts = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
+        starts += [(rid, n) for rid, n in zip(cached.req_ids, cached.num_computed_tokens)
+                   if rid in cached.resumed_req_ids]
+        for req_id, start in starts:
+            st = self.reqs.get(req_id)
+            if st is not None and start % self._block_lcm and start != st.restored_end:
+                chunk = start // self.planner.chunk_size
+                st.unstorable_chunk = chunk if st.unstorable_chunk is None else min(st.unstorable_chunk, chunk)
+        progress: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
         progress += list(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, before in progress:
             st = self.reqs.get(req_id)
