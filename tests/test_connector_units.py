@@ -883,3 +883,24 @@ def test_a_request_resumed_by_vllms_own_sub_block_hit_stores_nothing_from_that_c
     stored = 2 * 128 + 2 * 64  # chunk 0 (by the next turn) and A's tail, both groups
     wait_for_stored_tokens(eng, stored)
     assert eng.totals().get("stored_tokens") == stored
+
+
+def test_a_request_vllm_started_inside_a_block_stores_no_tail_in_a_later_chunk(tail_engine):
+    """Its own tail too: the next turn (350 tokens) that vLLM's own cache starts at A's tail (192,
+    chunk 1) has its own tail at 320, in chunk 2, computed over the incompletely copied block: not
+    stored (it would also be a tail whose parent chunk 1 is missing, a chain hole for fsck)."""
+    eng = tail_engine("cpu")
+    sched = eng.scheduler
+    tokens = prompt(41, 250)
+    sched.add_request(create_request("a", tokens, max_tokens=2, block_size=UNIT))
+    eng.run_to_completion()
+    stored_a = 2 * 128 + 2 * 64  # chunk 0 and A's tail, both groups
+    wait_for_stored_tokens(eng, stored_a)
+    turn = tokens + prompt(42, 100)
+    assert sched.connector.planner.tail_boundary(len(turn)) == 320
+    sched.add_request(create_request("turn", turn, max_tokens=2, block_size=UNIT))
+    eng.run_to_completion()
+    assert tier_params(eng, "turn") == {"restored_tokens": 0, "load_failed": False, "vllm_sub_block_hit": True}
+    for _ in range(5):
+        eng.step()
+    assert eng.totals().get("stored_tokens") == stored_a

@@ -357,8 +357,10 @@ class SchedulerSide:
         end = self.planner.tail_boundary(len(st.request.prompt_token_ids or []))
         if st.tail_stored or not end or after < end or (before >= end and not self.planner.full_prompt_hits):
             return
-        st.tail_stored = True
         chunk = end // self.planner.chunk_size
+        if st.unstorable_chunk is not None and chunk >= st.unstorable_chunk:
+            return  # computed over the incompletely copied block (and its parent chunk is not stored)
+        st.tail_stored = True
         self._keys(st, chunk)
         for g in self._storable:
             gc = self.planner.stored_tail(GroupIndex(g), ChunkIndex(chunk), end)
@@ -373,7 +375,7 @@ class SchedulerSide:
         tail_end = self.planner.tail_boundary(len(st.request.prompt_token_ids or []))
         for group, block_id, boundary in entries:
             if tail_end and boundary == tail_end and group in self._mamba and block_id != NULL_BLOCK \
-                    and boundary // c != st.unstorable_chunk:
+                    and (st.unstorable_chunk is None or boundary // c < st.unstorable_chunk):
                 # The state at the prompt's partial tail: vLLM's copy of it (a
                 # block of its own, filled before this step's forward).
                 chunk = boundary // c
