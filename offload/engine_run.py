@@ -86,6 +86,8 @@ class RunSpec:
     # Requests read no prefix cache (vLLM's own nor a connector's): a cold
     # reference for prompts that share prefixes, in one engine.
     skip_prefix_cache: bool = False
+    # Or: each prompt's own max_tokens, in the order of `prompts` (overrides `max_tokens`).
+    prompt_max_tokens: list[int] | None = None
 
     def pass_orders(self) -> list[list[int]]:
         return self.order if self.order is not None else [list(range(len(self.prompts)))] * self.passes
@@ -287,8 +289,9 @@ def _serve(spec: RunSpec, workdir: Path) -> None:
         # connector warns about it; docs/operations.md). Let them land.
         kw.setdefault("shutdown_timeout", 60)
     llm = LLM(model=spec.model, disable_log_stats=False, **kw)
-    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True,
-                            skip_reading_prefix_cache=spec.skip_prefix_cache or None)
+    sizes = spec.prompt_max_tokens or [spec.max_tokens] * len(spec.prompts)
+    params = {n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                skip_reading_prefix_cache=spec.skip_prefix_cache or None) for n in set(sizes)}
     with open(workdir / "results.jsonl", "a") as out:
         for p, indices in enumerate(spec.pass_orders()):
             if p:
@@ -299,7 +302,8 @@ def _serve(spec: RunSpec, workdir: Path) -> None:
                     land_stores()
                 assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
             for i in indices:
-                _write_line(out, {"pass": p, "index": i, "result": asdict(_serve_one(llm, spec.prompts[i], params))})
+                _write_line(out, {"pass": p, "index": i,
+                                  "result": asdict(_serve_one(llm, spec.prompts[i], params[sizes[i]]))})
             if spec.gated and spec.land_stores:
                 # The parent acts between gated passes (fills or frees a disk, damages files, starts
                 # a peer): the pass's stores must have landed, not wait on idle threads of a busy host.

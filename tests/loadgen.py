@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,12 @@ class Result:
         """Tokens the offload tiers restored for this request, by its own report."""
         params = self.kv_transfer_params or {}
         return sum(v.get("restored_tokens", 0) for k, v in params.items() if k.startswith("kvoffload:"))
+
+    def vllm_sub_block_hit(self) -> bool:
+        """Whether, by our connector's report, vLLM's own prefix cache started or resumed this request
+        inside a block (offload/connector/scheduler.py, `request_finished`)."""
+        params = self.kv_transfer_params or {}
+        return any(v.get("vllm_sub_block_hit") for k, v in params.items() if k.startswith("kvoffload:"))
 
 
 class _HangUp(Exception):
@@ -147,6 +154,17 @@ async def _one(session: aiohttp.ClientSession, url: str, i: int, req: Request, t
             resp.release()
 
 
+async def _send(session: aiohttp.ClientSession, url: str, i: int, req: Request, t0: float) -> Result:
+    """One request, hung up on after `req.cancel_after_s` if it has not ended by then."""
+    task = asyncio.ensure_future(_one(session, url, i, req, t0))
+    if req.cancel_after_s is None:
+        return await task
+    done, _ = await asyncio.wait({task}, timeout=req.cancel_after_s)
+    if not done:
+        task.cancel()
+    return await task
+
+
 async def _run(base: str, reqs: list[Request], concurrency: int, timeout_s: float) -> LoadReport:
     url = f"{base}/v1/completions"
     sem = asyncio.Semaphore(concurrency)
@@ -163,13 +181,7 @@ async def _run(base: str, reqs: list[Request], concurrency: int, timeout_s: floa
                 in_flight += 1
                 peak = max(peak, in_flight)
                 try:
-                    task = asyncio.ensure_future(_one(session, url, i, req, t0))
-                    if req.cancel_after_s is None:
-                        return await task
-                    done, _ = await asyncio.wait({task}, timeout=req.cancel_after_s)
-                    if not done:
-                        task.cancel()
-                    return await task
+                    return await _send(session, url, i, req, t0)
                 finally:
                     in_flight -= 1
 
@@ -180,3 +192,42 @@ async def _run(base: str, reqs: list[Request], concurrency: int, timeout_s: floa
 def run_load(base: str, reqs: list[Request], concurrency: int, timeout_s: float = 900) -> LoadReport:
     """Send every request, at most `concurrency` at a time; results in request order."""
     return asyncio.run(_run(base, reqs, concurrency, timeout_s))
+
+
+# A client: given the results of its requests so far (in order), its next request, or None when done.
+# Clients that depend on their answers (a conversation's next turn is the previous prompt, the answer
+# the client received and a new message) cannot be a list of requests made up front.
+Client = Callable[[list[Result]], "Request | None"]
+
+
+async def _run_clients(base: str, clients: list[Client], timeout_s: float) -> LoadReport:
+    url = f"{base}/v1/completions"
+    results: list[Result] = []
+    in_flight = peak = 0
+    t0 = time.monotonic()
+    conn = aiohttp.TCPConnector(limit=len(clients), force_close=True)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+
+        async def drive(client: Client) -> None:
+            nonlocal in_flight, peak
+            mine: list[Result] = []
+            while (req := client(mine)) is not None:
+                i = len(results)
+                results.append(Result(i, req))  # its place, in order of sending
+                in_flight += 1
+                peak = max(peak, in_flight)
+                try:
+                    res = await _send(session, url, i, req, t0)
+                finally:
+                    in_flight -= 1
+                results[i] = res
+                mine.append(res)
+
+        await asyncio.gather(*(drive(c) for c in clients))
+    return LoadReport(results, peak, time.monotonic() - t0)
+
+
+def run_clients(base: str, clients: list[Client], timeout_s: float = 900) -> LoadReport:
+    """Run every client at once, each one request at a time; results in order of sending."""
+    return asyncio.run(_run_clients(base, clients, timeout_s))
+

@@ -898,3 +898,64 @@ def test_a_request_started_by_vllms_own_sub_block_hit_stores_nothing_from_that_c
     more = 3 * 2 * 128  # chunks 1-3 of the 550-token prompt, both groups (its own tail is 512: a chunk boundary)
     wait_for_stored_tokens(eng, stored_a + more)
     assert eng.totals().get("stored_tokens") == stored_a + more
+
+
+
+
+def test_a_request_resumed_by_vllms_own_sub_block_hit_stores_nothing_from_that_chunk_on(tail_engine):
+    """The same rule for a preempted request, which vLLM resumes through its
+    own prefix cache as a *resumed* request (in scheduled_cached_reqs, not
+    scheduled_new_reqs). The next turn computes chunk 0 and is preempted
+    (vLLM's own path: off the running queue, `_preempt_request`); while it
+    waits (held out of the waiting queue, as a full KV cache would keep it
+    there), A is served and computes its tail (192). The next turn then
+    resumes at 192, inside chunk 1: chunk 1 of it and anything after it are
+    not stored, and the stored tokens stay chunk 0 and A's tail."""
+    eng = tail_engine("cpu")
+    sched = eng.scheduler
+    tokens = prompt(31, 250)
+    turn = create_request("turn", tokens + prompt(32, 300), max_tokens=2, block_size=UNIT)
+    sched.add_request(turn)
+    eng.step()
+    assert turn.num_computed_tokens == 128
+    sched.running.remove(turn)
+    sched._preempt_request(turn, time.monotonic())
+    sched.waiting.remove_request(turn)
+    a = create_request("a", tokens, max_tokens=2, block_size=UNIT)
+    sched.add_request(a)
+    eng.run_until(lambda: "a" in eng.finished)
+    sched.waiting.prepend_request(turn)
+    so = eng.step()
+    cached = so.scheduled_cached_reqs
+    assert "turn" in cached.resumed_req_ids
+    assert cached.num_computed_tokens[cached.req_ids.index("turn")] == 192  # vLLM's own hit, on A's tail
+    eng.run_to_completion()
+    # The request's report says so (a client cannot see it otherwise); A, computed cold, has no such flag.
+    assert tier_params(eng, "turn") == {"restored_tokens": 0, "load_failed": False, "vllm_sub_block_hit": True}
+    assert tier_params(eng, "a") == {"restored_tokens": 0, "load_failed": False}
+    for _ in range(5):
+        eng.step()
+    stored = 2 * 128 + 2 * 64  # chunk 0 (by the next turn) and A's tail, both groups
+    wait_for_stored_tokens(eng, stored)
+    assert eng.totals().get("stored_tokens") == stored
+
+
+def test_a_request_vllm_started_inside_a_block_stores_no_tail_in_a_later_chunk(tail_engine):
+    """Its own tail too: the next turn (350 tokens) that vLLM's own cache starts at A's tail (192,
+    chunk 1) has its own tail at 320, in chunk 2, computed over the incompletely copied block: not
+    stored (it would also be a tail whose parent chunk 1 is missing, a chain hole for fsck)."""
+    eng = tail_engine("cpu")
+    sched = eng.scheduler
+    tokens = prompt(41, 250)
+    sched.add_request(create_request("a", tokens, max_tokens=2, block_size=UNIT))
+    eng.run_to_completion()
+    stored_a = 2 * 128 + 2 * 64  # chunk 0 and A's tail, both groups
+    wait_for_stored_tokens(eng, stored_a)
+    turn = tokens + prompt(42, 100)
+    assert sched.connector.planner.tail_boundary(len(turn)) == 320
+    sched.add_request(create_request("turn", turn, max_tokens=2, block_size=UNIT))
+    eng.run_to_completion()
+    assert tier_params(eng, "turn") == {"restored_tokens": 0, "load_failed": False, "vllm_sub_block_hit": True}
+    for _ in range(5):
+        eng.step()
+    assert eng.totals().get("stored_tokens") == stored_a

