@@ -176,6 +176,8 @@ def multi_turn_points(results: Path) -> dict[str, dict[str, dict[int, TurnPoint]
         if f.name.endswith(".partial.json"):  # a run still going (or one that died): its rounds are incomplete
             continue
         doc = json.loads(f.read_text())
+        if doc.get("mode", "multi_turn") != "multi_turn":
+            continue  # another benchmark's JSON under a matching name
         when = doc["machine"]["time_utc"]
         for m in doc["models"]:
             for turn, per in m["summary"]["per_turn"].items():

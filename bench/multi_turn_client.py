@@ -42,8 +42,9 @@ tokens (`vllm:external_prefix_cache_hits`), vLLM's local prefix-cache hits, prom
 finished requests, vLLM's TTFT, our restored bytes per group kind, the process tree's CPU seconds.
 `summarize` gives per metric each configuration's median and spread over the rounds and the
 per-round ratios ours / vLLM and ours / recompute (median, spread). Results:
-`bench/results/<name>.json` (default `multi_turn_client.json`); the client's logs, stats and
-conversations are kept with the server logs ($TMPDIR/kvoffload-bench-logs/<name>).
+`bench/results/<name>.json` (default `vllm_client_multi_turn.json`: not `multi_turn*`, which
+bench/charts.py draws as the multi-turn race); the client's logs, stats and conversations are
+kept with the server logs ($TMPDIR/kvoffload-bench-logs/<name>).
 
     python -m bench.multi_turn_client --models hybrid-tiny --rounds 3
 """
@@ -552,7 +553,7 @@ def print_tables(doc: dict) -> None:
 
 
 def run(runs: list[ClientRun], work_dir: str | None = None, out_dir: Path | None = None,
-        name: str = "multi_turn_client", parallel: bool = False) -> dict:
+        name: str = "vllm_client_multi_turn", parallel: bool = False) -> dict:
     """vLLM's multi-turn client against each configuration, per model; one JSON, `<out_dir>/<name>.json`."""
     return _race(runs, work_dir, out_dir, name, "kvoffload-mtc-", {"mode": "vllm_multi_turn_client"},
                  lambda cr, work, plan, log_dir, checkpoint: run_model(cr, work, plan, log_dir, parallel, checkpoint),
@@ -580,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of ours,vllm,none with ours")
     ap.add_argument("--dir", default=None, help="parent of the cache directories (default: $TMPDIR)")
     ap.add_argument("--out-dir", type=Path, default=None)
-    ap.add_argument("--name", default="multi_turn_client")
+    ap.add_argument("--name", default="vllm_client_multi_turn")
     ap.add_argument("--parallel", action="store_true",
                     help="a round's servers side by side: a correctness check, timings mean nothing")
     ap.add_argument("--vllm-src", type=Path, default=None,

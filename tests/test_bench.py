@@ -308,7 +308,7 @@ def test_bench_prefill_flags_small(prefetched) -> None:
 
 
 @pytest.mark.parametrize("name", ["peer_race_hybrid", "peer_race_hybrid_load", "peer_race_llama8b", "peer_race_llama",
-                                  "peer_race_llama_aligned"])
+                                  "peer_race_llama_aligned", "peer_race_hybrid_unit"])
 def test_peer_race_summary_is_recomputed_from_the_committed_rounds(name: str, capsys) -> None:
     """The tables in docs/performance.md come from `summarize` over the committed rounds: it gives
     the committed summary again (with and without the prefix-heavy load), and the tables print."""
@@ -557,7 +557,7 @@ def test_multi_turn_client_summary_is_recomputed_from_the_committed_rounds(capsy
     over the committed rounds (rotated order), and every request of every round completed."""
     from bench import multi_turn_client as mtc
 
-    doc = json.loads((REPO / "bench" / "results" / "multi_turn_client_tiny.json").read_text())
+    doc = json.loads((REPO / "bench" / "results" / "vllm_client_multi_turn_tiny.json").read_text())
     for m in doc["models"]:
         assert [r["order"] for r in m["rounds"]][:3] == [["ours", "vllm", "none"], ["vllm", "none", "ours"],
                                                          ["none", "ours", "vllm"]]
