@@ -509,6 +509,27 @@ def _pairs(configs: list[str]) -> list[tuple[str, str]]:
     return [(a, b) for a, b in (("ours", "vllm"), ("ours", "none"), ("vllm", "none")) if a in configs and b in configs]
 
 
+def _own_cache(own: list[dict], per_round: list[dict[str, dict]]) -> dict[str, Any]:
+    """vLLM's own in-process prefix cache on the same prompt, one row per round (`own`), against
+    each configuration's row of that round: its hit, its TTFT (the floor of any restore: nothing is
+    read, only the tail behind the hit is computed), whether each connector restored at least that
+    hit, and per-round TTFT ratios to it."""
+    out: dict[str, Any] = {"vllm_own_cache_tokens": [o["cached_tokens"] for o in own],
+                           "vllm_own_cache_ttft_s": [o["ttft_s"] for o in own],
+                           "restored_at_least_own_cache": {
+                               c: all(r[c]["external_tokens"] >= o["cached_tokens"] for r, o in zip(per_round, own))
+                               for c in ("ours", "vllm") if c in per_round[0]}}
+    for c in ("ours", "vllm"):
+        if c in per_round[0]:
+            q = [r[c]["ttft_s"] / o["ttft_s"] for r, o in zip(per_round, own)]
+            out[f"ttft_{c}_over_own_cache"] = {"median": median(q), "spread": _spread(q)}
+    if "vllm" in per_round[0]:
+        # The lowest ours / vLLM-tiering ratio any restore could reach on this prompt.
+        q = [o["ttft_s"] / r["vllm"]["ttft_s"] for r, o in zip(per_round, own)]
+        out["ttft_own_cache_over_vllm"] = {"median": median(q), "spread": _spread(q)}
+    return out
+
+
 def summarize(doc: dict) -> dict:
     """Medians and spreads over the rounds; ratios only between configurations
     the run had (`configs`, all three unless a run says otherwise)."""
@@ -541,10 +562,8 @@ def summarize(doc: dict) -> dict:
             row["vllm_restore"] = {"load_bytes": median([v.get("vllm_load_bytes", 0) for v in vl]),
                                    "load_time_s": median([v.get("vllm_load_time_s", 0) for v in vl])}
         if "none" in configs and all("own_cache" in r["none"] for r in rounds):
-            row["vllm_own_cache_tokens"] = [r["none"]["own_cache"][i]["cached_tokens"] for r in rounds]
-            row["restored_at_least_own_cache"] = {
-                c: all(r[c]["ttft"][i]["external_tokens"] >= r["none"]["own_cache"][i]["cached_tokens"]
-                       for r in rounds) for c in ("ours", "vllm") if c in configs}
+            own = [r["none"]["own_cache"][i] for r in rounds]
+            row.update(_own_cache(own, [{c: r[c]["ttft"][i] for c in configs} for r in rounds]))
         if "none" in configs:
             ref = [r["none"]["ttft"][i]["first_token"] for r in rounds]
             row["identical_first_token"] = {c: all(r[c]["ttft"][i]["first_token"] == t for r, t in zip(rounds, ref))
@@ -627,7 +646,19 @@ def print_tables(doc: dict) -> None:
               f" first token identical: {row.get('identical_first_token', '-')}"
               + (f"; vLLM's connector loaded {vl['load_bytes'] / 1e6:.1f} MB" if vl else "")
               + (f"; vLLM's own in-process cache hit {median(row['vllm_own_cache_tokens']):.0f}, restored at"
-                 f" least that: {row['restored_at_least_own_cache']}" if "vllm_own_cache_tokens" in row else ""))
+                 f" least that: {row['restored_at_least_own_cache']}" if "vllm_own_cache_tokens" in row else "")
+              + _own_cache_line(row))
+
+
+def _own_cache_line(row: dict) -> str:
+    if "vllm_own_cache_ttft_s" not in row:
+        return ""
+    line = f"; vLLM's own in-process TTFT {median(row['vllm_own_cache_ttft_s']) * 1e3:.0f} ms"
+    if "ttft_ours_over_own_cache" in row:
+        line += f", ours / it {_fmt_ratio(row['ttft_ours_over_own_cache'])}"
+    if "ttft_own_cache_over_vllm" in row:
+        line += f", it / vLLM tiering {_fmt_ratio(row['ttft_own_cache_over_vllm'])} (no restore goes lower)"
+    return line
 
 
 # ---------------------------------------------------------------- the multi-turn race
@@ -705,6 +736,11 @@ def run_multi_turn_model(mr: MultiTurnRun, work: Path, plan: Any, log_dir: Path,
             with server(mr.model, kv_config(c, d), args, mr.max_model_len, log, env=mr.env, warm=warm) as s:
                 start_s = s.start_s
                 row = measure(s, prompt, flush, mr.answer_tokens)
+                own = None
+                if c == "none" and t + 1 < mr.turns:
+                    # vLLM's own in-process prefix cache on the next turn: sent to the server that
+                    # just computed this one (no connector: every cached token is vLLM's own hit).
+                    own = measure(s, prompt + row["output_ids"] + messages[t + 1], flush, mr.answer_tokens)
                 # The stores of this turn (asynchronous in both connectors) land before the restart.
                 size, nfiles = wait_quiet(d) if c != "none" else (0, 0)
             if len(row["output_ids"]) != mr.answer_tokens:
@@ -712,6 +748,8 @@ def run_multi_turn_model(mr: MultiTurnRun, work: Path, plan: Any, log_dir: Path,
                                    f"{mr.answer_tokens} asked (ignore_eos)")
             row.update(turn=t + 1, start_s=start_s, page_cache=method, disk_bytes_after=size, files_after=nfiles,
                        worker_counters=worker_counters(log.read_text(errors="replace")))
+            if own is not None:
+                row["own_cache_next"] = own
             rows.append(row)
         return {"turns": rows}
 
@@ -752,6 +790,9 @@ def summarize_multi_turn(doc: dict) -> dict:
             row["speedup_ours_vs_recompute"] = {"median": median(q), "spread": _spread(q)}
             row["identical_output"] = {c: all(r[c]["turns"][i]["output_ids"] == r["none"]["turns"][i]["output_ids"]
                                               for r in rounds) for c in configs if c != "none"}
+            if all("own_cache_next" in r["none"]["turns"][i - 1] for r in rounds):
+                row.update(_own_cache([r["none"]["turns"][i - 1]["own_cache_next"] for r in rounds],
+                                      [{c: r[c]["turns"][i] for c in configs} for r in rounds]))
         out["per_turn"][str(i + 1)] = row
     if "none" in configs:
         out["identical_outputs"] = {
@@ -775,9 +816,13 @@ def print_multi_turn_tables(doc: dict) -> None:
                      *(cell(row, c, lambda x: f"{x['median_ttft_s']:.3g} s") for c in CONFIGS),
                      ratio(row, "ttft_ours_over_vllm"), ratio(row, "ttft_ours_over_none"),
                      " / ".join(cell(row, c, lambda x: f"{median(x['restored_tokens']):.0f}") for c in CONFIGS),
-                     str(row.get("identical_output", "-"))])
+                     str(row.get("identical_output", "-")),
+                     (f"{median(row['vllm_own_cache_ttft_s']):.3g} s, {median(row['vllm_own_cache_tokens']):.0f} tok"
+                      if "vllm_own_cache_ttft_s" in row else "-"),
+                     ratio(row, "ttft_ours_over_own_cache"), ratio(row, "ttft_own_cache_over_vllm")])
     print(table(["model", "TTFT after a restart (median)", "ours", "vLLM tiering", "recompute", "ours / vLLM",
-                 "ours / recompute", "restored tok ours / vLLM / none", "tokens = recompute's"], rows))
+                 "ours / recompute", "restored tok ours / vLLM / none", "tokens = recompute's",
+                 "vLLM's own in-process: TTFT, hit", "ours / own", "own / vLLM (floor)"], rows))
 
 
 def run_multi_turn(runs: list[MultiTurnRun], work_dir: str | None = None, out_dir: Path | None = None,

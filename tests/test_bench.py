@@ -403,6 +403,14 @@ def test_bench_multi_turn_small(prefetched, tmp_path: Path) -> None:
     assert list(s["per_turn"]) == ["2", "3", "4"]
     assert s["identical_outputs"] == {"ours": True, "vllm": True}
     assert s["per_turn"]["4"]["ours"]["restored_tokens"] == [ours[3]["external_tokens"]]
+    # vLLM's own in-process cache on each next turn (the no-connector server that computed the turn
+    # before): ours restores at least its hit, and the ratios to its TTFT come from the same rounds.
+    for k, row in s["per_turn"].items():
+        own = rnd["none"]["turns"][int(k) - 2]["own_cache_next"]
+        assert row["vllm_own_cache_tokens"] == [own["cached_tokens"]] and own["cached_tokens"] > 0, (k, own)
+        assert row["restored_at_least_own_cache"]["ours"] is True, (k, row)
+        assert row["ttft_ours_over_own_cache"]["median"] == ours[int(k) - 1]["ttft_s"] / own["ttft_s"], k
+    assert "own_cache_next" not in rnd["none"]["turns"][-1]
 
     rendered = charts.render(out, tmp_path / "charts")
     chart = next(c for c in rendered.charts if c.path.name == "multi_turn_ttft.png")
