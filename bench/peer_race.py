@@ -75,6 +75,9 @@ from offload.engine_run import Samples, complete, free_port, metric_sum, scrape,
 
 CONFIGS = ("ours", "vllm", "none")
 SEED = 13  # the prompts' random stream (bench/tie_check.py replays the first one)
+# Top log-probabilities the multi-turn race asks per output token: where a restored answer leaves
+# recompute's, whether recompute's logits tie exactly there (`divergence`).
+LOGPROBS = 5
 HOST_BYTES = 1 << 30  # configs/hybrid-tiered.json's cpu_bytes; vLLM's tiering gets the same
 SERVED = "m"
 
@@ -239,14 +242,15 @@ def serve_long(s: Server, prompts: list[list[int]], flush: list[int]) -> list[di
     return [measure(s, ids, flush) for ids in prompts]
 
 
-def measure(s: Server, ids: list[int], flush: list[int], max_tokens: int = 1) -> dict:
+def measure(s: Server, ids: list[int], flush: list[int], max_tokens: int = 1, logprobs: int = 0) -> dict:
     """One request of `max_tokens` greedy tokens: vLLM's TTFT, the tokens restored, what the
-    connector moved, and the output token ids. A short flush request after it makes the engine
-    step again, so the connector's stats of the prompt (reported with the next step's output)
-    reach /metrics."""
+    connector moved, and the output token ids (with `logprobs`: each position's top log-probabilities
+    by token id, `top_logprobs`). A short flush request after it makes the engine step again, so the
+    connector's stats of the prompt (reported with the next step's output) reach /metrics."""
     m0, t0 = s.metrics(), s.tree()
     w0 = time.perf_counter()
-    out = s.complete(ids, max_tokens)
+    body = {"logprobs": logprobs, "return_tokens_as_token_ids": True} if logprobs else {}
+    out = s.complete(ids, max_tokens, **body)
     wall = time.perf_counter() - w0
     m1 = _settled(s, m0)
     s.complete(flush)
@@ -265,6 +269,9 @@ def measure(s: Server, ids: list[int], flush: list[int], max_tokens: int = 1) ->
            # vLLM's connector: bytes it copied into the KV cache, and its copy time
            "vllm_load_bytes": delta(m0, m2, "vllm:kv_offload_load_bytes_total"),
            "vllm_load_time_s": delta(m0, m2, "vllm:kv_offload_load_time_total")}
+    if logprobs:
+        row["top_logprobs"] = [{k.removeprefix("token_id:"): v for k, v in top.items()}
+                               for top in choice["logprobs"]["top_logprobs"]]
     for n, lab, _ in m2:
         if n == "kvoffload_restored_bytes_total":
             k = lab.get("group_kind", "?")
@@ -735,12 +742,13 @@ def run_multi_turn_model(mr: MultiTurnRun, work: Path, plan: Any, log_dir: Path,
             print(f"[{mr.label}] multi-turn round {r}: {c}, turn {t + 1}", flush=True)
             with server(mr.model, kv_config(c, d), args, mr.max_model_len, log, env=mr.env, warm=warm) as s:
                 start_s = s.start_s
-                row = measure(s, prompt, flush, mr.answer_tokens)
+                row = measure(s, prompt, flush, mr.answer_tokens, LOGPROBS)
                 own = None
                 if c == "none" and t + 1 < mr.turns:
                     # vLLM's own in-process prefix cache on the next turn: sent to the server that
                     # just computed this one (no connector: every cached token is vLLM's own hit).
-                    own = measure(s, prompt + row["output_ids"] + messages[t + 1], flush, mr.answer_tokens)
+                    own = measure(s, prompt + row["output_ids"] + messages[t + 1], flush, mr.answer_tokens,
+                                  LOGPROBS)
                 # The stores of this turn (asynchronous in both connectors) land before the restart.
                 size, nfiles = wait_quiet(d) if c != "none" else (0, 0)
             if len(row["output_ids"]) != mr.answer_tokens:
@@ -762,6 +770,22 @@ def run_multi_turn_model(mr: MultiTurnRun, work: Path, plan: Any, log_dir: Path,
             checkpoint(doc)
     doc["summary"] = summarize_multi_turn(doc)
     return doc
+
+
+def divergence(out: dict, ref: dict) -> dict | None:
+    """Where `out`'s greedy tokens first differ from the reference's (`ref`, the same prompt), and
+    whether the reference's own log-probabilities tie there exactly: both tokens in its top
+    `LOGPROBS` at the same value, so that the reference could have taken either (bf16 logits tie
+    often; docs/performance.md). None where the tokens are identical."""
+    a, b = out["output_ids"], ref["output_ids"]
+    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if j is None:
+        return None if len(a) == len(b) else {"at": min(len(a), len(b)), "exact_tie": False}
+    top = (ref.get("top_logprobs") or [])[j:j + 1]
+    lp = top[0] if top else {}
+    mine, theirs = lp.get(str(a[j])), lp.get(str(b[j]))
+    return {"at": j, "token": a[j], "reference_token": b[j], "reference_logprobs": {str(a[j]): mine, str(b[j]): theirs},
+            "exact_tie": mine is not None and mine == theirs}
 
 
 def summarize_multi_turn(doc: dict) -> dict:
@@ -790,6 +814,11 @@ def summarize_multi_turn(doc: dict) -> dict:
             row["speedup_ours_vs_recompute"] = {"median": median(q), "spread": _spread(q)}
             row["identical_output"] = {c: all(r[c]["turns"][i]["output_ids"] == r["none"]["turns"][i]["output_ids"]
                                               for r in rounds) for c in configs if c != "none"}
+            if all("top_logprobs" in r["none"]["turns"][i] for r in rounds):
+                # Per round, where a connector's tokens leave recompute's and whether recompute's
+                # own logits tie exactly there (the prompts are equal only while earlier turns were).
+                row["divergence"] = {c: [divergence(r[c]["turns"][i], r["none"]["turns"][i]) for r in rounds]
+                                     for c in configs if c != "none"}
             if all("own_cache_next" in r["none"]["turns"][i - 1] for r in rounds):
                 row.update(_own_cache([r["none"]["turns"][i - 1]["own_cache_next"] for r in rounds],
                                       [{c: r[c]["turns"][i] for c in configs} for r in rounds]))

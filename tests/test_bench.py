@@ -411,6 +411,14 @@ def test_bench_multi_turn_small(prefetched, tmp_path: Path) -> None:
         assert row["restored_at_least_own_cache"]["ours"] is True, (k, row)
         assert row["ttft_ours_over_own_cache"]["median"] == ours[int(k) - 1]["ttft_s"] / own["ttft_s"], k
     assert "own_cache_next" not in rnd["none"]["turns"][-1]
+    # Every answer comes with its top log-probabilities, by token id, the greedy token's the highest.
+    for c in peer_race.CONFIGS:
+        for t in rnd[c]["turns"]:
+            assert len(t["top_logprobs"]) == len(t["output_ids"]), (c, t)
+            for tok, top in zip(t["output_ids"], t["top_logprobs"]):
+                assert top[str(tok)] == max(top.values()), (c, tok, top)
+    assert all(d == [None] for row in s["per_turn"].values() for d in row["divergence"].values()), s
+
 
     rendered = charts.render(out, tmp_path / "charts")
     chart = next(c for c in rendered.charts if c.path.name == "multi_turn_ttft.png")
@@ -419,6 +427,23 @@ def test_bench_multi_turn_small(prefetched, tmp_path: Path) -> None:
     assert not any(n.startswith("multi-turn race:") for n in rendered.notes)
     w, h = png_size(chart.path)
     assert w > 600 and h > 400
+
+
+def test_multi_turn_divergence_names_exact_ties_only() -> None:
+    """`divergence`: None for identical answers; else the first differing position, and an exact
+    tie only where the reference's own top log-probabilities give both tokens the same value."""
+    from bench.peer_race import divergence
+
+    ref = {"output_ids": [5, 7, 9], "top_logprobs": [{"5": -1.0}, {"7": -2.5, "8": -2.5}, {"9": -1.0, "3": -1.5}]}
+    assert divergence({"output_ids": [5, 7, 9]}, ref) is None
+    tie = divergence({"output_ids": [5, 8, 1]}, ref)
+    assert tie == {"at": 1, "token": 8, "reference_token": 7, "reference_logprobs": {"8": -2.5, "7": -2.5},
+                   "exact_tie": True}
+    near = divergence({"output_ids": [5, 7, 3]}, ref)
+    assert near is not None and near["at"] == 2 and near["exact_tie"] is False
+    outside = divergence({"output_ids": [4, 7, 9]}, ref)  # 4 not among the reference's top tokens
+    assert outside is not None and outside["reference_logprobs"] == {"4": None, "5": -1.0} and not outside["exact_tie"]
+    assert divergence({"output_ids": [5, 7]}, ref) == {"at": 2, "exact_tie": False}
 
 
 # ---- vLLM's own multi-turn client (bench/multi_turn_client.py)
