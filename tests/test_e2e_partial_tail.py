@@ -123,6 +123,10 @@ def test_fsck_takes_tails_for_leaves_not_corruption(runs):
     tails = [c for c in linked.values() if any(f.header.token_end % CHUNK for f in c.files)]
     assert len(tails) == 1 and tails[0].complete and tails[0].orphan is None and not tails[0].children
     assert all(c.orphan is None for c in linked.values())
+    # `kvoffload stats` counts the chain to the tail's last token, not the tail as a whole chunk.
+    from offload.cli.stats import longest_chain_tokens
+
+    assert longest_chain_tokens(linked) == TAIL
 
 
 # ---- attention only: the tail behind the last whole chunk, one block per entry --------------------------
@@ -216,6 +220,9 @@ def test_attention_only_restart_restores_every_block_vllms_own_cache_hits(prefet
     assert [[ch.key for ch in k.children] for k in tails] == [[t.key] for t in tails[1:]] + [[]]
     [whole] = [k for k in linked.values() if k.end == tails[0].start]
     assert tails[0] in whole.children
+    from offload.cli.stats import longest_chain_tokens
+
+    assert longest_chain_tokens(linked) == ends[-1]
 
 
 # ---- vLLM's own hit vs ours on the Qwen3-Next-80B geometry (long) ---------------------------------------

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from offload.cli.cache import Cache, FpDir, NotACache, age, chunks, find_root, human, ledger_view, scan
+from offload.cli.cache import Cache, Chunk, FpDir, NotACache, age, chunks, find_root, human, ledger_view, scan
 from offload.store.fs import LAYOUT_VERSION_DIR
 
 
@@ -50,6 +50,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.add_argument("--ledger", action="store_true", help="the ledger's usage figures only, without a walk")
     p.set_defaults(func=run)
+
+
+def longest_chain_tokens(ch: dict[str, Chunk]) -> int:
+    """Tokens of the longest restorable prefix: where the last complete entry not below a hole
+    ends (a partial tail ends inside a chunk, so it is counted to its last token, not as a chunk)."""
+    return max((c.end for c in ch.values() if c.complete and c.orphan is None), default=0)
 
 
 def describe(fp: FpDir, now: float) -> dict:
@@ -76,8 +82,7 @@ def describe(fp: FpDir, now: float) -> dict:
         "groups": groups,
         "chunks": len(ch),
         "complete_chunks": sum(c.complete for c in ch.values()),
-        "longest_chain_tokens": (max((c.pos + 1 for c in ch.values() if c.complete), default=0)
-                                 * (fp.chunk_size or 0)),
+        "longest_chain_tokens": longest_chain_tokens(ch),
         "files": len(fp.files),
         "bytes": sum(f.size for f in fp.files),
         "quarantined_files": len(fp.quarantine),
@@ -243,8 +248,7 @@ def describe_remote(fp: FpDir) -> dict:
         "groups": groups,
         "chunks": len(ch),
         "complete_chunks": sum(c.complete for c in ch.values()),
-        "longest_chain_tokens": (max((c.pos + 1 for c in ch.values() if c.complete), default=0)
-                                 * (fp.chunk_size or 0)),
+        "longest_chain_tokens": longest_chain_tokens(ch),
         "objects": len(fp.files),
         "bytes": sum(f.size for f in fp.files),
         "bad_objects": sum(f.problem is not None for f in fp.files),
