@@ -806,6 +806,8 @@ def test_partial_tail_restores_attention_to_the_unit_and_the_state_vllm_material
     eng = tail_engine(store)
     sched, worker = eng.scheduler, eng.worker
     assert sched.connector.planner.tail_unit == UNIT and sched.hash_block_size == UNIT
+    # The attention group's token map is built when the KV cache is registered, before any step.
+    assert worker.connector._worker.token_mapped_groups == [1]
     tokens = prompt(11, 250)
     tail = (250 - 1) // UNIT * UNIT
     assert tail == 192 and tail % 128

@@ -187,7 +187,7 @@ class WorkerSide:
         self._closed = False
         self._share: SharedGathers | None = None
         # Partial tails: per attention group, which token owns each byte of a
-        # page (built at the first tail store; None where it cannot be known).
+        # page (built at registration; None where it cannot be known).
         self._token_map = token_map
         self._token_maps: dict[int, list[TokenMap] | None] = {}
         self._tensors: dict[int, list[torch.Tensor]] = {}
@@ -226,6 +226,19 @@ class WorkerSide:
         self.tiers = self._make_data(device)
         for tier in self.tiers:
             tier.record_layout({**layout, "tensors": tensors})
+        # Map partial tails' attention pages now, at start-up: the first tail store would
+        # otherwise probe them inside the step that returns its prompt's first token (tens of
+        # ms on 1152-token blocks, paid by the first request after every restart).
+        unit = self.planner.tail_unit
+        for g, spec in enumerate(self.planner.groups):
+            if unit and spec.kind is GroupKind.FULL_ATTENTION and spec.block_size % unit == 0 \
+                    and unit < spec.block_size:
+                self._maps(g)
+
+    @property
+    def token_mapped_groups(self) -> list[int]:
+        """Attention groups whose partial-tail token maps are built."""
+        return sorted(g for g, m in self._token_maps.items() if m is not None)
 
     def release_kv_caches(self) -> bool:
         """vLLM is about to release the KV cache (sleep mode): wait for the
