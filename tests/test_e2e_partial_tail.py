@@ -126,7 +126,9 @@ def test_fsck_takes_tails_for_leaves_not_corruption(runs):
     # `kvoffload stats` counts the chain to the tail's last token, not the tail as a whole chunk.
     from offload.cli.stats import longest_chain_tokens
 
-    assert longest_chain_tokens(linked) == TAIL
+    assert longest_chain_tokens(linked) == max(c.end for c in linked.values())
+    # A's chain alone (chunk 0, then its tail) ends at the tail's last token, not a chunk later.
+    assert longest_chain_tokens({k: c for k, c in linked.items() if c.end <= TAIL}) == TAIL
 
 
 # ---- attention only: the tail behind the last whole chunk, one block per entry --------------------------
