@@ -64,7 +64,8 @@ METRICS: dict[str, MetricDef] = {
     "kvoffload_stores_deduplicated": MetricDef(
         "counter", _TG, "Stores skipped because the tier already held the entry (e.g. another instance wrote it)."),
     "kvoffload_stores_dropped": MetricDef(
-        "counter", _TR, "Stores dropped: backpressure, no_space, error, shutdown, no_room (host-memory tier full)."),
+        "counter", _TR, "Stores dropped: backpressure, no_space, error, shutdown, no_room (host-memory tier full), "
+        "parent_dropped (the entry it chains from was dropped)."),
     "kvoffload_failed_loads": MetricDef(
         "counter", _TR, "Loads that failed and became a recompute: missing, corrupt, unauthenticated, io_error, "
         "unsafe, error, allocation mismatch."),
@@ -97,7 +98,7 @@ METRICS: dict[str, MetricDef] = {
 }
 
 GROUP_KINDS = tuple(k.value for k in GroupKind)
-DROP_REASONS = ("backpressure", "no_space", "error", "shutdown", "no_room")
+DROP_REASONS = ("backpressure", "no_space", "error", "shutdown", "no_room", "parent_dropped")
 LOAD_FAILURE_REASONS = tuple(r.value for r in MissReason)
 
 

@@ -60,9 +60,10 @@ def vllm_config(models_dir):
 def make(vllm_config, tmp_path):
     workers: list[WorkerStep] = []
 
-    def _make(store: str = "cpu", num_blocks: int = 128) -> Engine:
-        extra = ({"store": "cpu", "cpu_bytes": 4 << 20} if store == "cpu"  # 32 chunks: no eviction here
-                 else {"store": "fs", "path": str(tmp_path / "cache")})
+    def _make(store: str = "cpu", num_blocks: int = 128, **options) -> Engine:
+        cpu = {"store": "cpu", "cpu_bytes": 4 << 20}  # 32 chunks: no eviction here
+        fs = {"store": "fs", "path": str(tmp_path / "cache")}
+        extra = {"cpu": cpu, "fs": fs, "stack": {"tiers": [cpu, fs]}}[store] | options
         set_connector(vllm_config, extra)
         kcc = attention_kv_cache_config(LAYERS, block_size=BS, num_kv_heads=2, head_size=32, num_blocks=num_blocks)
         scheduler = create_scheduler(vllm_config, kcc)
@@ -719,6 +720,112 @@ def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make,
     eng.run_to_completion()
     assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
     wait_for_files(tmp_path / "cache", entries(eng))  # the held writes still land
+    assert_scheduler_empty(eng.scheduler)
+
+
+# ---- a promotion in flight is not offered before its bytes land ------------------------------------
+
+
+def test_an_entry_a_load_is_promoting_is_offered_only_once_its_bytes_landed(make, tmp_path, held_loads):
+    """A load from the file tier also copies the entries up into host memory
+    (a promotion), on the load's I/O thread. Until those bytes land, a second
+    request's lookup must not be offered the host-memory entry: its load
+    would find the slot empty (a counted miss and a recompute, measured
+    under concurrent load). It reads the files instead; once the first load
+    finished, a third request restores from host memory."""
+    release, entered = held_loads
+    first = make("stack")
+    HIT = hit(first)
+    tokens = prompt(12)
+    stored = store_prompt(first, "a", tokens, tmp_path)
+    first.worker.connector.shutdown()
+    eng = make("stack")  # a restart on the same directory: host memory empty, the files there
+    names = [t.tier_name for t in eng.scheduler.connector.cfg.tiers]
+
+    b = create_request("b", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()
+    assert entered.wait(10) and eng.status("b") == WAITING_FOR_KV  # held before its scatter and promotion
+    c = create_request("c", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(c)
+    eng.step()
+    assert eng.status("c") == WAITING_FOR_KV
+    assert eng.scheduler.connector._sched.hit_tier("c") == 1  # the files, not the empty slots
+    release.set()
+    eng.run_to_completion()
+    for rid in ("b", "c"):
+        assert eng.finished[rid] == {f"kvoffload:{names[0]}": {"restored_tokens": 0, "load_failed": False},
+                                     f"kvoffload:{names[1]}": {"restored_tokens": HIT, "load_failed": False}}, rid
+    assert "failed_loads" not in eng.totals()
+
+    assert eng.scheduler.reset_prefix_cache()
+    eng.worker.scramble()
+    d = create_request("d", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(d)
+    eng.step()
+    dest = table(eng, "d")[:HIT // BS]
+    eng.run_until(lambda: eng.status("d") != WAITING_FOR_KV)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored from host memory")
+    eng.run_to_completion()
+    assert eng.finished["d"][f"kvoffload:{names[0]}"] == {"restored_tokens": HIT, "load_failed": False}
+    assert pinned(eng) == 0
+    assert_scheduler_empty(eng.scheduler)
+
+
+# ---- stores dropped under backpressure stay prefix-closed ------------------------------------------
+
+
+def test_a_store_dropped_for_backpressure_drops_the_entries_chained_behind_it(make, tmp_path, monkeypatch):
+    """Past `max_pending_store_bytes` the writer drops a store. The entries
+    chained behind it must not be written either: the lookup binary-searches
+    the attention prefix as prefix-closed, so a file behind a hole would be
+    offered as a hit whose load then misses (and fsck calls it a chain hole).
+    Here the file tier's writes are held until the pending budget (8 chunks)
+    is full and the 9th chunk is dropped; then they land, and the rest of the
+    prompt's entries (3 whole chunks, then a tail) come while the queue is
+    empty: a binary search over those 12 chunks never probes the 9th."""
+    from offload.cli.cache import chunks, scan
+    from offload.store.fs import FsData
+
+    eng = make("fs", num_blocks=256, max_pending_store_bytes=1 << 20)
+    worker = eng.worker.connector._worker
+    budget_chunks = (1 << 20) // CHUNK_BYTES
+    n = (budget_chunks + 4) * CHUNK + 40  # whole chunks past the budget, then a tail
+    planner = eng.scheduler.connector.planner
+    assert planner.max_hit_chunks(n) == budget_chunks + 4 and planner.repeat_hit(n) > (budget_chunks + 4) * CHUNK
+    release, real_put = threading.Event(), FsData.put
+
+    def held_put(self, *args, **kwargs):
+        assert release.wait(30), "write held for 30 s"
+        return real_put(self, *args, **kwargs)
+
+    monkeypatch.setattr(FsData, "put", held_put)
+    tokens = prompt(11, n)
+    eng.scheduler.add_request(create_request("a", tokens, max_tokens=2, block_size=BS))
+    eng.run_until(lambda: worker.counters[0].stores_dropped.get("backpressure"))
+    assert worker.counters[0].stores_dropped == {"backpressure": 1}
+    release.set()
+    wait_for_files(tmp_path / "cache", budget_chunks)
+    eng.run_to_completion()
+    eng.run_until(lambda: worker._pending_store_bytes == 0)
+
+    # Only the chain's stored prefix is on disk, and nothing behind the dropped chunk.
+    drops = worker.counters[0].stores_dropped
+    assert drops == {"backpressure": 1, "parent_dropped": entries(eng, n) - budget_chunks - 1}, drops
+    files = list((tmp_path / "cache").glob(f"{LAYOUT_DIR}/*/g*/*/*.kv"))
+    assert len(files) == budget_chunks, files
+    dirs = scan(tmp_path / "cache").dirs
+    problems = [(f.path, f.problem) for d in dirs for f in d.files if f.problem]
+    problems += [(c.pos, c.orphan) for d in dirs for c in chunks(d).values() if c.orphan]
+    assert not problems, problems
+
+    # A repeat restores that prefix, and no load fails.
+    assert eng.scheduler.reset_prefix_cache()
+    eng.worker.scramble()
+    eng.scheduler.add_request(create_request("b", tokens, max_tokens=2, block_size=BS))
+    eng.run_to_completion()
+    assert tier_params(eng, "b") == {"restored_tokens": budget_chunks * CHUNK, "load_failed": False}
+    assert "failed_loads" not in eng.totals()
     assert_scheduler_empty(eng.scheduler)
 
 

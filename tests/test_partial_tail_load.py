@@ -251,10 +251,11 @@ def repeat_entries(planner, prompt: list[int], root: bytes) -> list[tuple[int, b
 def missing(cache: Path, planner, prompt: list[int]) -> list[int]:
     """Indices (in `repeat_entries` order) of the entries a repeat of `prompt` restores that are not on disk."""
     from offload.keys import request_root
+    from offload.store.paths import LAYOUT_DIR
 
     [(d, lay)] = list(layouts(cache).items())
     root = request_root(bytes.fromhex(lay["base_fingerprint"]))
-    base = cache / "kvoffload-v2" / d
+    base = cache / LAYOUT_DIR / d
     return [i for i, (g, k) in enumerate(repeat_entries(planner, prompt, root))
             if not (base / f"g{g}" / k.hex()[:2] / f"{k.hex()}.kv").exists()]
 

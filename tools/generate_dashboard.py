@@ -247,7 +247,8 @@ def rows() -> tuple[Row, ...]:
                  "{{tier}} {{reason}}"),), width=8),
         Panel("Stores dropped by reason (last 5 min)",
               "backpressure: over max_pending_store_bytes; no_space: ENOSPC; error: other I/O errors; "
-              "shutdown: pending at shutdown; no_room: host-memory tier full of pinned entries.", "short",
+              "shutdown: pending at shutdown; no_room: host-memory tier full of pinned entries; "
+              "parent_dropped: the entry it chains from was dropped.", "short",
               (Q(f"sum by (tier, reason) (increase(kvoffload_stores_dropped_total{{{T}}}[5m]))",
                  "{{tier}} {{reason}}"),), width=8),
         Panel("Quarantined entries (last 5 min)",

@@ -86,6 +86,8 @@ class SchedulerSide:
         # (tier, group, key) entries held by a load in flight, by request. Kept
         # outside _Req: an aborted request's load still runs to completion.
         self._pins: dict[str, list[tuple[int, int, ChunkKey]]] = {}
+        # Promotions a load in flight reserved, (tier, group, key) in order, settled when it finishes.
+        self._promotions: dict[str, list[tuple[int, int, ChunkKey]]] = {}
         self.reqs: dict[str, _Req] = {}
         self._loads: list[LoadJob] = []
         self._storable = [
@@ -258,9 +260,10 @@ class SchedulerSide:
                 parent = self._parent_key(st, gc)
                 ups = []
                 for t in range(source.tier):  # promotion: the same bytes into every faster tier
-                    placement = self.indices[t].reserve(g, key, parent)
+                    placement = self.indices[t].reserve_promotion(g, key, parent)
                     if placement is not None:
                         ups.append(TierSlot(t, placement.slot))
+                        self._promotions.setdefault(request.request_id, []).append((t, g, key))
                 entries.append(LoadEntry(self._ref(st, g, gc.chunk, gc), pairs, source, tuple(ups)))
                 chunk_tier[gc.chunk] = max(chunk_tier.get(gc.chunk, 0), source.tier)
             if fail:
@@ -468,6 +471,9 @@ class SchedulerSide:
                 for t, g, key in self._pins.get(req_id, ()):
                     self.indices[t].forget(g, key)
             self._unpin(req_id)
+            # Children first, so that a failed chain's entries can go.
+            for t, g, key in reversed(self._promotions.pop(req_id, ())):
+                self.indices[t].promotion_done(g, key, landed=req_id not in failed)
             st = self.reqs.get(req_id)
             if st is None:
                 continue

@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -63,6 +64,9 @@ class WorkerCounters:
 
 # Linux scheduling policies (os has them only on Linux; _set_policy ignores them elsewhere).
 _IDLE, _NORMAL = getattr(os, "SCHED_IDLE", 5), getattr(os, "SCHED_OTHER", 0)
+# Dropped stores remembered for their children: far more than a step stores. One forgotten
+# can leave a hole again, which costs one failed load (the recompute stores the chain again).
+_MAX_HOLES = 1 << 16
 
 
 def _set_policy(tid: int, policy: int) -> None:
@@ -184,6 +188,10 @@ class WorkerSide:
         # when it plans it) reads these bytes instead of racing the write.
         self._writing: dict[tuple[int, int, bytes], HostChunk] = {}
         self._pending_store_bytes = 0
+        # Chained entries whose store to a tier was dropped, by (tier, group,
+        # key[:8]): their children are dropped too, so a tier never holds an
+        # entry behind a hole (lookups binary-search that prefix).
+        self._holes: OrderedDict[tuple[int, int, bytes], None] = OrderedDict()
         self._closed = False
         self._share: SharedGathers | None = None
         # Partial tails: per attention group, which token owns each byte of a
@@ -396,6 +404,27 @@ class WorkerSide:
 
     # ---- stores -----------------------------------------------------------------
 
+    def _drop_store(self, tier: int, header: ChunkHeader, reason: str) -> None:
+        """A store of `header` to `tier` will not land: count it, and note the
+        hole where the entry is a link of a prefix-closed chain."""
+        self._drop(tier, reason)
+        if header.kind is not GroupKind.MAMBA:
+            with self._lock:
+                self._holes[(tier, header.group, bytes(header.key[:8]))] = None
+                while len(self._holes) > _MAX_HOLES:
+                    self._holes.popitem(last=False)
+
+    def _behind_hole(self, tier: int, header: ChunkHeader) -> bool:
+        """Is the entry this one chains from a dropped store of `tier`?
+        (Otherwise the entry is about to be written: a hole it fills is gone.)"""
+        if header.kind is GroupKind.MAMBA:
+            return False
+        with self._lock:
+            if header.parent != bytes(8) and (tier, header.group, bytes(header.parent)) in self._holes:
+                return True
+            self._holes.pop((tier, header.group, bytes(header.key[:8])), None)
+            return False
+
     def _drop(self, tier: int, reason: str, n: int = 1) -> None:
         self._count(tier, "stores_dropped", n, key=reason)
         self.recorders[tier].inc("kvoffload_stores_dropped", n, reason=reason)
@@ -420,8 +449,9 @@ class WorkerSide:
                 self._save(job)
             except Exception:
                 logger.exception("kvoffload: gather for request %s failed", job.req_id)
+                header = self._header(job.file)
                 for t in job.targets:
-                    self._drop(t.tier, "error")
+                    self._drop_store(t.tier, header, "error")
 
     def _save(self, job: StoreJob) -> None:
         """One gather on the forward path; the other targets are written from
@@ -431,6 +461,9 @@ class WorkerSide:
         n = len(job.block_ids) * self.pages[job.file.group].page_bytes
         shared = self._share.get(header.group, header.key) if self._share is not None else None
         direct, rest = self._split_targets(header, job.targets)
+        for t in [t for t in rest if self._behind_hole(t.tier, header)]:
+            rest.remove(t)
+            self._drop_store(t.tier, header, "parent_dropped")
         if direct is not None:
             self._gather_direct(job, header, direct, shared, n, t0)
         else:
@@ -441,7 +474,7 @@ class WorkerSide:
             return
         if not self._admit(n):
             for t in rest:
-                self._drop(t.tier, "backpressure")
+                self._drop_store(t.tier, header, "backpressure")
             return
         if direct is not None:
             self._dispatch_write_through(header, direct, rest, n, t0)
@@ -602,10 +635,10 @@ class WorkerSide:
                         self.recorders[t.tier].inc("kvoffload_stores_deduplicated", group_kind=header.kind.value)
                 except OSError as e:
                     logger.warning("kvoffload: store of %s dropped: %s", header.key.hex()[:16], e)
-                    self._drop(t.tier, "no_space" if e.errno == errno.ENOSPC else "error")
+                    self._drop_store(t.tier, header, "no_space" if e.errno == errno.ENOSPC else "error")
                 except Exception:
                     logger.exception("kvoffload: store of %s failed", header.key.hex()[:16])
-                    self._drop(t.tier, "error")
+                    self._drop_store(t.tier, header, "error")
         finally:
             with self._lock:
                 for t in targets:

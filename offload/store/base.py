@@ -137,6 +137,19 @@ class TierIndex(ABC):
         """Where to store a new entry; None when it is already stored or there
         is no room (the store is skipped)."""
 
+    def reserve_promotion(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
+        """`reserve` for bytes a load in flight will copy up from a slower
+        tier. An index whose `contains` would count the entry before those
+        bytes land (host memory) keeps it out of `contains` and `pin` until
+        `promotion_done`: a lookup meanwhile would plan a load of a slot
+        still empty."""
+        return self.reserve(group, key, parent)
+
+    def promotion_done(self, group: int, key: ChunkKey, landed: bool) -> None:
+        """The load that reserved this promotion finished; `landed` is False
+        where it failed, so the bytes may not be there."""
+        return None
+
     @abstractmethod
     def pin(self, group: int, key: ChunkKey) -> Placement | None:
         """Hold an entry for a load until `unpin`; None if it is gone."""

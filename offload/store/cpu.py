@@ -83,6 +83,7 @@ class _Entry:
     parent: ChunkKey | None
     pins: int = 0
     children: set[ChunkKey] = field(default_factory=set)
+    pending: bool = False  # a promotion whose bytes have not landed: neither offered nor evicted
 
 
 class _Pool:
@@ -103,7 +104,7 @@ class _Pool:
         while stack:
             k = stack.pop()
             e = self.entries[k]
-            if e.pins or (self.backed is not None and not self.backed(k)):
+            if e.pins or e.pending or (self.backed is not None and not self.backed(k)):
                 return None
             out.append(k)
             if self.prefix_closed:
@@ -115,16 +116,19 @@ class _Pool:
             victims = self._subtree(key)
             if victims is None:
                 continue
-            for k in victims:
-                e = self.entries.pop(k)
-                self.free.append(e.slot)
-                if e.parent is not None and e.parent in self.entries:
-                    self.entries[e.parent].children.discard(k)
+            self.remove(victims)
             self.evictions += len(victims)
             return True
         return False
 
-    def reserve(self, key: ChunkKey, parent: ChunkKey | None) -> int | None:
+    def remove(self, keys: list[ChunkKey]) -> None:
+        for k in keys:
+            e = self.entries.pop(k)
+            self.free.append(e.slot)
+            if e.parent is not None and e.parent in self.entries:
+                self.entries[e.parent].children.discard(k)
+
+    def reserve(self, key: ChunkKey, parent: ChunkKey | None, pending: bool = False) -> int | None:
         if key in self.entries:
             self.entries.move_to_end(key)
             return None
@@ -139,7 +143,7 @@ class _Pool:
                 self.no_room += 1
                 return None  # the eviction took our own parent
         slot = self.free.pop()
-        self.entries[key] = _Entry(slot, parent)
+        self.entries[key] = _Entry(slot, parent, pending=pending)
         if self.prefix_closed and parent is not None:
             self.entries[parent].children.add(key)
         return slot
@@ -155,16 +159,33 @@ class CpuIndex(TierIndex):
         self.layout = layout
 
     def contains(self, group: int, key: ChunkKey) -> bool:
-        return key in self.pools[group].entries
+        e = self.pools[group].entries.get(key)
+        return e is not None and not e.pending
 
     def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
         slot = self.pools[group].reserve(key, parent)
         return None if slot is None else Placement(slot)
 
+    def reserve_promotion(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
+        slot = self.pools[group].reserve(key, parent, pending=True)
+        return None if slot is None else Placement(slot)
+
+    def promotion_done(self, group: int, key: ChunkKey, landed: bool) -> None:
+        """Offer the entry from now on; where its load failed (the bytes may
+        not have landed) drop it instead, unless an entry was stored behind
+        it meanwhile (the worker then finds the slot empty: a counted miss)."""
+        pool = self.pools[group]
+        e = pool.entries.get(key)
+        if e is None or not e.pending:
+            return
+        e.pending = False
+        if not landed and not e.children and not e.pins:
+            pool.remove([key])
+
     def pin(self, group: int, key: ChunkKey) -> Placement | None:
         pool = self.pools[group]
         e = pool.entries.get(key)
-        if e is None:
+        if e is None or e.pending:
             return None
         e.pins += 1
         pool.entries.move_to_end(key)
