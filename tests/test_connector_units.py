@@ -829,6 +829,71 @@ def test_a_store_dropped_for_backpressure_drops_the_entries_chained_behind_it(ma
     assert_scheduler_empty(eng.scheduler)
 
 
+def test_on_a_hybrid_a_dropped_attention_store_drops_the_mamba_states_behind_it_too(hybrid_config, tmp_path,
+                                                                                    monkeypatch):
+    """The same on the hybrid: once a chunk's attention store is dropped,
+    the chunk is incomplete on that tier, so every entry chained behind it,
+    the Mamba states at later boundaries included, is dropped; the state at
+    the dropped chunk's own boundary may still be written (it chains from
+    the complete chunk before). On disk: attention chunks 0..a-1, states up
+    to boundary a+1 at most, nothing below a hole; a repeat restores a
+    chunks."""
+    from offload.cli.cache import chunks, scan
+    from offload.store.fs import FsData
+
+    h_bs = 128
+    set_connector(hybrid_config, {"store": "fs", "path": str(tmp_path / "cache"), "max_pending_store_bytes": 1 << 20})
+    kcc = hybrid_kv_cache_config(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
+                                 ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
+                                 block_size=h_bs, mamba_shapes=((3, 192), (1, 64, 64)),
+                                 mamba_dtypes=(torch.bfloat16, torch.float32), num_kv_heads=4, head_size=64,
+                                 num_blocks=64, mamba_cache_mode=hybrid_config.cache_config.mamba_cache_mode)
+    scheduler = create_scheduler(hybrid_config, kcc)
+    eng = Engine(scheduler, WorkerStep(hybrid_config, kcc, scheduler))
+    worker = eng.worker.connector._worker
+    release, real_put = threading.Event(), FsData.put
+
+    def held_put(self, *args, **kwargs):
+        assert release.wait(30), "write held for 30 s"
+        return real_put(self, *args, **kwargs)
+
+    monkeypatch.setattr(FsData, "put", held_put)
+    try:
+        n = 12 * h_bs + 40
+        planner = scheduler.connector.planner
+        n_chunks = planner.max_hit_chunks(n)
+        tokens = prompt(13, n)
+        scheduler.add_request(create_request("a", tokens, max_tokens=2, block_size=h_bs))
+        eng.run_until(lambda: worker.counters[0].stores_dropped.get("backpressure"))
+        release.set()
+        eng.run_to_completion()
+        eng.run_until(lambda: worker._pending_store_bytes == 0)
+
+        dirs = scan(tmp_path / "cache").dirs
+        files = [f for d in dirs for f in d.files]
+        kinds = [g.kind.value for g in planner.groups]
+        pos = {k: sorted(f.header.token_start // planner.chunk_size for f in files if kinds[f.group] == k)
+               for k in set(kinds)}
+        a = len(pos["full_attention"])
+        assert 0 < a < n_chunks and pos["full_attention"] == list(range(a)), pos
+        assert pos["mamba"] == list(range(len(pos["mamba"]))) and len(pos["mamba"]) <= a + 1, pos
+        drops = worker.counters[0].stores_dropped
+        assert drops["parent_dropped"] == 2 * (n_chunks - a - 1), (drops, pos)
+        assert len(files) + sum(drops.values()) == 2 * n_chunks, (drops, pos)
+        problems = [(f.path, f.problem) for f in files if f.problem]
+        problems += [(c.pos, c.orphan) for d in dirs for c in chunks(d).values() if c.orphan]
+        assert not problems, problems
+
+        assert scheduler.reset_prefix_cache()
+        eng.worker.scramble()
+        scheduler.add_request(create_request("b", tokens, max_tokens=2, block_size=h_bs))
+        eng.run_to_completion()
+        assert tier_params(eng, "b") == {"restored_tokens": a * h_bs, "load_failed": False}
+        assert_scheduler_empty(scheduler)
+    finally:
+        eng.worker.connector.shutdown()
+
+
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
 def test_drain_runs_idle_priority_stores_at_normal_priority_then_yields_again(make, monkeypatch):
     """Store threads run at SCHED_IDLE so they never take a core from the model; a

@@ -188,10 +188,12 @@ class WorkerSide:
         # when it plans it) reads these bytes instead of racing the write.
         self._writing: dict[tuple[int, int, bytes], HostChunk] = {}
         self._pending_store_bytes = 0
-        # Chained entries whose store to a tier was dropped, by (tier, group,
-        # key[:8]): their children are dropped too, so a tier never holds an
-        # entry behind a hole (lookups binary-search that prefix).
-        self._holes: OrderedDict[tuple[int, int, bytes], None] = OrderedDict()
+        # Chunks whose attention store to a tier was dropped: (tier, key[:8])
+        # -> the groups dropped. Every entry chained behind one is dropped
+        # too (a Mamba state as well: its chunk is incomplete there), so a
+        # tier never holds an entry behind a hole (lookups binary-search the
+        # attention prefix).
+        self._holes: OrderedDict[tuple[int, bytes], set[int]] = OrderedDict()
         self._closed = False
         self._share: SharedGathers | None = None
         # Partial tails: per attention group, which token owns each byte of a
@@ -406,23 +408,26 @@ class WorkerSide:
 
     def _drop_store(self, tier: int, header: ChunkHeader, reason: str) -> None:
         """A store of `header` to `tier` will not land: count it, and note the
-        hole where the entry is a link of a prefix-closed chain."""
+        hole where the entry is a link of the attention chain (a missing
+        Mamba state only shortens a hit)."""
         self._drop(tier, reason)
         if header.kind is not GroupKind.MAMBA:
             with self._lock:
-                self._holes[(tier, header.group, bytes(header.key[:8]))] = None
+                self._holes.setdefault((tier, bytes(header.key[:8])), set()).add(header.group)
                 while len(self._holes) > _MAX_HOLES:
                     self._holes.popitem(last=False)
 
     def _behind_hole(self, tier: int, header: ChunkHeader) -> bool:
-        """Is the entry this one chains from a dropped store of `tier`?
-        (Otherwise the entry is about to be written: a hole it fills is gone.)"""
-        if header.kind is GroupKind.MAMBA:
-            return False
+        """Is the chunk this entry chains from incomplete on `tier` by a
+        dropped store? (Otherwise the entry is about to be written: the hole
+        it fills, if any, is gone.)"""
         with self._lock:
-            if header.parent != bytes(8) and (tier, header.group, bytes(header.parent)) in self._holes:
+            if header.parent != bytes(8) and self._holes.get((tier, bytes(header.parent))):
                 return True
-            self._holes.pop((tier, header.group, bytes(header.key[:8])), None)
+            if header.kind is not GroupKind.MAMBA:
+                dropped = self._holes.get((tier, bytes(header.key[:8])))
+                if dropped is not None:
+                    dropped.discard(header.group)
             return False
 
     def _drop(self, tier: int, reason: str, n: int = 1) -> None:
