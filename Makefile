@@ -28,7 +28,7 @@ clean:
 	rm -rf build *.egg-info offload/*.so .cache/demo
 
 .PHONY: bench
-bench:  ## issue 6 and 13 benchmarks at full size (hours with peer_race on 2 cores; best on an idle machine); JSON in bench/results/ (docs/performance.md)
+bench:  ## the benchmarks at full size (hours with peer_race on 2 cores; best on an idle machine); JSON in bench/results/ (docs/performance.md)
 	mkdir -p $(or $(BENCH_DIR),$(CURDIR)/.cache)
 	$(PY) bench/build_model.py .models
 	$(PY) -m bench.cpu_tier $(BENCH_ARGS)
@@ -46,6 +46,6 @@ charts:  ## PNG charts of the committed results in bench/results/*.json, written
 	$(PY) -m bench.charts
 
 .PHONY: bench-scale
-bench-scale:  ## issue 13: 1M chunk files, pre-ledger walk vs ledger (~35 min on 2 shared cores; ~4 GB, 1M inodes, deleted after)
+bench-scale:  ## 1M chunk files, pre-ledger walk vs ledger (~35 min on 2 shared cores; ~4 GB, 1M inodes, deleted after)
 	mkdir -p $(or $(BENCH_DIR),$(CURDIR)/.cache)
 	$(PY) -m bench.scale --dir $(or $(BENCH_DIR),$(CURDIR)/.cache) $(SCALE_ARGS)

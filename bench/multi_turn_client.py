@@ -52,10 +52,12 @@ kept with the server logs ($TMPDIR/kvoffload-bench-logs/<name>).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import importlib.util
 import json
+import math
 import os
 import random
 import re
@@ -78,14 +80,14 @@ from bench.peer_race import (
     CONFIGS,
     SERVED,
     Server,
-    _each,
-    _fmt_ratio,
-    _race,
-    _settled,
-    _spread,
     delta,
+    each,
+    fmt_ratio,
     kv_config,
+    race,
     server,
+    settled,
+    spread,
     unit_serve_args,
     wait_quiet,
     worker_counters,
@@ -415,17 +417,17 @@ def run_model(cr: ClientRun, work: Path, plan: Any, log_dir: Path, parallel: boo
         raise RuntimeError(f"vLLM's multi-turn client imports {', '.join(missing)}: pip install {' '.join(missing)} "
                            "(pyproject.toml's bench and test extras)")
     client = cr.client or client_dir()
-    wl = cr.workload
-    wl.message_floor = message_floor(cr.model, wl.conversations)
+    wl = dataclasses.replace(cr.workload, message_floor=message_floor(cr.model, cr.workload.conversations))
     max_len = wl.max_model_len
-    limit = json.loads(Path(cr.model, "config.json").read_text()).get("max_position_embeddings")
+    model_cfg = json.loads(Path(cr.model, "config.json").read_text())
+    limit = model_cfg.get("max_position_embeddings")
     if limit and max_len > limit:
         raise ValueError(f"{cr.label}: the conversations need a max_model_len of about {max_len} tokens, the model "
                          f"takes {limit}: fewer --turns, or shorter --prefix-tokens, --message-tokens or "
                          "--answer-tokens")
     blocks = cr.blocks or cache_blocks(plan, wl, max_len, cr.cache_fraction)
     args = client_serve_args(plan)
-    vocab = json.loads(Path(cr.model, "config.json").read_text()).get("vocab_size", 1000)
+    vocab = model_cfg.get("vocab_size", 1000)
     rng = random.Random(cr.seed)
     warm, flush = [rng.randrange(2, vocab) for _ in range(64)], [rng.randrange(2, vocab) for _ in range(16)]
     inputs = log_dir / f"{cr.label}-client-input"
@@ -456,9 +458,9 @@ def run_model(cr: ClientRun, work: Path, plan: Any, log_dir: Path, parallel: boo
             m0, t0 = s.metrics(), s.tree()
             stats, convs = run_client(s, client, cr.model, conv_file, wl, out, cr.seed, cr.timeout_s)
             t1 = s.tree()
-            m1 = _settled(s, m0, len(stats))
+            m1 = settled(s, m0, len(stats))
             s.complete(flush)
-            m2 = _settled(s, m1)
+            m2 = settled(s, m1)
             size, nfiles = wait_quiet(d) if c != "none" else (0, 0)
         shutil.rmtree(d, ignore_errors=True)
         return {"client": client_summary(stats, convs, wl), "server": server_counters(m0, m1, m2),
@@ -471,7 +473,7 @@ def run_model(cr: ClientRun, work: Path, plan: Any, log_dir: Path, parallel: boo
     cs = cr.configs
     for r in range(cr.rounds):
         order = cs[r % len(cs):] + cs[:r % len(cs)]  # rotated: drift falls on every configuration
-        doc["rounds"].append({"order": list(order), **_each(order, functools.partial(one, r), parallel)})
+        doc["rounds"].append({"order": list(order), **each(order, functools.partial(one, r), parallel)})
         if checkpoint is not None:
             checkpoint(doc)
     doc["summary"] = summarize(doc)
@@ -511,11 +513,11 @@ def summarize(doc: dict) -> dict:
         row: dict[str, Any] = {}
         for c in configs:
             vals = [get(r[c]) for r in rounds]
-            row[c] = {"runs": vals, "median": median(vals), "spread": _spread(vals)}
+            row[c] = {"runs": vals, "median": median(vals), "spread": spread(vals)}
         for a, b in (("ours", "vllm"), ("ours", "none")):
             if a in configs and b in configs:
                 q = [get(r[a]) / get(r[b]) for r in rounds if get(r[a]) is not None and get(r[b])]
-                row[f"{a}_over_{b}"] = {"median": median(q), "spread": _spread(q)} if q else None
+                row[f"{a}_over_{b}"] = {"median": median(q), "spread": spread(q)} if q else None
         out["metrics"][key] = row
     out["all_requests_succeeded"] = {
         c: all(r[c]["client"]["failed"] == 0 and r[c]["client"]["conversations_completed"] == wl["conversations"]
@@ -533,13 +535,13 @@ def print_tables(doc: dict) -> None:
     s = doc["summary"]
 
     def cell(row: dict, c: str) -> str:
-        if c not in row or row[c]["median"] is None or row[c]["median"] != row[c]["median"]:
+        if c not in row or row[c]["median"] is None or math.isnan(row[c]["median"]):
             return "-"
         m, sp = row[c]["median"], row[c]["spread"]
         return f"{m:.4g}" + (f" ({sp[0]:.4g}-{sp[1]:.4g})" if sp and sp[0] != sp[1] else "")
 
     def ratio(row: dict, key: str) -> str:
-        return _fmt_ratio(row[key]) if row.get(key) else "-"
+        return fmt_ratio(row[key]) if row.get(key) else "-"
 
     rows = [[doc["label"], label, *(cell(s["metrics"][key], c) for c in CONFIGS),
              ratio(s["metrics"][key], "ours_over_vllm"), ratio(s["metrics"][key], "ours_over_none")]
@@ -555,7 +557,7 @@ def print_tables(doc: dict) -> None:
 def run(runs: list[ClientRun], work_dir: str | None = None, out_dir: Path | None = None,
         name: str = "vllm_client_multi_turn", parallel: bool = False) -> dict:
     """vLLM's multi-turn client against each configuration, per model; one JSON, `<out_dir>/<name>.json`."""
-    return _race(runs, work_dir, out_dir, name, "kvoffload-mtc-", {"mode": "vllm_multi_turn_client"},
+    return race(runs, work_dir, out_dir, name, "kvoffload-mtc-", {"mode": "vllm_multi_turn_client"},
                  lambda cr, work, plan, log_dir, checkpoint: run_model(cr, work, plan, log_dir, parallel, checkpoint),
                  print_tables)
 

@@ -207,8 +207,8 @@ def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: in
         s.start_s = time.perf_counter() - w0
         if warm:
             s.complete(warm)
-            # A server's first request with logprobs costs about 1.6 s more on the 80B geometry
-            # (measured): warm that path too, for the multi-turn race's answers.
+            # A server's first request with logprobs pays a one-time set-up (seconds on the 80B
+            # geometry): warm that path too, so the multi-turn race does not time it.
             s.complete(warm, logprobs=LOGPROBS, return_tokens_as_token_ids=True)
         yield s
     finally:
@@ -221,16 +221,16 @@ def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: in
                 proc.wait()
 
 
-def _settled(s: Server, before: Samples, n: int = 1, timeout_s: float = 60) -> Samples:
+def settled(s: Server, before: Samples, n: int = 1, timeout_s: float = 60) -> Samples:
     """Metrics once vLLM has recorded `n` more first tokens (its stats trail the response), or
     after `timeout_s` as they are."""
 
-    def settled() -> Samples | None:
+    def counted() -> Samples | None:
         m = s.metrics()
         return m if delta(before, m, "vllm:time_to_first_token_seconds_count") >= n else None
 
     try:
-        return wait_until(settled, timeout_s, "vLLM's first-token count")
+        return wait_until(counted, timeout_s, "vLLM's first-token count")
     except TimeoutError:
         return s.metrics()
 
@@ -256,9 +256,9 @@ def measure(s: Server, ids: list[int], flush: list[int], max_tokens: int = 1, lo
     body = {"logprobs": logprobs, "return_tokens_as_token_ids": True} if logprobs else {}
     out = s.complete(ids, max_tokens, **body)
     wall = time.perf_counter() - w0
-    m1 = _settled(s, m0)
+    m1 = settled(s, m0)
     s.complete(flush)
-    m2 = _settled(s, m1)
+    m2 = settled(s, m1)
     t1 = s.tree()
     details = (out.get("usage") or {}).get("prompt_tokens_details") or {}
     choice = out["choices"][0]
@@ -304,7 +304,7 @@ def bench_serve(s: Server, model: str, load: dict, result_dir: Path, seed: int) 
     if p.returncode != 0 or not (result_dir / name).exists():
         raise RuntimeError(f"vllm bench serve failed ({p.returncode}):\n{(p.stdout + p.stderr)[-6000:]}")
     s.complete([3, 4, 5, 6], 1)  # flush the connector's stats of the last step
-    m1 = _settled(s, m0, load["num_prompts"] + 1)
+    m1 = settled(s, m0, load["num_prompts"] + 1)
     r = json.loads((result_dir / name).read_text())
     keep = ("completed", "failed", "duration", "request_throughput", "output_throughput", "total_token_throughput",
             "total_input_tokens", "total_output_tokens", "mean_ttft_ms", "median_ttft_ms", "mean_tpot_ms",
@@ -402,7 +402,7 @@ class ModelRun:
     env: dict[str, str] = field(default_factory=dict)  # per server, e.g. a smaller VLLM_CPU_KVCACHE_SPACE
 
 
-def _each(configs: tuple[str, ...], fn: Any, parallel: bool) -> dict[str, Any]:
+def each(configs: tuple[str, ...], fn: Any, parallel: bool) -> dict[str, Any]:
     """fn(config) for each config: one after the other (measuring), or all at once (`parallel`:
     a correctness check only, the timings mean nothing)."""
     if not parallel:
@@ -492,16 +492,16 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         out["load"] = load
         return out
 
-    doc["store"] = _each(tuple(pristine), store, parallel or parallel_store)
+    doc["store"] = each(tuple(pristine), store, parallel or parallel_store)
     cs = mr.configs
     for r in range(mr.rounds):
         order = cs[r % len(cs):] + cs[:r % len(cs)]  # rotated: drift falls on every configuration
         if parallel:
             files = [f for c in order for f in prepare(c)[1]]
             method = drop_page_cache(files)
-            res = _each(order, functools.partial(restart, r, method=method), True)
+            res = each(order, functools.partial(restart, r, method=method), True)
         else:
-            res = _each(order, functools.partial(restart, r), False)
+            res = each(order, functools.partial(restart, r), False)
         doc["rounds"].append({"order": list(order), **res})
         if checkpoint is not None:  # a long run that dies keeps its finished rounds
             checkpoint(doc)
@@ -511,7 +511,7 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
 
 # ---------------------------------------------------------------- summary
 
-def _spread(xs: list[float]) -> list[float]:
+def spread(xs: list[float]) -> list[float]:
     xs = [x for x in xs if x is not None]
     return [min(xs), max(xs)] if xs else []
 
@@ -533,11 +533,11 @@ def _own_cache(own: list[dict], per_round: list[dict[str, dict]]) -> dict[str, A
     for c in ("ours", "vllm"):
         if c in per_round[0]:
             q = [r[c]["ttft_s"] / o["ttft_s"] for r, o in zip(per_round, own)]
-            out[f"ttft_{c}_over_own_cache"] = {"median": median(q), "spread": _spread(q)}
+            out[f"ttft_{c}_over_own_cache"] = {"median": median(q), "spread": spread(q)}
     if "vllm" in per_round[0]:
         # The lowest ours / vLLM-tiering ratio any restore could reach on this prompt.
         q = [o["ttft_s"] / r["vllm"]["ttft_s"] for r, o in zip(per_round, own)]
-        out["ttft_own_cache_over_vllm"] = {"median": median(q), "spread": _spread(q)}
+        out["ttft_own_cache_over_vllm"] = {"median": median(q), "spread": spread(q)}
     return out
 
 
@@ -557,10 +557,10 @@ def summarize(doc: dict) -> dict:
         # ratios per round (same round = same machine conditions), then their median and spread
         for a, b in _pairs(configs):
             q = [r[a]["ttft"][i]["ttft_s"] / r[b]["ttft"][i]["ttft_s"] for r in rounds]
-            row[f"ttft_{a}_over_{b}"] = {"median": median(q), "spread": _spread(q)}
+            row[f"ttft_{a}_over_{b}"] = {"median": median(q), "spread": spread(q)}
         if "none" in configs:
             q = [r["none"]["ttft"][i]["ttft_s"] / r["ours"]["ttft"][i]["ttft_s"] for r in rounds]
-            row["speedup_ours_vs_recompute"] = {"median": median(q), "spread": _spread(q)}
+            row["speedup_ours_vs_recompute"] = {"median": median(q), "spread": spread(q)}
         ours = [r["ours"]["ttft"][i] for r in rounds]
         row["ours_restore"] = {
             "restored_bytes": ours[0]["restored_bytes"],
@@ -590,7 +590,7 @@ def summarize(doc: dict) -> dict:
             [x["cpu_s"] / max(1, x["total_input_tokens"] + x["total_output_tokens"]) * 1e3 for x in ld])
     for a, b in _pairs(configs) if doc["load"] else ():
         q = [r[a]["load"]["total_token_throughput"] / r[b]["load"]["total_token_throughput"] for r in rounds]
-        out["load"][f"throughput_{a}_over_{b}"] = {"median": median(q), "spread": _spread(q)}
+        out["load"][f"throughput_{a}_over_{b}"] = {"median": median(q), "spread": spread(q)}
     st = doc["store"]
     out["bytes_written_per_stored_token"] = {c: st[c]["written_bytes_per_token"] for c in st}
     out["disk_bytes_per_stored_token"] = {c: st[c]["disk_bytes_per_token"] for c in st}
@@ -598,7 +598,7 @@ def summarize(doc: dict) -> dict:
     return out
 
 
-def _fmt_ratio(d: dict) -> str:
+def fmt_ratio(d: dict) -> str:
     sp = d["spread"]
     return f"{d['median']:.2f}x" + (f" ({sp[0]:.2f}-{sp[1]:.2f})" if sp else "")
 
@@ -608,7 +608,7 @@ def _load_rows(label: str, ld: dict) -> list[list[str]]:
         return format(ld[c][key] * scale, fmt) if c in ld else "-"
 
     def ratio(key: str) -> str:
-        return _fmt_ratio(ld[key]) if key in ld else "-"
+        return fmt_ratio(ld[key]) if key in ld else "-"
 
     ext = " / ".join(cell(c, "external_tokens", ".0f") for c in ("ours", "vllm"))
     return [[label, "load tok/s", *(cell(c, "total_token_throughput", ".0f") for c in CONFIGS),
@@ -622,7 +622,7 @@ def print_tables(doc: dict) -> None:
     s = doc["summary"]
 
     def ratio(row: dict, key: str) -> str:
-        return _fmt_ratio(row[key]) if key in row else "-"
+        return fmt_ratio(row[key]) if key in row else "-"
 
     def ttft(row: dict, c: str) -> str:
         return f"{row[c]['median_ttft_s']:.3g} s" if c in row else "-"
@@ -666,9 +666,9 @@ def _own_cache_line(row: dict) -> str:
         return ""
     line = f"; vLLM's own in-process TTFT {median(row['vllm_own_cache_ttft_s']) * 1e3:.0f} ms"
     if "ttft_ours_over_own_cache" in row:
-        line += f", ours / it {_fmt_ratio(row['ttft_ours_over_own_cache'])}"
+        line += f", ours / it {fmt_ratio(row['ttft_ours_over_own_cache'])}"
     if "ttft_own_cache_over_vllm" in row:
-        line += f", it / vLLM tiering {_fmt_ratio(row['ttft_own_cache_over_vllm'])} (no restore goes lower)"
+        line += f", it / vLLM tiering {fmt_ratio(row['ttft_own_cache_over_vllm'])} (no restore goes lower)"
     return line
 
 
@@ -768,7 +768,7 @@ def run_multi_turn_model(mr: MultiTurnRun, work: Path, plan: Any, log_dir: Path,
     cs = mr.configs
     for r in range(mr.rounds):
         order = cs[r % len(cs):] + cs[:r % len(cs)]  # rotated: drift falls on every configuration
-        res = _each(order, functools.partial(conversation, r), parallel)
+        res = each(order, functools.partial(conversation, r), parallel)
         doc["rounds"].append({"order": list(order), **res})
         if checkpoint is not None:
             checkpoint(doc)
@@ -805,17 +805,17 @@ def summarize_multi_turn(doc: dict) -> dict:
         for c in configs:
             turns = [r[c]["turns"][i] for r in rounds]
             tt = [x["ttft_s"] for x in turns]
-            row[c] = {"ttft_s": tt, "median_ttft_s": median(tt), "spread_ttft_s": _spread(tt),
+            row[c] = {"ttft_s": tt, "median_ttft_s": median(tt), "spread_ttft_s": spread(tt),
                       "prompt_tokens": [x["prompt_tokens"] for x in turns],
                       "restored_tokens": [x["external_tokens"] for x in turns],
                       "cached_tokens": [x["cached_tokens"] for x in turns],
                       "output_tokens": [len(x["output_ids"]) for x in turns]}
         for a, b in _pairs(configs):
             q = [r[a]["turns"][i]["ttft_s"] / r[b]["turns"][i]["ttft_s"] for r in rounds]
-            row[f"ttft_{a}_over_{b}"] = {"median": median(q), "spread": _spread(q)}
+            row[f"ttft_{a}_over_{b}"] = {"median": median(q), "spread": spread(q)}
         if "none" in configs:
             q = [r["none"]["turns"][i]["ttft_s"] / r["ours"]["turns"][i]["ttft_s"] for r in rounds]
-            row["speedup_ours_vs_recompute"] = {"median": median(q), "spread": _spread(q)}
+            row["speedup_ours_vs_recompute"] = {"median": median(q), "spread": spread(q)}
             row["identical_output"] = {c: all(r[c]["turns"][i]["output_ids"] == r["none"]["turns"][i]["output_ids"]
                                               for r in rounds) for c in configs if c != "none"}
             if all("top_logprobs" in r["none"]["turns"][i] for r in rounds):
@@ -841,7 +841,7 @@ def print_multi_turn_tables(doc: dict) -> None:
         return fn(row[c]) if c in row else "-"
 
     def ratio(row: dict, key: str) -> str:
-        return _fmt_ratio(row[key]) if key in row else "-"
+        return fmt_ratio(row[key]) if key in row else "-"
 
     rows = []
     for t, row in s["per_turn"].items():
@@ -863,7 +863,7 @@ def run_multi_turn(runs: list[MultiTurnRun], work_dir: str | None = None, out_di
     """The multi-turn race of each model; one JSON, `<out_dir>/<name>.json` (bench/results/
     multi_turn*.json is what bench/charts.py draws): the configurations, then per model the plan,
     the flags, the conversation's sizes, every round's turns and the summary."""
-    return _race(runs, work_dir, out_dir, name, "kvoffload-mt-", {"mode": "multi_turn"},
+    return race(runs, work_dir, out_dir, name, "kvoffload-mt-", {"mode": "multi_turn"},
                  lambda mr, work, plan, log_dir, checkpoint: run_multi_turn_model(mr, work, plan, log_dir, parallel,
                                                                                   checkpoint),
                  print_multi_turn_tables)
@@ -891,10 +891,10 @@ def run(runs: list[ModelRun], work_dir: str | None = None, out_dir: Path | None 
             mr.load = {**mr.load, "prefix_len": mr.load.pop("prefix_chunks") * plan.hybrid_chunk_size}
         return run_model(mr, work, plan, log_dir, parallel, separate_load, checkpoint, parallel_store)
 
-    return _race(runs, work_dir, out_dir, name, "kvoffload-race-", {}, one, print_tables)
+    return race(runs, work_dir, out_dir, name, "kvoffload-race-", {}, one, print_tables)
 
 
-def _race(runs: list[Any], work_dir: str | None, out_dir: Path | None, name: str, prefix: str,
+def race(runs: list[Any], work_dir: str | None, out_dir: Path | None, name: str, prefix: str,
           header: dict[str, Any], one: Callable[..., dict], print_model: Callable[[dict], None]) -> dict:
     """What the race and the multi-turn race share: a work directory (under `work_dir`, removed
     after, its server logs kept in $TMPDIR/kvoffload-bench-logs/<name>), the plan of every model,

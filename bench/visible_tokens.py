@@ -41,7 +41,6 @@ class VisibleTokensOnly(LogitsProcessor):
         if not ids:
             raise ValueError(f"VisibleTokensOnly: the tokenizer of {mc.tokenizer} has no token with visible text")
         self.ids = torch.tensor(ids, dtype=torch.long)
-        self.device = device
         self.mask: torch.Tensor | None = None  # built on the first batch, as wide as its logits
 
     def is_argmax_invariant(self) -> bool:

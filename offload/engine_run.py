@@ -86,8 +86,13 @@ class RunSpec:
     # Requests read no prefix cache (vLLM's own nor a connector's): a cold
     # reference for prompts that share prefixes, in one engine.
     skip_prefix_cache: bool = False
-    # Or: each prompt's own max_tokens, in the order of `prompts` (overrides `max_tokens`).
+    # Each prompt's own max_tokens, in the order of `prompts` (instead of `max_tokens`).
     prompt_max_tokens: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_max_tokens is not None and len(self.prompt_max_tokens) != len(self.prompts):
+            raise ValueError(f"RunSpec.prompt_max_tokens: {len(self.prompt_max_tokens)} values for "
+                             f"{len(self.prompts)} prompts; give one per prompt, or None")
 
     def pass_orders(self) -> list[list[int]]:
         return self.order if self.order is not None else [list(range(len(self.prompts)))] * self.passes
@@ -289,7 +294,7 @@ def _serve(spec: RunSpec, workdir: Path) -> None:
         # connector warns about it; docs/operations.md). Let them land.
         kw.setdefault("shutdown_timeout", 60)
     llm = LLM(model=spec.model, disable_log_stats=False, **kw)
-    sizes = spec.prompt_max_tokens or [spec.max_tokens] * len(spec.prompts)
+    sizes = spec.prompt_max_tokens if spec.prompt_max_tokens is not None else [spec.max_tokens] * len(spec.prompts)
     params = {n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
                                 skip_reading_prefix_cache=spec.skip_prefix_cache or None) for n in set(sizes)}
     with open(workdir / "results.jsonl", "a") as out:

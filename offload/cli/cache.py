@@ -300,11 +300,11 @@ def _check(fp: FpDir, cf: ChunkFile, verify: bool, kinds: dict[int, GroupKind],
             # One chunk, or a partial tail inside one: from the chunk's start (a hybrid's
             # tail), or from a unit boundary inside it (attention-only tail entries) to a
             # boundary inside it (docs/format.md).
-            inside = 0 < h.token_end - h.token_start <= cs and h.token_start // cs == (h.token_end - 1) // cs \
-                if cs else True
-            if cs and (not inside or (h.token_start % cs and h.token_end % cs == 0)):
-                raise FormatError(f"token range [{h.token_start}, {h.token_end}) is neither one chunk of {cs} "
-                                  "nor a partial tail inside one")
+            if cs:
+                inside = 0 < h.token_end - h.token_start <= cs and h.token_start // cs == (h.token_end - 1) // cs
+                if not inside or (h.token_start % cs and h.token_end % cs == 0):
+                    raise FormatError(f"token range [{h.token_start}, {h.token_end}) is neither one chunk of {cs} "
+                                      "nor a partial tail inside one")
             kind = kinds.get(cf.group)
             if kind is not None and kind is not h.kind:
                 raise FormatError(f"kind {h.kind.value}, layout.json says g{cf.group} is {kind.value}")
@@ -402,7 +402,7 @@ def chunks(fp: FpDir) -> dict[str, Chunk]:
                 c.orphan = "parent chunk missing"
             elif not any(p.complete and not p.orphan for p in parents):
                 c.orphan = "parent chunk incomplete or itself below a hole"
-        if c.complete and not c.orphan:
+        if c.complete and not c.orphan and (not cs or c.end - c.start == cs):  # a tail is no parent
             good_at.add(c.pos)
     return out
 

@@ -91,26 +91,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def eviction_order(fp: FpDir, by_mtime: bool) -> list[tuple[float, int, Chunk]]:
-    """(subtree recency, -position, chunk) of every good chunk (not below a hole).
+    """(subtree recency, -first token, chunk) of every good chunk (not below a hole).
 
     Sorted ascending, this is the order gc evicts in, across directories too:
-    a descendant's recency is at most its ancestor's and its position is
+    a descendant's recency is at most its ancestor's and its first token is
     larger, so it always sorts first. A chunk whose parent is unknown counts
-    as a descendant of every chunk at an earlier position.
+    as a descendant of every chunk that starts earlier.
     """
     graph = {k: c for k, c in chunks(fp).items() if not c.orphan}
     recency = {k: (max(f.mtime for f in c.files) if by_mtime else c.used) for k, c in graph.items()}
-    # Positions are first tokens: an attention-only tail entry's parent may
-    # be in the same chunk, but always starts before it.
-    by_pos: dict[int, list[Chunk]] = {}
+    # By first token: an attention-only tail entry's parent may be in the
+    # same chunk, but always starts before it.
+    by_start: dict[int, list[Chunk]] = {}
     for c in graph.values():
-        by_pos.setdefault(c.start, []).append(c)
-    unknown_below = float("-inf")  # latest recency of parent-unknown chunks at later positions
-    for pos in sorted(by_pos, reverse=True):  # children before parents
-        for c in by_pos[pos]:
+        by_start.setdefault(c.start, []).append(c)
+    unknown_below = float("-inf")  # latest recency of parent-unknown chunks that start later
+    for start in sorted(by_start, reverse=True):  # children before parents
+        for c in by_start[start]:
             recency[c.key] = max([recency[c.key], unknown_below]
                                  + [recency[ch.key] for ch in c.children if ch.key in recency])
-        unknown_below = max([unknown_below] + [recency[c.key] for c in by_pos[pos]
+        unknown_below = max([unknown_below] + [recency[c.key] for c in by_start[start]
                                                if c.parent is None and c.start > 0])
     return [(recency[k], -c.start, c) for k, c in graph.items()]
 

@@ -406,14 +406,14 @@ class WorkerSide:
 
     # ---- stores -----------------------------------------------------------------
 
-    def _drop_store(self, tier: int, header: ChunkHeader, reason: str) -> None:
-        """A store of `header` to `tier` will not land: count it, and note the
+    def _drop_store(self, tier: int, entry: ChunkHeader | FileRef, reason: str) -> None:
+        """A store of `entry` to `tier` will not land: count it, and note the
         hole where the entry is a link of the attention chain (a missing
         Mamba state only shortens a hit)."""
         self._drop(tier, reason)
-        if header.kind is not GroupKind.MAMBA:
+        if entry.kind is not GroupKind.MAMBA:
             with self._lock:
-                self._holes.setdefault((tier, bytes(header.key[:8])), set()).add(header.group)
+                self._holes.setdefault((tier, bytes(entry.key[:8])), set()).add(entry.group)
                 while len(self._holes) > _MAX_HOLES:
                     self._holes.popitem(last=False)
 
@@ -425,9 +425,12 @@ class WorkerSide:
             if header.parent != bytes(8) and self._holes.get((tier, bytes(header.parent))):
                 return True
             if header.kind is not GroupKind.MAMBA:
-                dropped = self._holes.get((tier, bytes(header.key[:8])))
+                k = (tier, bytes(header.key[:8]))
+                dropped = self._holes.get(k)
                 if dropped is not None:
                     dropped.discard(header.group)
+                    if not dropped:
+                        del self._holes[k]
             return False
 
     def _drop(self, tier: int, reason: str, n: int = 1) -> None:
@@ -454,9 +457,8 @@ class WorkerSide:
                 self._save(job)
             except Exception:
                 logger.exception("kvoffload: gather for request %s failed", job.req_id)
-                header = self._header(job.file)
                 for t in job.targets:
-                    self._drop_store(t.tier, header, "error")
+                    self._drop_store(t.tier, job.file, "error")
 
     def _save(self, job: StoreJob) -> None:
         """One gather on the forward path; the other targets are written from
@@ -632,6 +634,11 @@ class WorkerSide:
                t0: float) -> None:
         try:
             for t in targets:
+                # Again here: a parent's write planned in the same step may have failed since.
+                # (One failing while this write runs still leaves a hole: one failed load later.)
+                if self._behind_hole(t.tier, header):
+                    self._drop_store(t.tier, header, "parent_dropped")
+                    continue
                 try:
                     if self.tiers[t.tier].put(header, chunk, Placement(t.slot)):
                         self._stored(t.tier, header, nbytes, t0)

@@ -179,7 +179,7 @@ class CpuIndex(TierIndex):
         if e is None or not e.pending:
             return
         e.pending = False
-        if not landed and not e.children and not e.pins:
+        if not landed and not e.children:  # (never pinned: `pin` refuses a pending entry)
             pool.remove([key])
 
     def pin(self, group: int, key: ChunkKey) -> Placement | None:
