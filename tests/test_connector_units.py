@@ -18,6 +18,7 @@ attention pages and the Mamba state at the hit boundary.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import threading
@@ -892,6 +893,97 @@ def test_on_a_hybrid_a_dropped_attention_store_drops_the_mamba_states_behind_it_
         assert_scheduler_empty(scheduler)
     finally:
         eng.worker.connector.shutdown()
+
+
+# ---- dropped stores reach the scheduler's indices -------------------------------------------------
+
+
+def test_host_memory_evicts_an_entry_whose_write_to_the_files_was_dropped(make, tmp_path, monkeypatch):
+    """In a stack, host memory keeps an entry whose only copy it holds while
+    the write to the files may still land. Where that write was dropped (an
+    I/O error here; backpressure and a full disk alike), the worker reports it
+    with a step's output and the entry is evicted like any other: kept, such
+    entries would fill host memory until a restart, every later store there
+    counted `no_room`. Host memory here holds one prompt's entries and every
+    file write fails; a second prompt must still be stored in host memory and
+    restored from it, byte for byte."""
+    from offload.store.fs import FsData
+
+    probe = make("cpu")
+    n = 4 * CHUNK + 88  # 4 chunks and a tail of 5 blocks: 9 entries, host memory's 1 MiB minimum and more
+    n_entries, HIT = entries(probe, n), hit(probe, n)
+
+    def failing_put(self, *args, **kwargs):
+        raise OSError(errno.EIO, "injected write error")
+
+    monkeypatch.setattr(FsData, "put", failing_put)
+    eng = make("stack", tiers=[{"store": "cpu", "cpu_bytes": n_entries * CHUNK_BYTES},
+                               {"store": "fs", "path": str(tmp_path / "cache")}])
+    worker = eng.worker.connector._worker
+    run(eng, "a", prompt(21, n))
+    eng.run_until(lambda: worker._pending_store_bytes == 0)
+    eng.step()  # the step's output carries the last drops (any step of other requests would)
+    assert sum(worker.counters[1].stores_dropped.values()) == n_entries, worker.counters[1].stores_dropped
+
+    b_tokens = prompt(22, n)
+    stored = store_prompt(eng, "b", b_tokens, tmp_path)
+    c = create_request("c", b_tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(c)
+    eng.step()
+    assert eng.status("c") == WAITING_FOR_KV, "no hit offered"
+    dest = table(eng, "c")[:HIT // BS]
+    eng.run_until(lambda: eng.status("c") != WAITING_FOR_KV)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored from host memory")
+    eng.run_to_completion()
+    host = f"kvoffload:{eng.scheduler.connector.cfg.tiers[0].tier_name}"
+    assert eng.finished["c"][host] == {"restored_tokens": HIT, "load_failed": False}
+    totals = eng.totals()
+    assert "failed_loads" not in totals and not totals.get("stores_dropped:no_room"), totals
+    assert_scheduler_empty(eng.scheduler)
+
+
+def test_an_entry_whose_host_memory_store_failed_is_not_offered(make, tmp_path, monkeypatch):
+    """The scheduler counts an entry in host memory when it plans the store.
+    If the gather into its slot fails, the worker reports the drop and the
+    entry is forgotten: a lookup is not offered a slot that does not hold it
+    (that load would fail, a counted miss for every later request with the
+    prefix, since the slot's entry stays). A repeat stores the prefix again,
+    and the next repeat restores it from host memory."""
+    from offload.connector.worker import WorkerSide
+
+    eng = make("cpu")
+    HIT = hit(eng)
+    real_gather, broken = WorkerSide._gather, threading.Event()
+    broken.set()
+
+    def gather(self, *args, **kwargs):
+        if broken.is_set():
+            raise RuntimeError("injected gather error")
+        return real_gather(self, *args, **kwargs)
+
+    monkeypatch.setattr(WorkerSide, "_gather", gather)
+    tokens = prompt(23)
+    run(eng, "a", tokens)
+    broken.clear()
+    # The first entry's drop reached the scheduler in its step, so the entries chained behind it
+    # were never planned into host memory (orphans there), nor tried.
+    assert eng.worker.connector._worker.counters[0].stores_dropped == {"error": 1}
+    assert eng.scheduler.reset_prefix_cache()
+    eng.worker.scramble()
+    stored = store_prompt(eng, "b", tokens, tmp_path)
+    assert tier_params(eng, "b") == {"restored_tokens": 0, "load_failed": False}
+
+    c = create_request("c", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(c)
+    eng.step()
+    assert eng.status("c") == WAITING_FOR_KV, "no hit offered"
+    dest = table(eng, "c")[:HIT // BS]
+    eng.run_until(lambda: eng.status("c") != WAITING_FOR_KV)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored from host memory")
+    eng.run_to_completion()
+    assert tier_params(eng, "c") == {"restored_tokens": HIT, "load_failed": False}
+    assert "failed_loads" not in eng.totals(), eng.totals()
+    assert_scheduler_empty(eng.scheduler)
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")

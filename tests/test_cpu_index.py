@@ -143,3 +143,49 @@ def test_in_a_stack_an_only_copy_is_never_evicted():
     assert idx.reserve(1, k(20), None) is None, "k(11) chains from k(10) and is an only copy"
     below.add((1, k(11)))
     assert idx.reserve(1, k(20), None) is not None and not idx.contains(1, k(10))
+
+
+def test_an_only_copy_whose_write_below_was_dropped_is_evicted_like_any_other():
+    """The worker reports a dropped write to the tier below (`copy_below_dropped`):
+    that entry will never be backed, so keeping it from eviction would hold its
+    slot until a restart. The chain behind it is evicted with it, as ever."""
+    planner, _ = hybrid(2)
+    idx = CpuIndex(planner, CpuLayout.plan(planner, 2 * (35_072 + 2 * 262_144)), backed=lambda g, key: False)
+    assert idx.reserve(1, k(1), None) is not None and idx.reserve(1, k(2), k(1)) is not None
+    assert idx.reserve(1, k(3), None) is None, "only copies whose writes may still land"
+    idx.copy_below_dropped(1, k(1))
+    assert idx.reserve(1, k(3), None) is None, "k(2) chains from k(1) and its write may still land"
+    idx.copy_below_dropped(1, k(2))
+    assert idx.reserve(1, k(3), None) is not None
+    assert not idx.contains(1, k(1)) and not idx.contains(1, k(2)) and idx.pools[1].evictions == 2
+
+
+def test_a_forgotten_entry_leaves_with_its_chain_once_no_load_holds_its_slot():
+    """`forget` (its store or promotion was dropped, or a load of it failed):
+    the entry and the chain behind it are offered no more at once; a slot a
+    load still reads stays taken until that load unpins it, so no store can
+    overwrite it meanwhile."""
+    _, idx = hybrid(3)
+    for i in range(3):  # chain 0 <- 1 <- 2
+        assert idx.reserve(1, k(i), k(i - 1) if i else None) is not None
+    assert idx.pin(1, k(2)) is not None
+    idx.forget(1, k(1))
+    assert idx.contains(1, k(0)) and not idx.contains(1, k(1)) and not idx.contains(1, k(2))
+    assert idx.pin(1, k(1)) is None
+    assert idx.reserve(1, k(9), k(1)) is None, "a forgotten entry is no parent"
+    assert len(idx.pools[1].free) == 1, "k(1) freed; k(2) still read by its load"
+    idx.unpin(1, k(2))
+    assert len(idx.pools[1].free) == 2 and list(idx.pools[1].entries) == [k(0)]
+    assert idx.reserve(1, k(1), k(0)) is not None and idx.contains(1, k(1)), "stored again"
+
+
+def test_a_promotion_whose_load_failed_is_forgotten_with_what_chained_behind_it():
+    _, idx = hybrid(3)
+    assert idx.reserve_promotion(1, k(0), None) is not None
+    assert not idx.contains(1, k(0)), "offered only once its bytes landed"
+    assert idx.reserve(1, k(1), k(0)) is not None  # a store chained behind it meanwhile
+    idx.promotion_done(1, k(0), landed=False)
+    assert not idx.pools[1].entries and len(idx.pools[1].free) == 3
+    assert idx.reserve_promotion(1, k(0), None) is not None
+    idx.promotion_done(1, k(0), landed=True)
+    assert idx.contains(1, k(0))

@@ -9,10 +9,11 @@ which the vllm wheel does not install; these helpers are written for vLLM
 `WorkerStep` stands in for the model runner: it drives a worker-role
 connector exactly as vLLM's `KVConnectorModelRunnerMixin` does (bind the
 metadata, `start_load_kv`, the forward, `wait_for_save`,
-`get_transfer_results`, `get_kv_connector_stats`, clear the metadata), and
-its "forward" writes deterministic bytes into the KV cache slots of the
-tokens each request computes in the step, so a restored block can be
-compared byte for byte with the block that was stored.
+`get_transfer_results`, `get_kv_connector_stats`,
+`build_connector_worker_meta`, clear the metadata), and its "forward" writes
+deterministic bytes into the KV cache slots of the tokens each request
+computes in the step, so a restored block can be compared byte for byte
+with the block that was stored.
 """
 
 from __future__ import annotations
@@ -296,11 +297,12 @@ class WorkerStep:
         c.wait_for_save()
         results = c.get_transfer_results(so.finished_req_ids)
         stats = c.get_kv_connector_stats()
+        worker_meta = c.build_connector_worker_meta()
         c.clear_connector_metadata()
         out = KVConnectorOutput(finished_sending=results.finished_sending or None,
                                 finished_recving=results.finished_recving or None,
                                 failed_recving=results.failed_recving or set(),
-                                kv_connector_stats=stats)
+                                kv_connector_stats=stats, kv_connector_worker_meta=worker_meta)
         sampled = {}
         for req_id in so.num_scheduled_tokens:
             req = self.scheduler.requests[req_id]

@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload.config import EXTRA_CONFIG, ConfigError, OffloadConfig, parse_config
-from offload.connector.metadata import OffloadMetadata
+from offload.connector.metadata import DroppedStores, OffloadMetadata
 from offload.connector.startup import advise, share_vllm_logging
 from offload.keys import FORMAT_VERSION, fingerprint, rank_fingerprint
 from offload.layout import fingerprint_fields, group_specs
@@ -279,6 +279,10 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending or None, r.finished_recving or None
+
+    def build_connector_worker_meta(self) -> DroppedStores | None:
+        """Worker side, after every step: the stores dropped since the last one."""
+        return self._worker.take_dropped() if self._worker is not None else None
 
     def wait_for_stores(self, timeout_s: float = 60.0) -> int:
         """Worker side: wait for the stores queued so far to land; returns how

@@ -1,6 +1,7 @@
-"""What the scheduler half tells the worker half each step.
+"""What the scheduler half tells the worker half each step, and the one
+thing the worker half tells back (`DroppedStores`).
 
-Plain frozen dataclasses: they are pickled from the engine core to every
+Plain frozen dataclasses: they are pickled between the engine core and every
 worker process once per step, so they carry ids and keys, never tensors.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from offload.planner import GroupKind
 from offload.store.base import MissReason
@@ -74,3 +75,19 @@ class StoreJob:
 class OffloadMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DroppedStores(KVConnectorWorkerMetadata):
+    """Worker to scheduler, with a step's output: the stores and promotions
+    that will not land, as (tier, group, key). The scheduler's indices
+    counted each entry when it planned the store; without this, a tier that
+    models its contents (host memory, LMCache's ledger) would go on offering
+    it, and host memory would keep the copy above a dropped write as an only
+    copy, never evicted, until a restart. Ranks' reports are concatenated."""
+
+    entries: tuple[tuple[int, int, bytes], ...]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> DroppedStores:
+        assert isinstance(other, DroppedStores)
+        return DroppedStores(self.entries + other.entries)

@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
-from offload.connector.metadata import FileRef, LoadEntry, LoadJob, OffloadMetadata, StoreJob, TierSlot
+from offload.connector.metadata import (
+    DroppedStores,
+    FileRef,
+    LoadEntry,
+    LoadJob,
+    OffloadMetadata,
+    StoreJob,
+    TierSlot,
+)
 from offload.keys import ChunkKey, Fingerprint, chunk_keys, request_root, tail_key
 from offload.metrics import Recorder
 from offload.planner import ChunkIndex, GroupChunk, GroupIndex, GroupKind, HybridOffloadPlanner
@@ -465,6 +473,13 @@ class SchedulerSide:
     # ---- completion -----------------------------------------------------------------
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
+        dropped = out.kv_connector_worker_meta
+        if isinstance(dropped, DroppedStores):
+            for tier, g, raw in dropped.entries:
+                key = ChunkKey(raw)
+                self.indices[tier].forget(g, key)
+                for ix in self.indices[:tier]:
+                    ix.copy_below_dropped(g, key)
         failed = out.failed_recving or set()
         for req_id in out.finished_recving or ():
             if req_id in failed:  # which entry missed is not known here: forget them all (a lost hit at worst)

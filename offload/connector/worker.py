@@ -32,7 +32,7 @@ from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
 from offload.connector.kv_gate import GatedPages, KVGate
-from offload.connector.metadata import FileRef, LoadJob, OffloadMetadata, StoreJob, TierSlot
+from offload.connector.metadata import DroppedStores, FileRef, LoadJob, OffloadMetadata, StoreJob, TierSlot
 from offload.copier import GroupPages, LayerPages
 from offload.keys import ChunkKey, Fingerprint
 from offload.metrics import DROP_REASONS, Recorder
@@ -194,6 +194,8 @@ class WorkerSide:
         # tier never holds an entry behind a hole (lookups binary-search the
         # attention prefix).
         self._holes: OrderedDict[tuple[int, bytes], set[int]] = OrderedDict()
+        # (tier, group, key) of stores and promotions dropped since the last step's report.
+        self._dropped: list[tuple[int, int, bytes]] = []
         self._closed = False
         self._share: SharedGathers | None = None
         # Partial tails: per attention group, which token owns each byte of a
@@ -403,6 +405,8 @@ class WorkerSide:
         except Exception as e:
             logger.warning("kvoffload: promotion of %s dropped: %s", header.key.hex()[:16], e)
             self._drop(up.tier, "error")
+            with self._lock:
+                self._dropped.append((up.tier, header.group, bytes(header.key)))
 
     # ---- stores -----------------------------------------------------------------
 
@@ -411,8 +415,9 @@ class WorkerSide:
         hole where the entry is a link of the attention chain (a missing
         Mamba state only shortens a hit)."""
         self._drop(tier, reason)
-        if entry.kind is not GroupKind.MAMBA:
-            with self._lock:
+        with self._lock:
+            self._dropped.append((tier, entry.group, bytes(entry.key)))
+            if entry.kind is not GroupKind.MAMBA:
                 self._holes.setdefault((tier, bytes(entry.key[:8])), set()).add(entry.group)
                 while len(self._holes) > _MAX_HOLES:
                     self._holes.popitem(last=False)
@@ -674,6 +679,13 @@ class WorkerSide:
             self.counters[0].loads_ok += len(done) - len(failed)
             self.counters[0].loads_failed += len(failed)
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def take_dropped(self) -> DroppedStores | None:
+        """The stores and promotions dropped since the last call, for the
+        scheduler's indices (once per step, with the step's output)."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        return DroppedStores(tuple(dropped)) if dropped else None
 
     def report(self) -> None:
         """Queue gauges into the metrics; called once per step."""

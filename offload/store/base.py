@@ -158,8 +158,16 @@ class TierIndex(ABC):
         return None
 
     def forget(self, group: int, key: ChunkKey) -> None:
-        """A load that read this entry failed: stop counting on it (an index
+        """The tier may not hold this entry (a load that read it failed, or
+        its store or promotion was dropped): stop counting on it (an index
         that models the tier rather than asking it drops it)."""
+        return None
+
+    def copy_below_dropped(self, group: int, key: ChunkKey) -> None:
+        """The write of this entry to a tier below will not land, so where
+        this tier holds it, that is its only copy for good: an index that
+        keeps only copies from eviction lets this one go like any other
+        (kept, it would hold its room until a restart)."""
         return None
 
     def usage(self) -> TierUsage | None:

@@ -11,7 +11,8 @@ an attention or windowed entry is only evicted together with its
 descendants (the entries whose keys chain from it), so presence stays
 prefix-closed and the lookup's binary search stays exact. Entries pinned by a
 load in flight are never evicted, and in a stack with a tier below, neither is
-an entry whose only copy is here (`backed` says whether the tier below holds it).
+an entry whose only copy is here (`backed` says whether the tier below holds it)
+while its write there may still land.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class _Entry:
     pins: int = 0
     children: set[ChunkKey] = field(default_factory=set)
     pending: bool = False  # a promotion whose bytes have not landed: neither offered nor evicted
+    gone: bool = False  # forgotten while held: offered no more, removed once neither pinned nor pending
+    sole: bool = False  # its write to the tier below was dropped: evicted without a copy there
 
 
 class _Pool:
@@ -104,7 +107,7 @@ class _Pool:
         while stack:
             k = stack.pop()
             e = self.entries[k]
-            if e.pins or e.pending or (self.backed is not None and not self.backed(k)):
+            if e.pins or e.pending or (self.backed is not None and not e.sole and not self.backed(k)):
                 return None
             out.append(k)
             if self.prefix_closed:
@@ -128,18 +131,42 @@ class _Pool:
             if e.parent is not None and e.parent in self.entries:
                 self.entries[e.parent].children.discard(k)
 
+    def forget(self, key: ChunkKey) -> None:
+        """Stop offering the entry and, prefix-closed, its descendants; each
+        leaves once no load holds its slot (`reap`)."""
+        if key not in self.entries:
+            return
+        keys, stack = [], [key]
+        while stack:
+            k = stack.pop()
+            keys.append(k)
+            self.entries[k].gone = True
+            if self.prefix_closed:
+                stack.extend(self.entries[k].children)
+        for k in keys:
+            self.reap(k)
+
+    def reap(self, key: ChunkKey) -> None:
+        e = self.entries.get(key)
+        if e is not None and e.gone and not e.pins and not e.pending:
+            self.remove([key])
+
+    def _offered(self, parent: ChunkKey | None) -> bool:
+        """Can an entry chain from `parent` here (None: the chain's first)?"""
+        return parent is None or (parent in self.entries and not self.entries[parent].gone)
+
     def reserve(self, key: ChunkKey, parent: ChunkKey | None, pending: bool = False) -> int | None:
         if key in self.entries:
             self.entries.move_to_end(key)
             return None
-        if self.prefix_closed and parent is not None and parent not in self.entries:
+        if self.prefix_closed and not self._offered(parent):
             self.no_room += 1
             return None  # an orphan could never be part of a restorable prefix
         while not self.free:
             if not self._evict_one():
                 self.no_room += 1
                 return None
-            if self.prefix_closed and parent is not None and parent not in self.entries:
+            if self.prefix_closed and not self._offered(parent):
                 self.no_room += 1
                 return None  # the eviction took our own parent
         slot = self.free.pop()
@@ -160,7 +187,7 @@ class CpuIndex(TierIndex):
 
     def contains(self, group: int, key: ChunkKey) -> bool:
         e = self.pools[group].entries.get(key)
-        return e is not None and not e.pending
+        return e is not None and not e.pending and not e.gone
 
     def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
         slot = self.pools[group].reserve(key, parent)
@@ -172,29 +199,40 @@ class CpuIndex(TierIndex):
 
     def promotion_done(self, group: int, key: ChunkKey, landed: bool) -> None:
         """Offer the entry from now on; where its load failed (the bytes may
-        not have landed) drop it instead, unless an entry was stored behind
-        it meanwhile (the worker then finds the slot empty: a counted miss)."""
+        not have landed) forget it instead, with any entry stored behind it
+        meanwhile."""
         pool = self.pools[group]
         e = pool.entries.get(key)
         if e is None or not e.pending:
             return
         e.pending = False
-        if not landed and not e.children:  # (never pinned: `pin` refuses a pending entry)
-            pool.remove([key])
+        if not landed:  # (never pinned: `pin` refuses a pending entry)
+            pool.forget(key)
+        pool.reap(key)
 
     def pin(self, group: int, key: ChunkKey) -> Placement | None:
         pool = self.pools[group]
         e = pool.entries.get(key)
-        if e is None or e.pending:
+        if e is None or e.pending or e.gone:
             return None
         e.pins += 1
         pool.entries.move_to_end(key)
         return Placement(e.slot)
 
     def unpin(self, group: int, key: ChunkKey) -> None:
-        e = self.pools[group].entries.get(key)
+        pool = self.pools[group]
+        e = pool.entries.get(key)
         if e is not None and e.pins > 0:
             e.pins -= 1
+            pool.reap(key)
+
+    def forget(self, group: int, key: ChunkKey) -> None:
+        self.pools[group].forget(key)
+
+    def copy_below_dropped(self, group: int, key: ChunkKey) -> None:
+        e = self.pools[group].entries.get(key)
+        if e is not None:
+            e.sole = True
 
     @property
     def evictions(self) -> int:
