@@ -898,6 +898,19 @@ def test_on_a_hybrid_a_dropped_attention_store_drops_the_mamba_states_behind_it_
 # ---- dropped stores reach the scheduler's indices -------------------------------------------------
 
 
+def restore_from_host_memory(eng: Engine, req_id: str, tokens: list[int], stored: list[bytes], n_hit: int) -> None:
+    """A repeat of `tokens` is offered a hit and restores `stored` byte for byte, all of it from host memory."""
+    eng.scheduler.add_request(create_request(req_id, tokens, max_tokens=2, block_size=BS))
+    eng.step()
+    assert eng.status(req_id) == WAITING_FOR_KV, "no hit offered"
+    dest = table(eng, req_id)[:n_hit // BS]
+    eng.run_until(lambda: eng.status(req_id) != WAITING_FOR_KV)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored from host memory")
+    eng.run_to_completion()
+    host = f"kvoffload:{eng.scheduler.connector.cfg.tiers[0].tier_name}"
+    assert eng.finished[req_id][host] == {"restored_tokens": n_hit, "load_failed": False}
+
+
 def test_host_memory_evicts_an_entry_whose_write_to_the_files_was_dropped(make, tmp_path, monkeypatch):
     """In a stack, host memory keeps an entry whose only copy it holds while
     the write to the files may still land. Where that write was dropped (an
@@ -927,16 +940,7 @@ def test_host_memory_evicts_an_entry_whose_write_to_the_files_was_dropped(make, 
 
     b_tokens = prompt(22, n)
     stored = store_prompt(eng, "b", b_tokens, tmp_path)
-    c = create_request("c", b_tokens, max_tokens=2, block_size=BS)
-    eng.scheduler.add_request(c)
-    eng.step()
-    assert eng.status("c") == WAITING_FOR_KV, "no hit offered"
-    dest = table(eng, "c")[:HIT // BS]
-    eng.run_until(lambda: eng.status("c") != WAITING_FOR_KV)
-    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored from host memory")
-    eng.run_to_completion()
-    host = f"kvoffload:{eng.scheduler.connector.cfg.tiers[0].tier_name}"
-    assert eng.finished["c"][host] == {"restored_tokens": HIT, "load_failed": False}
+    restore_from_host_memory(eng, "c", b_tokens, stored, HIT)
     totals = eng.totals()
     assert "failed_loads" not in totals and not totals.get("stores_dropped:no_room"), totals
     assert_scheduler_empty(eng.scheduler)
@@ -973,15 +977,7 @@ def test_an_entry_whose_host_memory_store_failed_is_not_offered(make, tmp_path, 
     stored = store_prompt(eng, "b", tokens, tmp_path)
     assert tier_params(eng, "b") == {"restored_tokens": 0, "load_failed": False}
 
-    c = create_request("c", tokens, max_tokens=2, block_size=BS)
-    eng.scheduler.add_request(c)
-    eng.step()
-    assert eng.status("c") == WAITING_FOR_KV, "no hit offered"
-    dest = table(eng, "c")[:HIT // BS]
-    eng.run_until(lambda: eng.status("c") != WAITING_FOR_KV)
-    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored from host memory")
-    eng.run_to_completion()
-    assert tier_params(eng, "c") == {"restored_tokens": HIT, "load_failed": False}
+    restore_from_host_memory(eng, "c", tokens, stored, HIT)
     assert "failed_loads" not in eng.totals(), eng.totals()
     assert_scheduler_empty(eng.scheduler)
 
