@@ -1221,3 +1221,50 @@ def test_a_request_vllm_started_inside_a_block_stores_no_tail_in_a_later_chunk(t
     for _ in range(5):
         eng.step()
     assert eng.totals().get("stored_tokens") == stored_a
+
+
+@pytest.mark.parametrize("num_blocks", [7, 10])
+def test_partial_tail_loads_wait_for_room_instead_of_stalling_vllm(models_dir, tmp_path, held_loads, num_blocks):
+    """vLLM 0.32 admits an async load if its blocks leave room for the loads
+    already admitted to finish, but counts one block short for a load that
+    ends inside a Mamba block (the copy-on-write of the state block there,
+    which it adds only once the load has landed). Three repeats of stored
+    250-token prompts, each restoring its tail at 192 (inside the second
+    128-token block), arrive together in a KV cache of 7 or 10 blocks: as vLLM
+    admits them, two or three loads fill it, none can take its next block and
+    nothing runs, for good (measured without the connector's check; the long
+    load test found it on a server). The connector offers a hit only where
+    the free blocks hold what it and every admitted load still need, so the
+    others wait a step at a time and every repeat restores its tail."""
+    release, _ = held_loads
+    cfg = create_vllm_config(str(models_dir / "qwen3-next-tiny"), block_size=128, max_num_batched_tokens=128,
+                             max_model_len=1536, prefix_cache_retention_interval=128, prefix_match_unit=UNIT)
+    set_connector(cfg, {"store": "cpu", "cpu_bytes": 1 << 24})
+    kcc = hybrid_kv_cache_config(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
+                                 ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
+                                 block_size=128, mamba_shapes=((3, 192), (1, 64, 64)),
+                                 mamba_dtypes=(torch.bfloat16, torch.float32), num_kv_heads=4, head_size=64,
+                                 num_blocks=num_blocks, mamba_cache_mode=cfg.cache_config.mamba_cache_mode)
+    sched = create_scheduler(cfg, kcc)
+    eng = Engine(sched, WorkerStep(cfg, kcc, sched))
+    try:
+        prompts = [prompt(40 + i, 250) for i in range(3)]
+        release.set()  # the stores' own runs load nothing
+        for i, p in enumerate(prompts):
+            sched.add_request(create_request(f"s{i}", p, max_tokens=1, block_size=UNIT))
+            eng.run_to_completion()
+        assert sched.reset_prefix_cache()
+        release.clear()
+        for i, p in enumerate(prompts):
+            sched.add_request(create_request(f"r{i}", p, max_tokens=1, block_size=UNIT))
+        for _ in range(5):
+            eng.step()
+        assert sched.kv_holding_waiting, "no load admitted"
+        release.set()
+        eng.run_to_completion(timeout=30)
+        assert [tier_params(eng, f"r{i}")["restored_tokens"] for i in range(3)] == [192] * 3
+        assert "failed_loads" not in eng.totals()
+        assert_scheduler_empty(sched)
+    finally:
+        release.set()
+        eng.worker.connector.shutdown()

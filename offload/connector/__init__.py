@@ -8,6 +8,7 @@ registers the connector's name with vLLM's factory; it starts nothing.
 - scheduler.py / worker.py: the scheduler half (lookup, planning) and the
   worker half (bytes), told each step by metadata.py's jobs;
 - kv_gate.py: sleep mode's gate on the worker's copies;
+- room.py: whether an async load has room in vLLM's KV cache to finish;
 - startup.py: start-up advice in the log.
 """
 

@@ -26,7 +26,7 @@ from offload.keys import FORMAT_VERSION, fingerprint, rank_fingerprint
 from offload.layout import fingerprint_fields, group_specs
 from offload.metrics import OffloadPromMetrics, OffloadStats, Recorder
 from offload.plan import check_chunk_size, plan_from_engine
-from offload.planner import ChunkSizeError, HybridOffloadPlanner
+from offload.planner import ChunkSizeError, GroupKind, HybridOffloadPlanner
 from offload.store import tier_spec
 from offload.store.base import OptionError, TierContext, TierIndex, TierSpec
 from offload.store.cachedir import CacheDirs
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -184,6 +184,18 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         advise(vllm_config, self.cfg, self.planner, plan)
 
     # ---- scheduler side ---------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._sched is not None:
+            from offload.connector.room import LoadRoom
+
+            vc = self._vllm_config
+            spec = vc.num_speculative_tokens
+            self._sched.room = LoadRoom(
+                kv_cache_manager, vc.model_config.max_model_len,
+                1 + spec + vc.num_lookahead_tokens if spec else 0,
+                [g.block_size for g in self.planner.groups if g.kind is GroupKind.MAMBA])
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None

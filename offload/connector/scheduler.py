@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
 
 from offload.config import OffloadConfig
 from offload.connector.metadata import (
@@ -25,6 +26,9 @@ from offload.keys import ChunkKey, Fingerprint, chunk_keys, request_root, tail_k
 from offload.metrics import Recorder
 from offload.planner import ChunkIndex, GroupChunk, GroupIndex, GroupKind, HybridOffloadPlanner
 from offload.store.base import MissReason, TierIndex
+
+if TYPE_CHECKING:
+    from offload.connector.room import LoadRoom
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -103,6 +107,10 @@ class SchedulerSide:
         ]
         self._mamba = {i for i, g in enumerate(planner.groups) if g.kind is GroupKind.MAMBA}
         self._block_lcm = HybridOffloadPlanner.block_lcm(planner.groups)
+        # Set once vLLM binds its KV cache manager (connector.bind_kv_cache_manager).
+        self.room: LoadRoom | None = None
+        # Requests holding vLLM blocks for a load this connector planned, until they run.
+        self._loading: dict[str, _Req] = {}
 
     # ---- per-request keys -------------------------------------------------------
 
@@ -168,7 +176,7 @@ class SchedulerSide:
 
     # ---- lookup and load ----------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         if st is None or st.load_failed or request.skip_reading_prefix_cache:
             return 0, False
@@ -196,8 +204,23 @@ class SchedulerSide:
         if hit == 0:
             st.pending_hit = None
             return 0, False
+        if self.room is not None and not self.room.fits(request, num_computed_tokens + hit, self._loads_waiting()):
+            st.pending_hit = None
+            return None, False  # no room to finish yet: vLLM asks again next step
         st.pending_hit = (n, num_computed_tokens, tail)
         return hit, True
+
+    def _loads_waiting(self) -> list[tuple[Request, int]]:
+        """(request, where its load ends) of the requests that hold blocks for
+        a load of ours and have not run since (a preempted one holds none)."""
+        out = []
+        for req_id, st in list(self._loading.items()):
+            r = st.request
+            if r.status == RequestStatus.RUNNING or r.is_finished() or not r.num_computed_tokens:
+                del self._loading[req_id]
+            else:
+                out.append((r, st.restored_end))
+        return out
 
     @property
     def pinned_entries(self) -> int:
@@ -293,6 +316,8 @@ class SchedulerSide:
                      or end == self.planner.tail_boundary(len(request.prompt_token_ids or []))):
             # Its own tail's attention up to `end` is what was just restored.
             st.tail_stored_to = max(st.tail_stored_to, end)
+        if not fail:
+            self._loading[request.request_id] = st
         self._loads.append(LoadJob(request.request_id, tuple(entries), fail_reason=fail[0] if fail else None,
                                    fail_detail=fail[1] if fail else ""))
 
@@ -528,6 +553,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         st = self.reqs.pop(request.request_id, None)
+        self._loading.pop(request.request_id, None)
         if st is None:
             return False, None
         # One key per tier (a MultiConnector merges its children's params too).
