@@ -28,13 +28,12 @@ from offload.planner import ChunkIndex, GroupChunk, GroupIndex, GroupKind, Hybri
 from offload.store.base import MissReason, TierIndex
 
 if TYPE_CHECKING:
-    from offload.connector.room import LoadRoom
-
-if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from offload.connector.room import LoadRoom
 
 logger = init_logger(__name__)
 
