@@ -73,10 +73,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 MODEL = "qwen3-next-tiny"
 MAX_MODEL_LEN = 1536
-# KV cache: room for two requests of MAX_MODEL_LEN and SPARE_BLOCKS more (vLLM refuses a cache that
-# cannot hold one). With room for one and 8 clients, vLLM 0.32's scheduler stalled for good after a
-# minute (see Watchdog): every block held by requests whose async loads had completed, each waiting
-# for more blocks, none running, so nothing to preempt.
+# KV cache: two requests' worth of attention blocks for MAX_MODEL_LEN and SPARE_BLOCKS more (vLLM
+# refuses a cache that cannot hold one; it reports 1.86 requests, the GDN states taking blocks too).
+# Tight on purpose: vLLM 0.32 reserves one block short for an async load that ends inside a Mamba
+# block, and before the connector checked for room (connector/room.py) this cache stalled vLLM for
+# good within a minute (see Watchdog): every block held by requests whose loads had landed, each
+# waiting for one more, none running, so nothing to preempt.
 SPARE_BLOCKS = 2
 CLIENTS = 8
 LOAD_S = 120
