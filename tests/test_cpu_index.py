@@ -160,16 +160,18 @@ def test_an_only_copy_whose_write_below_was_dropped_is_evicted_like_any_other():
     assert not idx.contains(1, k(1)) and not idx.contains(1, k(2)) and idx.pools[1].evictions == 2
 
 
-def test_a_forgotten_entry_leaves_with_its_chain_once_no_load_holds_its_slot():
-    """`forget` (its store or promotion was dropped, or a load of it failed):
+def test_an_entry_whose_store_was_dropped_leaves_with_its_chain_once_no_load_holds_its_slot():
+    """`store_dropped` (the worker reported its store or promotion dropped):
     the entry and the chain behind it are offered no more at once; a slot a
     load still reads stays taken until that load unpins it, so no store can
-    overwrite it meanwhile."""
+    overwrite it meanwhile. A failed load (`forget`) leaves host memory as it is."""
     _, idx = hybrid(3)
     for i in range(3):  # chain 0 <- 1 <- 2
         assert idx.reserve(1, k(i), k(i - 1) if i else None) is not None
     assert idx.pin(1, k(2)) is not None
     idx.forget(1, k(1))
+    assert idx.contains(1, k(1)) and idx.contains(1, k(2))
+    idx.store_dropped(1, k(1))
     assert idx.contains(1, k(0)) and not idx.contains(1, k(1)) and not idx.contains(1, k(2))
     assert idx.pin(1, k(1)) is None
     assert idx.reserve(1, k(9), k(1)) is None, "a forgotten entry is no parent"

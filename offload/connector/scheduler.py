@@ -501,7 +501,7 @@ class SchedulerSide:
         if isinstance(dropped, DroppedStores):
             for tier, g, raw in dropped.entries:
                 key = ChunkKey(raw)
-                self.indices[tier].forget(g, key)
+                self.indices[tier].store_dropped(g, key)
                 for ix in self.indices[:tier]:
                     ix.copy_below_dropped(g, key)
         failed = out.failed_recving or set()

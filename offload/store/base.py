@@ -158,10 +158,14 @@ class TierIndex(ABC):
         return None
 
     def forget(self, group: int, key: ChunkKey) -> None:
-        """The tier may not hold this entry (a load that read it failed, or
-        its store or promotion was dropped): stop counting on it (an index
+        """A load that read this entry failed: stop counting on it (an index
         that models the tier rather than asking it drops it)."""
         return None
+
+    def store_dropped(self, group: int, key: ChunkKey) -> None:
+        """A store or promotion of this entry into this tier will not land,
+        though `reserve` counted it: the tier does not hold it."""
+        self.forget(group, key)
 
     def copy_below_dropped(self, group: int, key: ChunkKey) -> None:
         """The write of this entry to a tier below will not land, so where

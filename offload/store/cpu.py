@@ -226,7 +226,10 @@ class CpuIndex(TierIndex):
             e.pins -= 1
             pool.reap(key)
 
-    def forget(self, group: int, key: ChunkKey) -> None:
+    def store_dropped(self, group: int, key: ChunkKey) -> None:
+        """Its slot does not hold it: offered no more, with the chain behind it.
+        (A failed load is no reason to `forget`: host memory holds what it
+        stored, and the failure may be another tier's or the KV cache's.)"""
         self.pools[group].forget(key)
 
     def copy_below_dropped(self, group: int, key: ChunkKey) -> None:
