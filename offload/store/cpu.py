@@ -85,7 +85,7 @@ class _Entry:
     pins: int = 0
     children: set[ChunkKey] = field(default_factory=set)
     pending: bool = False  # a promotion whose bytes have not landed: neither offered nor evicted
-    gone: bool = False  # forgotten while held: offered no more, removed once neither pinned nor pending
+    gone: bool = False  # dropped while held: offered no more, removed once neither pinned nor pending
     sole: bool = False  # its write to the tier below was dropped: evicted without a copy there
 
 
@@ -131,7 +131,7 @@ class _Pool:
             if e.parent is not None and e.parent in self.entries:
                 self.entries[e.parent].children.discard(k)
 
-    def forget(self, key: ChunkKey) -> None:
+    def drop(self, key: ChunkKey) -> None:
         """Stop offering the entry and, prefix-closed, its descendants; each
         leaves once no load holds its slot (`reap`)."""
         if key not in self.entries:
@@ -199,7 +199,7 @@ class CpuIndex(TierIndex):
 
     def promotion_done(self, group: int, key: ChunkKey, landed: bool) -> None:
         """Offer the entry from now on; where its load failed (the bytes may
-        not have landed) forget it instead, with any entry stored behind it
+        not have landed) drop it instead, with any entry stored behind it
         meanwhile."""
         pool = self.pools[group]
         e = pool.entries.get(key)
@@ -207,7 +207,7 @@ class CpuIndex(TierIndex):
             return
         e.pending = False
         if not landed:  # (never pinned: `pin` refuses a pending entry)
-            pool.forget(key)
+            pool.drop(key)
         pool.reap(key)
 
     def pin(self, group: int, key: ChunkKey) -> Placement | None:
@@ -230,7 +230,7 @@ class CpuIndex(TierIndex):
         """Its slot does not hold it: offered no more, with the chain behind it.
         (A failed load is no reason to `forget`: host memory holds what it
         stored, and the failure may be another tier's or the KV cache's.)"""
-        self.pools[group].forget(key)
+        self.pools[group].drop(key)
 
     def copy_below_dropped(self, group: int, key: ChunkKey) -> None:
         e = self.pools[group].entries.get(key)
