@@ -1,4 +1,4 @@
-"""A synthetic hybrid KV cache in host memory, laid out as vLLM lays it out.
+"""A synthetic hybrid KV cache in host memory (or on a CUDA device), laid out as vLLM lays it out.
 
 - Full attention: `attn_layers` tensors [2, num_blocks, block, kv_heads, head_dim]
   (K/V first, as GPU attention backends keep it): 2 segments per layer per page.
@@ -50,6 +50,10 @@ class Shape:
         return CHUNK // self.block * self.attn_page + self.mamba_page
 
 
+# Qwen3-Next-80B-A3B's per-layer geometry (12 attention layers with 2 KV heads
+# of 256; 36 GDN layers, conv 3 x 8192, 32 value heads of 128 x 128).
+QWEN3_NEXT_80B = Shape(attn_layers=12, block=64, kv_heads=2, head_dim=256, mamba_layers=36, conv_rows=3,
+                       conv_dim=8192, ssm_heads=32, ssm_dim=128, pad=8192)
 TINY = Shape(attn_layers=2, kv_heads=2, head_dim=64, mamba_layers=3, conv_dim=512, ssm_heads=2, ssm_dim=64, pad=4096)
 
 
@@ -67,7 +71,8 @@ class Group:
 
 
 class HybridKV:
-    def __init__(self, target_bytes: int, shape: Shape = Shape(), seed: int = 0, num_threads: int = 1) -> None:
+    def __init__(self, target_bytes: int, shape: Shape = Shape(), seed: int = 0, num_threads: int = 1,
+                 device: str = "cpu") -> None:
         self.shape = s = shape
         self.chunks = max(1, -(-target_bytes // s.chunk_bytes))
         rng = random.Random(seed)
@@ -76,10 +81,10 @@ class HybridKV:
         nb_m = self.chunks * 5 // 4 + 1
         gen = torch.Generator().manual_seed(seed)
         attn = [torch.randint(0, 256, (2, nb_a, s.block, s.kv_heads, s.head_dim * 2), dtype=torch.uint8,
-                              generator=gen).view(torch.bfloat16) for _ in range(s.attn_layers)]
+                              generator=gen).to(device).view(torch.bfloat16) for _ in range(s.attn_layers)]
         conv_b, ssm_b = s.conv_rows * s.conv_dim * 2, s.ssm_heads * s.ssm_dim ** 2 * 2
         padded = -(-(conv_b + ssm_b) // s.pad) * s.pad
-        mamba_raw = [torch.randint(0, 256, (nb_m, padded), dtype=torch.uint8, generator=gen)
+        mamba_raw = [torch.randint(0, 256, (nb_m, padded), dtype=torch.uint8, generator=gen).to(device)
                      for _ in range(s.mamba_layers)]
         m_layers = []
         for raw in mamba_raw:
@@ -88,12 +93,12 @@ class HybridKV:
             m_layers += [LayerPages.from_tensor(conv, nb_m), LayerPages.from_tensor(ssm, nb_m)]
         a_ids = rng.sample(range(nb_a), self.chunks * per_chunk)
         m_ids = rng.sample(range(nb_m), self.chunks)
-        cpu = torch.device("cpu")
+        dev = torch.device(device)
         # vLLM numbers the groups; Mamba first as in Qwen3-Next.
         self.groups = [
-            Group(0, GroupKind.MAMBA, GroupPages(m_layers, nb_m, cpu, num_threads), [[b] for b in m_ids], mamba_raw),
+            Group(0, GroupKind.MAMBA, GroupPages(m_layers, nb_m, dev, num_threads), [[b] for b in m_ids], mamba_raw),
             Group(1, GroupKind.FULL_ATTENTION,
-                  GroupPages([LayerPages.from_tensor(t, nb_a) for t in attn], nb_a, cpu, num_threads),
+                  GroupPages([LayerPages.from_tensor(t, nb_a) for t in attn], nb_a, dev, num_threads),
                   [a_ids[c * per_chunk:(c + 1) * per_chunk] for c in range(self.chunks)], attn),
         ]
         self.keys = [ChunkKey(rng.randbytes(32)) for _ in range(self.chunks)]

@@ -37,34 +37,43 @@ class TokenMap:
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def probe(cls, write: CacheWrite, page_shape: tuple[int, ...], cache_dtype: torch.dtype, block_size: int,
+    def probe(cls, write: CacheWrite, like: torch.Tensor, block_dim: int, block_size: int,
               num_kv_heads: int, head_size: int, model_dtype: torch.dtype) -> TokenMap:
-        """Map a layer whose KV cache is `[num_blocks, *page_shape]` of `cache_dtype`.
+        """Map a layer whose KV cache is shaped like `like`, blocks along `block_dim`.
 
-        Writes `block_size` tokens into block 1 of a two-block scratch cache,
-        once per bit of the token index (values 1.0 and 2.0, exact in every
-        float format), and checks that every token owns as many elements as
-        its key and value hold."""
+        The page is what `offload.copier.LayerPages.from_tensor` moves: for
+        each index of the dims before `block_dim` (K and V where they come
+        first, as in FlashAttention's `(2, num_blocks, ...)`), that block's
+        bytes. Writes `block_size` tokens into block 1 of a two-block scratch
+        cache on `like`'s device (the backend's write kernel runs there), once
+        per bit of the token index (values 1.0 and 2.0, exact in every float
+        format), and checks that every token owns as many elements as its key
+        and value hold. The map itself lives on the CPU, where entries are masked."""
+        cache_dtype, device = like.dtype, like.device
         if not cache_dtype.is_floating_point:
             raise ProbeError(f"KV cache dtype {cache_dtype} is not a float type")
-        scratch = torch.zeros((2, *page_shape), dtype=cache_dtype)
-        slots = torch.arange(block_size, 2 * block_size, dtype=torch.long)
-        tokens = torch.arange(block_size)
-        owner = torch.zeros(scratch[1].numel(), dtype=torch.int32)
-        written = torch.zeros(scratch[1].numel(), dtype=torch.bool)
+        shape = list(like.shape)
+        shape[block_dim] = 2
+        scratch = torch.zeros(shape, dtype=cache_dtype, device=device)
+        slots = torch.arange(block_size, 2 * block_size, dtype=torch.long, device=device)
+        tokens = torch.arange(block_size, device=device)
+        n = scratch.select(block_dim, 1).numel()
+        owner = torch.zeros(n, dtype=torch.int32, device=device)
+        written = torch.zeros(n, dtype=torch.bool, device=device)
         for bit in range(max(1, (block_size - 1).bit_length())):
             plane = ((tokens >> bit) & 1).to(torch.float32) + 1.0
             kv = plane.view(-1, 1, 1).expand(block_size, num_kv_heads, head_size).to(model_dtype).contiguous()
             scratch.zero_()
             write(kv, kv.clone(), scratch, slots)
-            page = scratch[1].reshape(-1).to(torch.float32)
+            page = scratch.select(block_dim, 1).reshape(-1).to(torch.float32)
             written |= page != 0
             owner |= (page == 2.0).to(torch.int32) << bit
+        owner, written = owner.cpu(), written.cpu()
         owner[~written] = -1
         counts = torch.bincount(owner[written].to(torch.int64), minlength=block_size)
         if counts.numel() != block_size or bool((counts != 2 * num_kv_heads * head_size).any()):
             raise ProbeError(f"the backend's cache write does not give each of {block_size} tokens "
-                             f"{2 * num_kv_heads * head_size} elements of a {page_shape} page")
+                             f"{2 * num_kv_heads * head_size} elements of a {tuple(shape)} cache's block {block_dim}")
         return cls(owner, cache_dtype)
 
     def zero_from(self, page: torch.Tensor, valid: int) -> None:

@@ -131,6 +131,18 @@ def test_bench_cpu_tier_small(tmp_path: Path) -> None:
     assert doc["ratio_gather_to_memcpy"] > 0 and (tmp_path / "cpu_tier.json").exists()
 
 
+def test_bench_copier_gpu_small(tmp_path: Path) -> None:
+    """Runs where there is a GPU (scripts/gpu_check.sh runs it at full size); elsewhere it says what it needs."""
+    from bench import copier_gpu
+
+    if not torch.cuda.is_available() or copier._copier_cuda is None:
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            copier_gpu.run(0.01, 1, tiny=True, out_dir=tmp_path)
+        return
+    doc = copier_gpu.run(0.01, 1, tiny=True, out_dir=tmp_path)
+    assert all(r["gb_s"] > 0 for r in doc["results"].values()) and (tmp_path / "copier_gpu.json").exists()
+
+
 def test_bench_lookup_small(tmp_path: Path) -> None:
     from bench import lookup
 

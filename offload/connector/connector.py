@@ -131,9 +131,10 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
                                       lambda device: [t.data(device) for t in self.tiers], names, self.recorders,
                                       token_map=self._token_map)
 
-    def _token_map(self, group: int, tensor: torch.Tensor) -> TokenMap:
+    def _token_map(self, group: int, tensor: torch.Tensor, block_dim: int) -> TokenMap:
         """Which token owns each element of a block page of `tensor` (a layer
-        of attention group `group`), from the layer's own cache write."""
+        of attention group `group`, blocks along `block_dim`), from the layer's
+        own cache write."""
         spec = self._kv_cache_config.kv_cache_groups[group].kv_cache_spec
         name = self._kv_cache_config.kv_cache_groups[group].layer_names[0]
         layer = self._vllm_config.compilation_config.static_forward_context[name]
@@ -141,7 +142,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
             layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
 
-        return TokenMap.probe(write, tuple(tensor.shape[1:]), tensor.dtype, spec.block_size, spec.num_kv_heads,
+        return TokenMap.probe(write, tensor, block_dim, spec.block_size, spec.num_kv_heads,
                               spec.head_size, self._vllm_config.model_config.dtype)
 
     def _where(self, i: int) -> str:

@@ -146,7 +146,7 @@ class WorkerSide:
     def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fingerprint: Fingerprint,
                  make_data: Callable[[torch.device], list[TierData]], layer_names: list[list[str]],
                  recorders: list[Recorder],
-                 token_map: Callable[[int, torch.Tensor], TokenMap] | None = None) -> None:
+                 token_map: Callable[[int, torch.Tensor, int], TokenMap] | None = None) -> None:
         self.cfg = cfg
         self.recorders = recorders
         self._kinds = [g.kind.value for g in planner.groups]
@@ -203,6 +203,7 @@ class WorkerSide:
         self._token_map = token_map
         self._token_maps: dict[int, list[TokenMap] | None] = {}
         self._tensors: dict[int, list[torch.Tensor]] = {}
+        self._num_blocks = 0  # the KV cache's, set at registration
 
     # ---- setup ------------------------------------------------------------------
 
@@ -214,6 +215,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                            layout: dict) -> None:
+        self._num_blocks = num_blocks
         tensors: dict[str, list[str]] = {}
         for g, names in enumerate(self.layer_names):
             layers: list[LayerPages] = []
@@ -586,9 +588,9 @@ class WorkerSide:
                     by_shape: dict[tuple, TokenMap] = {}
                     maps = []
                     for t in self._tensors[group]:
-                        shape = (tuple(t.shape[1:]), t.dtype)
+                        shape = (tuple(t.shape), t.dtype)
                         if shape not in by_shape:
-                            by_shape[shape] = self._token_map(group, t)
+                            by_shape[shape] = self._token_map(group, t, list(t.shape).index(self._num_blocks))
                         maps.append(by_shape[shape])
                 except Exception as e:
                     logger.warning("kvoffload: partial tails of KV cache group %d cannot be stored: %s", group, e)
