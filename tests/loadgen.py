@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,7 @@ class Request:
 class Result:
     index: int
     request: Request
+    request_id: str = ""  # sent as X-Request-Id: vLLM names the request after it
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -94,10 +96,10 @@ def _body(req: Request) -> dict[str, Any]:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, i: int, req: Request, t0: float) -> Result:
-    res = Result(i, req, start_s=time.monotonic() - t0)
+    res = Result(i, req, f"lg{uuid.uuid4().hex[:16]}", start_s=time.monotonic() - t0)
     resp = None
     try:
-        resp = await session.post(url, json=_body(req))
+        resp = await session.post(url, json=_body(req), headers={"X-Request-Id": res.request_id})
         if resp.status != 200:
             res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
             return res

