@@ -51,6 +51,9 @@ METRICS: dict[str, MetricDef] = {
     "kvoffload_lookups": MetricDef(
         "counter", _T, "Prefix lookups (one per request, however often vLLM asks while it waits for room)."),
     "kvoffload_lookup_hit_tokens": MetricDef("counter", _T, "Prompt tokens a lookup found restorable in the tier."),
+    "kvoffload_hits_deferred": MetricDef(
+        "counter", _T, "Hits answered 'not yet': vLLM's free blocks could not hold the loads in flight and this "
+        "one to the end of their prompts (vLLM asks again next step)."),
     "kvoffload_lookup_miss_tokens": MetricDef(
         "counter", _T, "Prompt tokens beyond vLLM's own prefix cache that a lookup did not find."),
     "kvoffload_restored_tokens": MetricDef("counter", _T, "Prompt tokens restored from the tier (completed loads)."),

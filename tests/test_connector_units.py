@@ -1263,7 +1263,10 @@ def test_partial_tail_loads_wait_for_room_instead_of_stalling_vllm(models_dir, t
         release.set()
         eng.run_to_completion(timeout=30)
         assert [tier_params(eng, f"r{i}")["restored_tokens"] for i in range(3)] == [192] * 3
-        assert "failed_loads" not in eng.totals()
+        totals = eng.totals()
+        assert "failed_loads" not in totals
+        assert totals.get("hits_deferred", 0) > 0, "the others waited for room, and the metric says so"
+        assert totals["lookups"] == 6, "each request looked up once, however often it was deferred"
         assert_scheduler_empty(sched)
     finally:
         release.set()

@@ -210,9 +210,12 @@ def rows() -> tuple[Row, ...]:
                   Q(f"sum by (tier, group_kind) (rate(kvoffload_load_scatter_seconds_total{{{T}}}[{RI}]))",
                     "{{tier}} {{group_kind}} scatter"))),
         Panel("Lookups and loads in flight",
-              "Prefix lookups per second, and loads submitted and not yet finished.", "short", (
+              "Prefix lookups per second, loads submitted and not yet finished, and hits deferred per second "
+              "(no KV cache room for them to finish yet: the request waits a step).", "short", (
                   Q(f"sum by (tier) (rate(kvoffload_lookups_total{{{T}}}[{RI}]))", "{{tier}} lookups/s"),
-                  Q(f"sum by (tier) (kvoffload_loads_in_flight{{{T}}})", "{{tier}} loads in flight"))),
+                  Q(f"sum by (tier) (kvoffload_loads_in_flight{{{T}}})", "{{tier}} loads in flight"),
+                  Q(f"sum by (tier) (rate(kvoffload_hits_deferred_total{{{T}}}[{RI}]))",
+                    "{{tier}} hits deferred/s"))),
     ))
     stores = Row("Stores", (
         Panel("Store latency",

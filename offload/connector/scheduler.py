@@ -89,7 +89,8 @@ class SchedulerSide:
             r.declare("kvoffload_restored_tokens")
             # A stack looks a request up once: counted on the top tier, the
             # others' series exist at 0 (dashboards show 0, not "no data").
-            for name in ("kvoffload_lookups", "kvoffload_lookup_hit_tokens", "kvoffload_lookup_miss_tokens"):
+            for name in ("kvoffload_lookups", "kvoffload_lookup_hit_tokens", "kvoffload_lookup_miss_tokens",
+                         "kvoffload_hits_deferred"):
                 r.declare(name)
         self.planner = planner
         self.fp = fp
@@ -205,6 +206,7 @@ class SchedulerSide:
             return 0, False
         if self.room is not None and not self.room.fits(request, num_computed_tokens + hit, self._loads_waiting()):
             st.pending_hit = None
+            self.recorder.inc("kvoffload_hits_deferred")
             return None, False  # no room to finish yet: vLLM asks again next step
         st.pending_hit = (n, num_computed_tokens, tail)
         return hit, True
