@@ -143,6 +143,13 @@ def test_bench_copier_gpu_small(tmp_path: Path) -> None:
     assert all(r["gb_s"] > 0 for r in doc["results"].values()) and (tmp_path / "copier_gpu.json").exists()
 
 
+def test_bench_room_check_small(models_dir) -> None:
+    from bench import room_check
+
+    us = room_check.run(rounds=1, calls=2, held=(0, 2))
+    assert set(us) == {0, 2} and all(v > 0 for v in us.values())
+
+
 def test_bench_lookup_small(tmp_path: Path) -> None:
     from bench import lookup
 
