@@ -34,6 +34,7 @@ bench:  ## the benchmarks at full size (hours with peer_race on 2 cores; best on
 	$(PY) -m bench.cpu_tier $(BENCH_ARGS)
 	$(PY) -m bench.fs_tier --dir $(or $(BENCH_DIR),$(CURDIR)/.cache) $(BENCH_ARGS)
 	$(PY) -m bench.lookup --dir $(or $(BENCH_DIR),$(CURDIR)/.cache)
+	$(PY) -m bench.room_check
 	$(PY) -m bench.e2e --cache-dir $(or $(BENCH_DIR),$(CURDIR)/.cache)
 	$(PY) -m bench.peer_race --dir $(or $(BENCH_DIR),$(CURDIR)/.cache) $(RACE_ARGS)
 	$(PY) -m bench.peer_race --multi-turn --dir $(or $(BENCH_DIR),$(CURDIR)/.cache) $(MULTI_TURN_ARGS)
