@@ -537,10 +537,13 @@ def run_aborts(servers: Servers, size: AbortSize, name: str) -> None:
     # frees them. The reset succeeds only once no block is held by anything.
     settle_s = reset_prefix_cache(small.base)
     later = run_load(small.base, [Request(probe, OUTPUT_TOKENS, tag="later")], 1).results[0]
+    # The reference server computes beside this one until it is done, and store threads run at
+    # SCHED_IDLE (they yield every core to a busy process): stores queued during the load may not
+    # run until it ends. A temporary file left after that, with the cores idle, is a leak.
+    ref_first, ref_full = ref_job.result()
     leftover = wait_no_temp_files(small.cache)
     usage = wait_idle(small.base, idle)
     after = scrape(small.base)
-    ref_first, ref_full = ref_job.result()
     received, server_aborts = request_log(small.log, log_start)
 
     results = [r for rep in reports for r in rep.results]
