@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -120,3 +121,30 @@ def git_rev() -> str:
                               text=True, check=True).stdout.strip()
     except Exception:
         return "?"
+
+
+def interleaved(ops: dict[str, Callable[[], Any]], reps: int,
+                sync: Callable[[], Any] = lambda: None) -> dict[str, list[float]]:
+    """Seconds of each op over `reps` rounds, the ops interleaved within a round so that
+    background load hits all alike; `sync` runs before each timing (a device's queue drained)."""
+    times: dict[str, list[float]] = {k: [] for k in ops}
+    for _ in range(reps):
+        for k, fn in ops.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def copy_bench_main(run: Callable[..., Any], doc: str, argv: list[str] | None, gib: float) -> int:
+    """The command line of the copy benchmarks: run(gib, reps, tiny, out_dir)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=gib)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out-dir", type=Path, default=None)
+    a = ap.parse_args(argv)
+    run(a.gib, a.reps, a.tiny, a.out_dir)
+    return 0
+

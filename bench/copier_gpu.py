@@ -17,14 +17,12 @@ Run on a machine with a CUDA GPU and `offload._copier_cuda` built.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from bench.common import GB, median, table, write_results
+from bench.common import GB, copy_bench_main, interleaved, median, table, write_results
 from bench.kvsynth import QWEN3_NEXT_80B, TINY, HybridKV
 from offload import copier
 from offload.copier import GroupPages
@@ -93,7 +91,6 @@ def run(gib: float, reps: int, tiny: bool = False, out_dir: Path | None = None) 
            "scatter, torch's copies": torch_scatter,
            "host -> device, same call sizes": h2d_calls,
            "device -> host, one call": d2h_one, "host -> device, one call": h2d_one}
-    times: dict[str, list[float]] = {k: [] for k in ops}
     for fn in ops.values():  # warm-up
         fn()
     # Verify once: a scatter of the gathered slots restores identical pages, through each path.
@@ -105,12 +102,7 @@ def run(gib: float, reps: int, tiny: bool = False, out_dir: Path | None = None) 
         arena.zero_()
         get()
         assert [copier.crc32c(s) for s in slots] == before, f"{put.__name__}/{get.__name__} round trip differs"
-    for _ in range(reps):
-        for k, fn in ops.items():  # interleaved
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
+    times = interleaved(ops, reps, sync)
     res = {k: {"gb_s": total / median(v) / GB, "runs_s": v} for k, v in times.items()}
     gb = {k: v["gb_s"] for k, v in res.items()}
     d2h = ("device -> host, same call sizes", "device -> host, one call")
@@ -135,14 +127,7 @@ def run(gib: float, reps: int, tiny: bool = False, out_dir: Path | None = None) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gib", type=float, default=2.0)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--out-dir", type=Path, default=None)
-    a = ap.parse_args(argv)
-    run(a.gib, a.reps, a.tiny, a.out_dir)
-    return 0
+    return copy_bench_main(run, __doc__, argv, gib=2.0)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,12 @@ the memcpy baselines are glibc's memcpy.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from bench.common import GB, median, table, write_results
+from bench.common import GB, copy_bench_main, interleaved, median, table, write_results
 from bench.kvsynth import TINY, HybridKV, Shape
 from offload import copier
 
@@ -69,7 +67,6 @@ def run(gib: float, reps: int, tiny: bool = False, out_dir: Path | None = None) 
     ops = {"gather (pages -> host slots)": gather, "memcpy, same call sizes (in)": memcpy_in,
            "scatter (host slots -> pages)": scatter, "memcpy, same call sizes (out)": memcpy_out,
            "memcpy, one call": memcpy_one, "gather into a fresh buffer per call": gather_fresh}
-    times: dict[str, list[float]] = {k: [] for k in ops}
     for fn in ops.values():  # warm-up: fault in everything once
         fn()
     # verify once: scatter of the gathered slots restores identical pages
@@ -79,11 +76,7 @@ def run(gib: float, reps: int, tiny: bool = False, out_dir: Path | None = None) 
     scatter()
     gather()
     assert [copier.crc32c(s) for s in slots] == before, "scatter/gather round trip differs"
-    for _ in range(reps):
-        for k, fn in ops.items():  # interleaved, so background load hits all alike
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
+    times = interleaved(ops, reps)
     res = {k: {"gb_s": total / median(v) / GB, "runs_s": v} for k, v in times.items()}
     gb = {k: v["gb_s"] for k, v in res.items()}
     doc = {"bytes": total, "files": len(files), "reps": reps, "threads": 1,
@@ -108,14 +101,7 @@ def run(gib: float, reps: int, tiny: bool = False, out_dir: Path | None = None) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--out-dir", type=Path, default=None)
-    a = ap.parse_args(argv)
-    run(a.gib, a.reps, a.tiny, a.out_dir)
-    return 0
+    return copy_bench_main(run, __doc__, argv, gib=1.0)
 
 
 if __name__ == "__main__":
