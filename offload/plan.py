@@ -232,10 +232,11 @@ class ModelPlan:
 
     `groups` and `block_sizes` are in vLLM's group order (page bytes per TP
     rank). `hybrid_chunk_size` is the planner's for these groups (or the one
-    asked for: `chunk_size_given`). `engine_kwargs` are `serve_flags` plus
-    `tensor_parallel_size` when it is not 1; `serve_args` spell them for
-    `vllm serve`. `describe()` is the text the CLI prints and the connector
-    logs; `to_json()`/`from_json()` round-trip.
+    asked for: `chunk_size_given`). `engine_kwargs` are `serve_flags`, plus
+    `prefix_match_unit` where the plan has one and `tensor_parallel_size`
+    when it is not 1; `serve_args` spell them for `vllm serve`. `describe()`
+    is the text the CLI prints and the connector logs; `to_json()`/`from_json()`
+    round-trip.
     """
 
     model: str
@@ -255,7 +256,7 @@ class ModelPlan:
     # and the tensor-parallel communicator the planning ranks used ("" at TP 1 or from a live engine).
     cpu_isa: str = ""
     tp_communicator: str = ""
-    # The `--prefix-match-unit` to add to `serve_args` (None: none helps), and why (`prefix_match_unit`).
+    # The `--prefix-match-unit` `serve_args` carry (None: none helps), and why (`prefix_match_unit`).
     prefix_match_unit: int | None = None
     prefix_match: str = ""
 
@@ -268,7 +269,7 @@ class ModelPlan:
         """The planner the connector builds for these groups. Attention only,
         vLLM's own cache hits at every block (its cache-hit alignment is the
         blocks' LCM), so that is the tail unit; a hybrid's comes from
-        `--prefix-match-unit`, which the flags may or may not carry (none here)."""
+        `--prefix-match-unit`, which the engine may or may not run with (none here)."""
         specs = self.specs
         attention_only = all(s.kind is GroupKind.FULL_ATTENTION for s in specs)
         return HybridOffloadPlanner(specs, self.hybrid_chunk_size,
@@ -308,7 +309,7 @@ class ModelPlan:
                      f"{self.bytes_per_chunk} bytes per chunk over all groups"
                      + (" per TP rank" if self.tensor_parallel_size > 1 else ""))
         if self.prefix_match:
-            lines.append(self.prefix_match + (" (add it to the flags below)" if self.prefix_match_unit else ""))
+            lines.append(self.prefix_match + (" (in the flags below)" if self.prefix_match_unit else ""))
         lines.append("vllm serve flags:")
         lines.append("  " + shlex.join(self.serve_args))
         return "\n".join(lines)
@@ -396,6 +397,8 @@ def plan_from_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         groups, internal_checkpoints=any(getattr(m, "num_prefill_checkpoint_blocks", 0) > 0 for m in mamba),
         mamba_align=all(getattr(m, "mamba_cache_mode", "align") == "align" for m in mamba))
     kwargs = serve_flags(groups, chunk)
+    if unit is not None:  # the flags a user copies must carry the unit, or vLLM hits at whole blocks only
+        kwargs["prefix_match_unit"] = unit
     tp = pc.tensor_parallel_size
     if tp != 1:
         kwargs["tensor_parallel_size"] = tp

@@ -240,7 +240,8 @@ def test_host_memory_tier_capacity_line(plans, geometry_models, name):
 @pytest.mark.parametrize("name", MODELS)
 def test_serve_flags_fit_the_plan(plans, name):
     plan = plan_of(plans, name)
-    assert plan.engine_kwargs == serve_flags(plan.groups, plan.hybrid_chunk_size)
+    unit = {} if plan.prefix_match_unit is None else {"prefix_match_unit": plan.prefix_match_unit}
+    assert plan.engine_kwargs == {**serve_flags(plan.groups, plan.hybrid_chunk_size), **unit}
     assert plan.serve_args == cli_args(plan.engine_kwargs)
     text = plan.describe()
     assert f"hybrid_chunk_size {plan.hybrid_chunk_size} tokens" in text
@@ -326,10 +327,14 @@ def test_cli_json_tensor_parallel_2(planned, geometry_models):
     assert [g["file_bytes"] for g in doc["groups"]] == ([HEADER_LEN + exp["state_page"]] * 3
                                                        + [HEADER_LEN + exp["attn_page"]])
     assert doc["hybrid_chunk_size"] == chunk and doc["chunk_size_given"] is False
+    unit = doc["prefix_match_unit"]
+    assert unit and chunk % unit == 0, doc["prefix_match"]  # GDN layers: vLLM splits the prefill at the unit
     assert doc["engine_kwargs"] == {"enable_prefix_caching": True, "max_num_batched_tokens": chunk,
-                                    "prefix_cache_retention_interval": chunk, "tensor_parallel_size": 2}
+                                    "prefix_cache_retention_interval": chunk, "prefix_match_unit": unit,
+                                    "tensor_parallel_size": 2}
     assert doc["serve_args"] == ["--enable-prefix-caching", "--max-num-batched-tokens", str(chunk),
-                                 "--prefix-cache-retention-interval", str(chunk), "--tensor-parallel-size", "2"]
+                                 "--prefix-cache-retention-interval", str(chunk), "--prefix-match-unit", str(unit),
+                                 "--tensor-parallel-size", "2"]
     plan = ModelPlan.from_json(doc)
     assert all(isinstance(g, GroupPlan) for g in plan.groups) and plan.planner().chunk_size == chunk
 
@@ -374,7 +379,27 @@ def test_prefix_match_unit_fits_the_blocks_or_the_plan_says_why_not(plans, name)
     else:
         assert plan.prefix_match.startswith("no prefix-match unit:") and plan.prefix_match in text
         assert "--prefix-match-unit" not in text
+        assert "prefix_match_unit" not in plan.engine_kwargs and "--prefix-match-unit" not in plan.serve_args
     if name.startswith("nemotron"):
         assert plan.prefix_match_unit is None and "inside the forward pass" in plan.prefix_match
     if kinds == {"full_attention"}:
         assert plan.prefix_match_unit is None
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_printed_flags_carry_the_unit(plans, name):
+    """A user copies the flags line (or `serve_args` / `engine_kwargs` from --json): where the
+    unit buys hits, it is in all three, spelled so that vLLM's own parser reads it back (the
+    planning child ran vLLM's parser and config checks on these flags, or the plan would be a
+    FlagsError)."""
+    plan = plan_of(plans, name)
+    flags_line = plan.describe().splitlines()[-1].split()
+    doc = plan.to_json()
+    if plan.prefix_match_unit is None:
+        assert "--prefix-match-unit" not in flags_line
+        return
+    unit = str(plan.prefix_match_unit)
+    for args in (flags_line, plan.serve_args, doc["serve_args"]):
+        assert "--prefix-match-unit" in args and args[args.index("--prefix-match-unit") + 1] == unit, args
+    assert plan.engine_kwargs["prefix_match_unit"] == doc["engine_kwargs"]["prefix_match_unit"] \
+        == plan.prefix_match_unit

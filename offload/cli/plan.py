@@ -12,7 +12,9 @@ From the groups it derives what the connector will do: the chunk size
 given), the bytes one chunk stores per group (one file each in the
 filesystem tier, its header included), and the flags vLLM needs for
 those chunks, printed as one line to append to `vllm serve MODEL`
-(`engine_kwargs` in --json is the same for `vllm.LLM(...)`).
+(`engine_kwargs` in --json is the same for `vllm.LLM(...)`). Where a
+`--prefix-match-unit` buys hits inside a block (hybrids in vLLM's 'align'
+mode), that line carries it; otherwise the plan says why there is none.
 
 Block sizes depend on the platform, so run it where the model will be
 served: vLLM on CUDA, vLLM-CPU, and even the CPU's instruction set (which
