@@ -169,6 +169,61 @@ def build_llama_3_1_8b_geometry(out: Path) -> None:
     _save(LlamaForCausalLM, cfg, out, 8)
 
 
+def build_falcon_h1_7b_geometry(out: Path) -> None:
+    """Falcon-H1-7B per layer (tiiuae/Falcon-H1-7B-Instruct's config.json: hidden 3072, 44 layers,
+    every one attention and Mamba-2 side by side; attention 12 heads / 2 KV heads x 128; Mamba-2
+    d_ssm 3072 = 24 heads x 128, state 256, 1 group, conv 4; MLP 12288, vocab 130048, bfloat16).
+    One layer has both group kinds (vLLM gives every layer a Mamba and an attention cache), narrow MLP."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    cfg = FalconH1Config(
+        hidden_size=3072, num_hidden_layers=1, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+        intermediate_size=512, mamba_d_ssm=3072, mamba_n_heads=24, mamba_d_head=128, mamba_d_state=256,
+        mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=128,
+        vocab_size=VOCAB_SIZE, max_position_embeddings=32768,
+        torch_dtype="bfloat16", eos_token_id=0, bos_token_id=0, pad_token_id=1,
+    )
+    _save(FalconH1ForCausalLM, cfg, out, 7)
+
+
+def build_jamba_v0_1_geometry(out: Path) -> None:
+    """Jamba-v0.1 per layer (ai21labs/Jamba-v0.1's config.json, transformers' JambaConfig defaults;
+    Jamba-1.5-Mini has the same layer shapes): hidden 4096, 32 layers, attention at every 8th (offset 4),
+    32 heads / 8 KV heads x 128; Mamba-1 expand 2 (8192 inner), state 16, conv 4, dt rank 256; MoE
+    16 experts top 2 on every other layer; MLP 14336, vocab 65536, bfloat16. 2 layers (a Mamba layer,
+    then an attention layer with experts, as the real offsets put them), 4 experts, narrow MLP."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    cfg = JambaConfig(
+        hidden_size=4096, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+        intermediate_size=512, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,
+        mamba_expand=2, mamba_dt_rank=256, use_mamba_kernels=False,
+        vocab_size=VOCAB_SIZE, max_position_embeddings=32768,
+        torch_dtype="bfloat16", eos_token_id=0, bos_token_id=0, pad_token_id=1,
+    )
+    _save(JambaForCausalLM, cfg, out, 15)
+
+
+def build_granite_4_0_h_small_geometry(out: Path) -> None:
+    """Granite-4.0-H-Small per layer (ibm-granite/granite-4.0-h-small's config.json: hidden 4096,
+    40 layers, 36 Mamba-2 and 4 attention; attention 32 heads / 8 KV heads x 128, no position
+    embedding; Mamba-2 128 heads x 64, state 128, 1 group, conv 4, expand 2; MoE 72 experts top 10
+    plus a shared expert of 1536 on every layer, expert width 768; vocab 100352, bfloat16). 2 layers
+    (Mamba-2, attention), 4 experts, narrow MLP."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    cfg = GraniteMoeHybridConfig(
+        hidden_size=4096, num_hidden_layers=2, layer_types=["mamba", "attention"], num_attention_heads=32,
+        num_key_value_heads=8, intermediate_size=256, shared_intermediate_size=256, num_local_experts=4,
+        num_experts_per_tok=2, position_embedding_type="nope", mamba_n_heads=128, mamba_d_head=64,
+        mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=128,
+        vocab_size=VOCAB_SIZE, max_position_embeddings=32768, tie_word_embeddings=True,
+        torch_dtype="bfloat16", eos_token_id=0, bos_token_id=0, pad_token_id=1,
+    )
+    _save(GraniteMoeHybridForCausalLM, cfg, out, 4)
+
+
 BUILDERS = {
     "qwen3-next-tiny": build_qwen3_next,
     "llama-tiny": build_llama,
@@ -176,6 +231,9 @@ BUILDERS = {
     "qwen3.5-27b-geometry": build_qwen3_5_27b_geometry,
     "nemotron-h-9b-geometry": build_nemotron_h_9b_geometry,
     "llama-3.1-8b-geometry": build_llama_3_1_8b_geometry,
+    "falcon-h1-7b-geometry": build_falcon_h1_7b_geometry,
+    "jamba-v0.1-geometry": build_jamba_v0_1_geometry,
+    "granite-4.0-h-small-geometry": build_granite_4_0_h_small_geometry,
 }
 
 
