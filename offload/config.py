@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
@@ -95,6 +95,12 @@ class OffloadConfig(BaseModel):
     # Bounded: concurrent.futures.wait overflows (and shutdown crashes) on inf or beyond TIMEOUT_MAX.
     shutdown_timeout_s: float = Field(
         default=60.0, ge=0, le=threading.TIMEOUT_MAX, description="how long shutdown waits for pending stores"
+    )
+    state_policy: Literal["by_use", "all", "tails"] = Field(
+        default="by_use",
+        description="how recurrent (Mamba/GDN) states enter each tier: 'by_use' stores every state and lets a "
+        "state at a prompt's internal chunk boundary go first unless it is read (tails and branch points stay "
+        "hot); 'all' treats every state like attention KV; 'tails' stores no internal state",
     )
     model_id: str | None = Field(
         default=None, min_length=1,

@@ -57,8 +57,11 @@ def test_records_round_trip_and_a_damaged_or_torn_line_is_never_misread(tmp_path
     path = tmp_path / "ledger-v1" / w.name
     lines, off, size = lg.read_lines(path, 0)
     assert off == size and lg.parse_header(lines[0])["kind"] == "log"
-    assert [lg.parse(ln) for ln in lines[1:]] == [("+", 1700000000.5, 4224, 0x0123456789ABCDEF, rel),
-                                                  ("-", 1700000001.25, 0, None, rel)]
+    assert [lg.parse(ln) for ln in lines[1:]] == [("+", 1700000000.5, 4224, 0x0123456789ABCDEF, rel, False),
+                                                  ("-", 1700000001.25, 0, None, rel, False)]
+    # A state admitted cold says so in its put line's optional last field.
+    cold = lg.parse(lg.put_line(rel, 4224, 1700000002.0, None, cold=True).rstrip("\n"))
+    assert cold == ("+", 1700000002.0, 4224, None, rel, True) and cold.cold
     # One flipped character anywhere: the CRC refuses the line.
     good = lines[1]
     for i in range(len(good)):
@@ -77,7 +80,7 @@ def test_records_round_trip_and_a_damaged_or_torn_line_is_never_misread(tmp_path
     with open(path, "a") as f:
         f.write(full[20:])
     lines3, _, _ = lg.read_lines(path, off)
-    assert [lg.parse(ln) for ln in lines3] == [("+", 2.0, 10, None, rel)]
+    assert [lg.parse(ln) for ln in lines3] == [("+", 2.0, 10, None, rel, False)]
 
 
 # ---- several instances, one directory -----------------------------------------------------------
@@ -303,6 +306,36 @@ def test_eviction_prefers_a_file_loaded_since_it_was_indexed(tmp_path):
     assert paths[0].exists() and not paths[1].exists() and all(p.exists() for p in paths[2:])
     a.sync()
     assert a.usage == b.usage == true_bytes(top)
+
+
+def test_cold_states_are_evicted_first_until_loaded_and_stay_cold_across_a_restart(tmp_path):
+    """A state admitted cold (`by_use`: a prompt's internal boundary) ranks
+    below every other file, oldest cold first, in this process and in one
+    that reads the ledger later; a load (FileStore touches the file) makes it
+    an ordinary entry."""
+    top = tmp_path / LAYOUT_DIR
+    a = DirBudget(top)
+    store = instance(tmp_path, a)
+    paths = []
+    for i in range(6):
+        h = ChunkHeader(FP, key("cold", i, 0), GDN, GroupKind.MAMBA, 0, 256, 1, 10_000)
+        store.write(h, torch.zeros(10_000, dtype=torch.uint8), cold=i in (3, 4, 5))
+        paths.append(store.file_path(GDN, h.key))
+        time.sleep(0.01)
+    a.ensure_loaded()
+    os.utime(paths[4])  # loaded: hot from now on
+    size = a.usage // 6
+    b = DirBudget(top, max_bytes=a.usage - size // 2, low_water=1.0)  # a restart: the ledger tells it all
+    b.enforce()
+    assert [p.exists() for p in paths] == [True, True, True, False, True, True], "the oldest cold file went first"
+    c = DirBudget(top, max_bytes=true_bytes(top) - size // 2, low_water=1.0)
+    c.enforce()
+    assert [p.exists() for p in paths] == [True, True, True, False, True, False], "then the other cold one"
+    c.max_bytes = true_bytes(top) - size // 2
+    c.enforce()
+    assert [p.exists() for p in paths] == [False, True, True, False, True, False], "then the oldest, loaded or not"
+    a.sync()
+    assert a.usage == c.usage == true_bytes(top)
 
 
 def test_housekeeper_drives_its_account_and_seals_its_log_on_stop(tmp_path):

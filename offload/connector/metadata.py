@@ -35,6 +35,7 @@ class TierSlot:
 
     tier: int
     slot: int | None = None
+    cold: bool = False  # a new entry that enters the tier's eviction order cold (offload.store.base.Placement)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,16 @@ from offload.connector.metadata import (
 )
 from offload.keys import ChunkKey, Fingerprint, chunk_keys, request_root, tail_key
 from offload.metrics import Recorder
-from offload.planner import ChunkIndex, GroupChunk, GroupIndex, GroupKind, HybridOffloadPlanner
+from offload.planner import (
+    Admission,
+    ChunkIndex,
+    GroupChunk,
+    GroupIndex,
+    GroupKind,
+    HybridOffloadPlanner,
+    StatePolicy,
+    admission,
+)
 from offload.store.base import MissReason, TierIndex
 
 if TYPE_CHECKING:
@@ -61,6 +70,9 @@ class _Req:
     # (hit chunks, computed tokens, tail tokens) of the last lookup that reported a hit.
     pending_hit: tuple[int, int, int] | None = None
     hit_tier: int = 0  # the slowest tier the planned load reads from
+    # Where its first lookup found the stored (or vLLM-cached) prefix ending: a
+    # branch point, whose state another prompt may read (0: none).
+    branch_at: int = 0
     loading_tokens: int = 0
     loading_by_tier: dict[int, int] = field(default_factory=dict)
     restored_by_tier: dict[int, int] = field(default_factory=dict)
@@ -93,6 +105,7 @@ class SchedulerSide:
                          "kvoffload_hits_deferred"):
                 r.declare(name)
         self.planner = planner
+        self.policy = StatePolicy(cfg.state_policy)
         self.fp = fp
         self.indices = indices
         # (tier, group, key) entries held by a load in flight, by request. Kept
@@ -199,6 +212,9 @@ class SchedulerSide:
         if num_computed_tokens < self.planner.chunk_size:
             st.stored_chunks = max(st.stored_chunks, found.full_prefix)
         n, tail = found.chunks, found.tail
+        if not st.counted:
+            st.branch_at = max(found.full_prefix, num_computed_tokens // self.planner.chunk_size) \
+                * self.planner.chunk_size
         hit = max(0, n * self.planner.chunk_size + tail - num_computed_tokens)
         self._count_lookup(st, num_tokens, num_computed_tokens, hit)
         if hit == 0:
@@ -488,11 +504,15 @@ class SchedulerSide:
             gc = self.planner.stored(GroupIndex(group), ChunkIndex(chunk))
         parent = self._parent_key(st, gc)
         ref = self._ref(st, group, chunk, gc)
+        state, admit = None, Admission.HOT
+        if gc.state_at is not None:
+            state = self.planner.state_class(gc.state_at, len(st.request.prompt_token_ids or []), st.branch_at)
+            admit = admission(self.policy, state)
         targets = []
         for t, ix in enumerate(self.indices):
-            placement = ix.reserve(group, ChunkKey(ref.key), parent)
-            if placement is not None:  # None: stored already, or no room
-                targets.append(TierSlot(t, placement.slot))
+            placement = ix.reserve(group, ChunkKey(ref.key), parent, admit, state)
+            if placement is not None:  # None: stored already, no room, or not admitted
+                targets.append(TierSlot(t, placement.slot, placement.cold))
         if targets:
             meta.stores.append(StoreJob(st.request.request_id, ref, block_ids, tuple(targets)))
 

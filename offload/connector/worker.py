@@ -647,7 +647,7 @@ class WorkerSide:
                     self._drop_store(t.tier, header, "parent_dropped")
                     continue
                 try:
-                    if self.tiers[t.tier].put(header, chunk, Placement(t.slot)):
+                    if self.tiers[t.tier].put(header, chunk, Placement(t.slot, t.cold)):
                         self._stored(t.tier, header, nbytes, t0)
                     else:
                         self._count(t.tier, "files_existing")

@@ -3,8 +3,11 @@ lookup may report as a hit. Pure logic: imports nothing from vLLM."""
 
 from offload.planner.planner import ChunkSizeError, GroupChunk, HybridOffloadPlanner, Lookup, TailProbe
 from offload.planner.spec import ChunkIndex, GroupIndex, GroupKind, GroupSpec
+from offload.planner.states import DEFAULT_STATE_POLICY, Admission, StateClass, StatePolicy, admission
 
 __all__ = [
+    "DEFAULT_STATE_POLICY",
+    "Admission",
     "ChunkIndex",
     "ChunkSizeError",
     "GroupChunk",
@@ -13,5 +16,8 @@ __all__ = [
     "GroupSpec",
     "HybridOffloadPlanner",
     "Lookup",
+    "StateClass",
+    "StatePolicy",
     "TailProbe",
+    "admission",
 ]

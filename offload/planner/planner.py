@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from offload.planner.spec import ChunkIndex, GroupIndex, GroupKind, GroupSpec
+from offload.planner.states import StateClass
 
 DEFAULT_MIN_CHUNK_TOKENS = 256
 
@@ -294,6 +295,16 @@ class HybridOffloadPlanner:
         if self.full_prompt_hits and t < self.max_hit_chunks(prompt_tokens) * self.chunk_size:
             return 0
         return t
+
+    def state_class(self, boundary: int, prompt_tokens: int, branch_at: int = 0) -> StateClass:
+        """The class of a prompt's recurrent state at `boundary`: its tail (the
+        last whole-chunk boundary inside the prompt, or the partial tail),
+        where its lookup found a stored or cached prefix ending (`branch_at`,
+        0: none), or internal. A repeat and the next turn read only the tail;
+        an internal state is read only where another prompt branches there."""
+        if boundary in (prompt_tokens // self.chunk_size * self.chunk_size, self.tail_boundary(prompt_tokens)):
+            return StateClass.TAIL
+        return StateClass.BRANCH if boundary == branch_at else StateClass.INTERNAL
 
     def repeat_hit(self, prompt_tokens: int) -> int:
         """Tokens a repeat of a stored prompt restores: its whole chunks (up

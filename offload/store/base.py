@@ -29,6 +29,7 @@ import torch
 
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import HybridOffloadPlanner
+from offload.planner.states import Admission, StateClass
 from offload.store.buffers import BufferPool
 from offload.store.format import HEADER_LEN, ChunkHeader
 
@@ -70,10 +71,13 @@ class ChunkMiss(Exception):
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one (chunk, group) entry lives in a tier: a pool slot for host
-    memory; None for tiers addressed by key (files)."""
+    """Where one (chunk, group) entry lives in a tier: a slot for host
+    memory; None for tiers addressed by key (files). `cold`: a new entry
+    that enters the tier's eviction order at the cold end (a tier whose
+    order the worker writes, files, needs to be told)."""
 
     slot: int | None = None
+    cold: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,11 @@ class TierUsage:
     no_room: int = 0  # cumulative stores skipped for lack of room
     capacity_bytes: int | None = None
     budget_bytes: int | None = None  # what eviction keeps the tier within, where it has a budget
+    # Recurrent states by the class they were admitted under (offload.planner.states):
+    states: tuple[tuple[str, int, int], ...] = ()  # (class, entries, bytes) held now
+    state_hits: tuple[tuple[str, int], ...] = ()  # (class, loads planned from such a state), cumulative
+    state_evictions: tuple[tuple[str, str, int], ...] = ()  # (class, "cold" | "lru", count), cumulative
+    skipped: int = 0  # stores the state policy declined, cumulative
 
 
 @dataclass
@@ -133,12 +142,16 @@ class TierIndex(ABC):
         """Is the entry stored and restorable?"""
 
     @abstractmethod
-    def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
-        """Where to store a new entry; None when it is already stored or there
-        is no room (the store is skipped)."""
+    def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None,
+                admission: Admission = Admission.HOT, state: StateClass | None = None) -> Placement | None:
+        """Where to store a new entry; None when it is already stored, there
+        is no room, or the tier does not take it (the store is skipped).
+        `admission` says where it enters the tier's eviction order (or that
+        it is not stored); `state` is a recurrent state's class (None for
+        other entries), for the tier's figures."""
 
     def reserve_promotion(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
-        """`reserve` for bytes a load in flight will copy up from a slower
+        """`reserve`, hot, for bytes a load in flight will copy up from a slower
         tier. An index whose `contains` would count the entry before those
         bytes land (host memory) keeps it out of `contains` and `pin` until
         `promotion_done`: a lookup meanwhile would plan a load of a slot

@@ -179,15 +179,16 @@ class DirBudget:
         rel = rel_of(top, p)
         return rel if valid_rel(rel) else None
 
-    def note_write(self, rel: str, size: int, parent: int | None = None) -> None:
+    def note_write(self, rel: str, size: int, parent: int | None = None, cold: bool = False) -> None:
         """A file appeared under its final name (any thread): record it, and
-        in a process whose index is loaded, evict at once if over budget."""
+        in a process whose index is loaded, evict at once if over budget.
+        `cold`: it enters the eviction order below every file that is not."""
         t = time.time()
-        self.ledger.put(rel, size, t, parent)
+        self.ledger.put(rel, size, t, parent, cold)
         if not self.loaded or not self._lock.acquire(blocking=False):
             return  # the next sync reads the record back
         try:
-            self.index.put(rel, t, size, parent)
+            self.index.put(rel, t, size, parent, cold)
             if self.max_bytes:
                 # Near the budget, every write first reads the other instances'
                 # new records (one listing and a read per log): they may have
@@ -309,9 +310,9 @@ class DirBudget:
                 for line in lines:
                     r = parse(line)
                     if type(r) is Record:  # the common line first: once per file written anywhere
-                        op, t, size, parent, rel = r
+                        op, t, size, parent, rel, cold = r
                         if op == PUT:
-                            put(rel, t, size, parent)
+                            put(rel, t, size, parent, cold)
                         else:
                             drop(rel, t)
                     elif r is None:
@@ -477,7 +478,7 @@ class DirBudget:
 
     def _current(self, rel: str) -> float | None:
         e = self.index.get(rel)
-        return None if e is None else e.t
+        return None if e is None else e.rank
 
     def _evict_locked(self) -> None:
         """Evict the oldest leaves (`offload.store.evictor`) down to the low-water mark."""
@@ -508,8 +509,7 @@ class DirBudget:
             except OSError:
                 continue
             if st.st_mtime > e.t + 1e-3:  # loaded since it was indexed: recency moves on
-                e.t = st.st_mtime
-                index.queue.push(e.t, rel)
+                index.touch(rel, e, st.st_mtime)
                 continue
             try:
                 os.unlink(path)

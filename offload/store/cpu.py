@@ -1,31 +1,39 @@
-"""Host-memory tier: per-group pools at each group's natural page size.
+"""Host-memory tier: one arena of equal frames, shared by every KV cache group.
 
-Every KV cache group gets the same number of slots, one per chunk, each sized
-for what that group really stores per chunk: full attention the chunk's pages;
-a windowed group only the pages inside its window; a Mamba group one state
-page. Nothing is padded to another group's page size (that would waste host
-memory on every smaller group), and slot ids of one pool are never used in another.
+An entry of a group takes a slot in a frame: full attention the chunk's
+pages, a windowed group only the pages inside its window, a Mamba group one
+state page. A frame is as large as the largest group's slot and holds as many
+slots of one group as fit (one on a hybrid at its default chunk size: vLLM
+sizes the attention block so that its page is about a state's page). Frames
+are not split by group up front, so the bytes follow what is admitted: where
+states are evicted first, attention KV gets the room they leave.
 
-Eviction is LRU per pool, with one rule that keeps every prefix restorable:
-an attention or windowed entry is only evicted together with its
-descendants (the entries whose keys chain from it), so presence stays
-prefix-closed and the lookup's binary search stays exact. Entries pinned by a
-load in flight are never evicted, and in a stack with a tier below, neither is
-an entry whose only copy is here (`backed` says whether the tier below holds it)
-while its write there may still land.
+Eviction is the one evictor's order (`offload.store.evictor.LeafQueue`): the
+least recent leaf first. Presence stays prefix-closed, so the lookup's binary
+search stays exact: an attention or windowed entry is a leaf only once no
+entry of its group chains from it and no state at its own boundary is held;
+a state is a leaf of its own and may go while the attention KV of its chunk
+stays. Where a new entry enters that order is its admission
+(`offload.planner.states`): hot at the recent end; cold (a state at a
+prompt's internal boundary, under the `by_use` policy) below every hot entry,
+first to go unless a load reads it, and stored only in a free slot or one a
+colder entry leaves (it never displaces an entry in use). Entries pinned by a load in flight are
+never evicted, and in a stack with a tier below, neither is an entry whose
+only copy is here (`backed` says whether the tier below holds it) while its
+write there may still land.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import Counter
 from dataclasses import dataclass, field
-from functools import partial
+from fractions import Fraction
 
 import torch
 
 from offload.keys import ChunkKey
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner
+from offload.planner.states import Admission, StateClass
 from offload.store.base import (
     Backed,
     ChunkMiss,
@@ -39,15 +47,21 @@ from offload.store.base import (
     TierUsage,
 )
 from offload.store.buffers import BufferPool
+from offload.store.evictor import LeafQueue
 from offload.store.format import ChunkHeader
 from offload.store.options import CpuOptions
+
+# Cold entries rank below every hot one, oldest cold first.
+_COLD = 1 << 52
 
 
 @dataclass(frozen=True)
 class CpuLayout:
-    """Slot geometry both halves derive from the same planner and budget."""
+    """Arena geometry both halves derive from the same planner and budget.
+    A slot id is `frame * slots_per_frame_max + index in the frame`."""
 
-    slots: int
+    frames: int
+    frame_bytes: int
     pages_per_slot: tuple[int, ...]  # per group
     page_bytes: tuple[int, ...]  # per group
 
@@ -61,197 +75,304 @@ class CpuLayout:
                 horizon = (spec.window or 0) // planner.chunk_size + 2
                 pages.append(max(len(planner.stored(GroupIndex(g), ChunkIndex(c)).blocks) for c in range(horizon)))
         page_bytes = tuple(s.page_bytes for s in planner.groups)
-        per_chunk = sum(p * b for p, b in zip(pages, page_bytes))
-        return cls(cpu_bytes // per_chunk, tuple(pages), page_bytes)
+        frame = max(p * b for p, b in zip(pages, page_bytes))
+        return cls(cpu_bytes // frame, frame, tuple(pages), page_bytes)
 
     def slot_bytes(self, group: int) -> int:
         return self.pages_per_slot[group] * self.page_bytes[group]
+
+    def per_frame(self, group: int) -> int:
+        return self.frame_bytes // self.slot_bytes(group)
+
+    @property
+    def stride(self) -> int:
+        return max(self.per_frame(g) for g in range(len(self.page_bytes)))
+
+    def chunks(self) -> int:
+        """Whole chunks (every group's entry) the arena holds at once."""
+        need = sum(Fraction(1, self.per_frame(g)) for g in range(len(self.page_bytes)))
+        return int(self.frames / need)
 
     def describe(self, planner: HybridOffloadPlanner) -> str:
         """Capacity in tokens is tokens of full-attention KV, the only kind that grows
         with the sequence; a model without it reports 0 tokens."""
         grows = any(s.kind.grows_with_sequence for s in planner.groups)
-        tokens = self.slots * planner.chunk_size if grows else 0
+        chunks = self.chunks()
+        tokens = chunks * planner.chunk_size if grows else 0
         per_group = ", ".join(
-            f"g{g} {s.kind.value}: {self.slots * self.slot_bytes(g) / 2**20:.1f} MiB "
-            f"({self.slot_bytes(g)} B/slot)" for g, s in enumerate(planner.groups))
-        return f"{self.slots} chunk slots = {tokens} tokens of full-attention KV; {per_group}"
+            f"g{g} {s.kind.value}: {self.slot_bytes(g)} B/slot, {self.per_frame(g)}/frame"
+            for g, s in enumerate(planner.groups))
+        return (f"{self.frames} frames of {self.frame_bytes} B shared by every group = {chunks} whole chunks "
+                f"= {tokens} tokens of full-attention KV with every state kept; {per_group}")
+
+
+Node = tuple[int, ChunkKey]  # (group, key)
 
 
 @dataclass
 class _Entry:
     slot: int
     parent: ChunkKey | None
+    state: StateClass | None = None  # the class a state was admitted under (None: not a state)
+    recency: int = 0
+    cold: bool = False  # admitted cold and not read since
     pins: int = 0
-    children: set[ChunkKey] = field(default_factory=set)
+    children: set[ChunkKey] = field(default_factory=set)  # same-group entries chaining from it
     pending: bool = False  # a promotion whose bytes have not landed: neither offered nor evicted
     gone: bool = False  # dropped while held: offered no more, removed once neither pinned nor pending
     sole: bool = False  # its write to the tier below was dropped: evicted without a copy there
 
 
-class _Pool:
-    """Index of one group's pool."""
-
-    def __init__(self, slots: int, prefix_closed: bool, backed: Callable[[ChunkKey], bool] | None = None) -> None:
-        self.backed = backed
-        self.free = list(range(slots - 1, -1, -1))
-        self.entries: OrderedDict[ChunkKey, _Entry] = OrderedDict()  # LRU first
-        self.prefix_closed = prefix_closed
-        self.evictions = 0
-        self.no_room = 0
-
-    def _subtree(self, key: ChunkKey) -> list[ChunkKey] | None:
-        """The entry and its descendants, or None if any is pinned or is the
-        only copy in a stack."""
-        out, stack = [], [key]
-        while stack:
-            k = stack.pop()
-            e = self.entries[k]
-            if e.pins or e.pending or (self.backed is not None and not e.sole and not self.backed(k)):
-                return None
-            out.append(k)
-            if self.prefix_closed:
-                stack.extend(e.children)
-        return out
-
-    def _evict_one(self) -> bool:
-        for key in list(self.entries):
-            victims = self._subtree(key)
-            if victims is None:
-                continue
-            self.remove(victims)
-            self.evictions += len(victims)
-            return True
-        return False
-
-    def remove(self, keys: list[ChunkKey]) -> None:
-        for k in keys:
-            e = self.entries.pop(k)
-            self.free.append(e.slot)
-            if e.parent is not None and e.parent in self.entries:
-                self.entries[e.parent].children.discard(k)
-
-    def drop(self, key: ChunkKey) -> None:
-        """Stop offering the entry and, prefix-closed, its descendants; each
-        leaves once no load holds its slot (`reap`)."""
-        if key not in self.entries:
-            return
-        keys, stack = [], [key]
-        while stack:
-            k = stack.pop()
-            keys.append(k)
-            self.entries[k].gone = True
-            if self.prefix_closed:
-                stack.extend(self.entries[k].children)
-        for k in keys:
-            self.reap(k)
-
-    def reap(self, key: ChunkKey) -> None:
-        e = self.entries.get(key)
-        if e is not None and e.gone and not e.pins and not e.pending:
-            self.remove([key])
-
-    def _offered(self, parent: ChunkKey | None) -> bool:
-        """Can an entry chain from `parent` here (None: the chain's first)?"""
-        return parent is None or (parent in self.entries and not self.entries[parent].gone)
-
-    def reserve(self, key: ChunkKey, parent: ChunkKey | None, pending: bool = False) -> int | None:
-        if key in self.entries:
-            self.entries.move_to_end(key)
-            return None
-        if self.prefix_closed and not self._offered(parent):
-            self.no_room += 1
-            return None  # an orphan could never be part of a restorable prefix
-        while not self.free:
-            if not self._evict_one():
-                self.no_room += 1
-                return None
-            if self.prefix_closed and not self._offered(parent):
-                self.no_room += 1
-                return None  # the eviction took our own parent
-        slot = self.free.pop()
-        self.entries[key] = _Entry(slot, parent, pending=pending)
-        if self.prefix_closed and parent is not None:
-            self.entries[parent].children.add(key)
-        return slot
-
-
 class CpuIndex(TierIndex):
+    """The scheduler's view of the arena: entries by (group, key), free
+    frames and slots, and the eviction order."""
+
     def __init__(self, planner: HybridOffloadPlanner, layout: CpuLayout, backed: Backed | None = None) -> None:
-        self.pools = [
-            _Pool(layout.slots, s.kind is not GroupKind.MAMBA,
-                  None if backed is None else partial(backed, g))
-            for g, s in enumerate(planner.groups)
-        ]
         self.layout = layout
+        self.backed = backed
+        kinds = [s.kind for s in planner.groups]
+        self.chained = [k is not GroupKind.MAMBA for k in kinds]  # presence kept prefix-closed
+        # The group a state's chunk is named by in the eviction order: a chunk's
+        # attention entry stays while a state at its boundary is held.
+        full = [g for g, k in enumerate(kinds) if k is GroupKind.FULL_ATTENTION]
+        self.anchor = full[0] if full else None
+        self.entries: dict[Node, _Entry] = {}
+        self.queue: LeafQueue[Node, Node] = LeafQueue()
+        self._tick = 0
+        self.free_frames = list(range(layout.frames - 1, -1, -1))
+        self._open: list[dict[int, list[int]]] = [{} for _ in kinds]  # group -> frame -> its free slot indices
+        self._per_frame = [layout.per_frame(g) for g in range(len(kinds))]
+        self.evictions = [0] * len(kinds)
+        self.no_room = 0
+        self.skipped = 0  # stores the admission policy declined
+        self.state_hits: Counter[str] = Counter()  # loads planned from a state, by its class
+        self.state_evictions: Counter[tuple[str, str]] = Counter()  # (class, "cold" | "lru")
+        self._count = [0] * len(kinds)  # entries per group
+        self._states: Counter[str] = Counter()  # state entries per class
+        self._state_bytes: Counter[str] = Counter()
+
+    # ---- slots ---------------------------------------------------------------------
+
+    def _take_slot(self, group: int) -> int | None:
+        frames = self._open[group]
+        if not frames:
+            if not self.free_frames:
+                return None
+            frames[self.free_frames.pop()] = list(range(self._per_frame[group] - 1, -1, -1))
+        frame, free = next(iter(frames.items()))
+        i = free.pop()
+        if not free:
+            del frames[frame]
+        return frame * self.layout.stride + i
+
+    def _free_slot(self, group: int, slot: int) -> None:
+        frame, i = divmod(slot, self.layout.stride)
+        free = self._open[group].setdefault(frame, [])
+        free.append(i)
+        if len(free) == self._per_frame[group]:
+            del self._open[group][frame]
+            self.free_frames.append(frame)
+
+    # ---- eviction order --------------------------------------------------------------
+
+    def _touch(self, node: Node, e: _Entry, cold: bool = False) -> None:
+        self._tick += 1
+        e.recency = self._tick - _COLD if cold else self._tick
+        e.cold = cold
+        self.queue.push(e.recency, node)
+
+    def _current(self, node: Node) -> int | None:
+        e = self.entries.get(node)
+        return None if e is None else e.recency
+
+    def _link_of(self, node: Node) -> Node | None:
+        return node if self.chained[node[0]] else None
+
+    def _parent_link(self, node: Node, e: _Entry) -> Node | None:
+        g, key = node
+        if self.chained[g]:
+            return None if e.parent is None else (g, e.parent)
+        return None if self.anchor is None else (self.anchor, key)
+
+    def _evictable(self, node: Node, e: _Entry) -> bool:
+        return not (e.pins or e.pending or (self.backed is not None and not e.sole and not self.backed(*node)))
+
+    def _evict_one(self, cold_only: bool = False) -> bool:
+        """Evict the oldest evictable leaf; with `cold_only`, only an entry
+        still cold (cold ones rank first, so the first hot leaf ends the search)."""
+        held = []
+        try:
+            while (node := self.queue.pop(self._current, self._link_of)) is not None:
+                e = self.entries[node]
+                if cold_only and not e.cold:
+                    held.append((e.recency, node))
+                    return False
+                if not self._evictable(node, e):
+                    held.append((e.recency, node))
+                    continue
+                if e.state is not None:
+                    self.state_evictions[e.state.value, "cold" if e.cold else "lru"] += 1
+                self.evictions[node[0]] += 1
+                self._remove(node)
+                return True
+            return False
+        finally:
+            for item in held:
+                self.queue.push(*item)
+
+    def _count_entry(self, node: Node, e: _Entry, n: int) -> None:
+        self._count[node[0]] += n
+        if e.state is not None:
+            self._states[e.state.value] += n
+            self._state_bytes[e.state.value] += n * self.layout.slot_bytes(node[0])
+
+    def _remove(self, node: Node) -> None:
+        e = self.entries.pop(node)
+        self._count_entry(node, e, -1)
+        self._free_slot(node[0], e.slot)
+        link = self._parent_link(node, e)
+        if link is None:
+            return
+        if self.chained[node[0]]:
+            p = self.entries.get(link)
+            if p is not None:
+                p.children.discard(node[1])
+        back = self.queue.unlink(link)  # its parent may be a leaf now
+        if back is not None and back in self.entries:
+            self.queue.push(self.entries[back].recency, back)
+
+    def _offered(self, group: int, parent: ChunkKey | None) -> bool:
+        """Can an entry chain from `parent` here (None: the chain's first)?"""
+        if parent is None:
+            return True
+        p = self.entries.get((group, parent))
+        return p is not None and not p.gone
+
+    # ---- the index -------------------------------------------------------------------
 
     def contains(self, group: int, key: ChunkKey) -> bool:
-        e = self.pools[group].entries.get(key)
+        e = self.entries.get((group, key))
         return e is not None and not e.pending and not e.gone
 
-    def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
-        slot = self.pools[group].reserve(key, parent)
+    def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None,
+                admission: Admission = Admission.HOT, state: StateClass | None = None) -> Placement | None:
+        slot = self._reserve(group, key, parent, admission, state, pending=False)
         return None if slot is None else Placement(slot)
 
     def reserve_promotion(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
-        slot = self.pools[group].reserve(key, parent, pending=True)
+        # Bytes a load just read are in use: hot, whatever the class they were stored under.
+        slot = self._reserve(group, key, parent, Admission.HOT, None, pending=True)
         return None if slot is None else Placement(slot)
+
+    def _reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None, admission: Admission,
+                 state: StateClass | None, pending: bool) -> int | None:
+        node = (group, key)
+        e = self.entries.get(node)
+        if e is not None:
+            if admission is Admission.HOT and not e.gone:
+                self._touch(node, e)  # another prompt stored it again: in use
+            return None
+        if admission is Admission.SKIP:
+            self.skipped += 1
+            return None
+        chained = self.chained[group]
+        if chained and not self._offered(group, parent):
+            self.no_room += 1
+            return None  # an orphan could never be part of a restorable prefix
+        while (slot := self._take_slot(group)) is None:
+            # A cold entry never displaces one in use: it takes a free slot or another cold entry's.
+            if not self._evict_one(cold_only=admission is Admission.COLD):
+                self.no_room += 1
+                return None
+        if chained and not self._offered(group, parent):  # the eviction took our own parent
+            self._free_slot(group, slot)
+            self.no_room += 1
+            return None
+        e = self.entries[node] = _Entry(slot, parent, state, pending=pending)
+        self._count_entry(node, e, 1)
+        self._touch(node, e, cold=admission is Admission.COLD)
+        link = self._parent_link(node, e)
+        if link is not None:
+            self.queue.link(link)
+            if chained:
+                self.entries[link].children.add(key)
+        return slot
 
     def promotion_done(self, group: int, key: ChunkKey, landed: bool) -> None:
         """Offer the entry from now on; where its load failed (the bytes may
         not have landed) drop it instead, with any entry stored behind it
         meanwhile."""
-        pool = self.pools[group]
-        e = pool.entries.get(key)
+        e = self.entries.get((group, key))
         if e is None or not e.pending:
             return
         e.pending = False
         if not landed:  # (never pinned: `pin` refuses a pending entry)
-            pool.drop(key)
-        pool.reap(key)
+            self._drop(group, key)
+        self._reap((group, key))
 
     def pin(self, group: int, key: ChunkKey) -> Placement | None:
-        pool = self.pools[group]
-        e = pool.entries.get(key)
+        node = (group, key)
+        e = self.entries.get(node)
         if e is None or e.pending or e.gone:
             return None
+        if e.state is not None:
+            self.state_hits[e.state.value] += 1
         e.pins += 1
-        pool.entries.move_to_end(key)
+        self._touch(node, e)
         return Placement(e.slot)
 
     def unpin(self, group: int, key: ChunkKey) -> None:
-        pool = self.pools[group]
-        e = pool.entries.get(key)
+        e = self.entries.get((group, key))
         if e is not None and e.pins > 0:
             e.pins -= 1
-            pool.reap(key)
+            self._reap((group, key))
+
+    def _drop(self, group: int, key: ChunkKey) -> None:
+        """Stop offering the entry and, in a chained group, its descendants;
+        each leaves once no load holds its slot (`_reap`)."""
+        if (group, key) not in self.entries:
+            return
+        nodes, stack = [], [key]
+        while stack:
+            k = stack.pop()
+            e = self.entries[(group, k)]
+            e.gone = True
+            nodes.append((group, k))
+            stack.extend(e.children)
+        for node in nodes:
+            self._reap(node)
+
+    def _reap(self, node: Node) -> None:
+        e = self.entries.get(node)
+        if e is not None and e.gone and not e.pins and not e.pending:
+            self._remove(node)
 
     def store_dropped(self, group: int, key: ChunkKey) -> None:
         """Its slot does not hold it: offered no more, with the chain behind it.
         (A failed load is no reason to `forget`: host memory holds what it
         stored, and the failure may be another tier's or the KV cache's.)"""
-        self.pools[group].drop(key)
+        self._drop(group, key)
 
     def copy_below_dropped(self, group: int, key: ChunkKey) -> None:
-        e = self.pools[group].entries.get(key)
+        e = self.entries.get((group, key))
         if e is not None:
             e.sole = True
 
-    @property
-    def evictions(self) -> int:
-        return sum(p.evictions for p in self.pools)
-
     def usage(self) -> TierUsage:
-        n = [len(p.entries) for p in self.pools]
+        n = self._count
         return TierUsage(
             entries=tuple(n), bytes=tuple(k * self.layout.slot_bytes(g) for g, k in enumerate(n)),
-            evictions=tuple(p.evictions for p in self.pools), no_room=sum(p.no_room for p in self.pools),
-            capacity_bytes=sum(self.layout.slots * self.layout.slot_bytes(g) for g in range(len(self.pools))),
+            evictions=tuple(self.evictions), no_room=self.no_room,
+            capacity_bytes=self.layout.frames * self.layout.frame_bytes,
+            states=tuple((c, k, self._state_bytes[c]) for c, k in sorted(self._states.items())),
+            state_hits=tuple(sorted(self.state_hits.items())),
+            state_evictions=tuple((c, r, k) for (c, r), k in sorted(self.state_evictions.items())),
+            skipped=self.skipped,
         )
 
 
 class CpuData(TierData):
-    """Worker-side pools; pinned host memory where the KV cache is on CUDA.
+    """Worker-side arena; pinned host memory where the KV cache is on CUDA.
 
     The worker records which key each slot really holds, and a load checks
     it: if a store was dropped or failed after the scheduler's index counted
@@ -259,29 +380,28 @@ class CpuData(TierData):
     """
 
     def __init__(self, layout: CpuLayout, device: torch.device) -> None:
-        pin = device.type == "cuda"
         self.layout = layout
-        self.pools = [
-            torch.empty((layout.slots, layout.slot_bytes(g)), dtype=torch.uint8, pin_memory=pin)
-            for g in range(len(layout.pages_per_slot))
-        ]
-        self.holding: list[list[tuple[bytes, int] | None]] = [[None] * layout.slots for _ in self.pools]
+        self.arena = torch.empty((layout.frames, layout.frame_bytes), dtype=torch.uint8,
+                                 pin_memory=device.type == "cuda")
+        self.holding: dict[int, tuple[int, bytes, int]] = {}  # slot -> (group, key, pages)
 
     def _view(self, group: int, slot: int, n_pages: int) -> torch.Tensor:
-        return self.pools[group][slot, : n_pages * self.layout.page_bytes[group]]
+        frame, i = divmod(slot, self.layout.stride)
+        start = i * self.layout.slot_bytes(group)
+        return self.arena[frame, start:start + n_pages * self.layout.page_bytes[group]]
 
     def gather_target(self, header: ChunkHeader, placement: Placement) -> torch.Tensor:
         assert placement.slot is not None
-        self.holding[header.group][placement.slot] = None  # being overwritten
+        self.holding.pop(placement.slot, None)  # being overwritten
         return self._view(header.group, placement.slot, header.num_pages)
 
     def gathered(self, header: ChunkHeader, placement: Placement) -> None:
         assert placement.slot is not None
-        self.holding[header.group][placement.slot] = (header.key, header.num_pages)
+        self.holding[placement.slot] = (header.group, header.key, header.num_pages)
 
     def holds(self, header: ChunkHeader, placement: Placement) -> bool:
         return placement.slot is not None and \
-            self.holding[header.group][placement.slot] == (header.key, header.num_pages)
+            self.holding.get(placement.slot) == (header.group, header.key, header.num_pages)
 
     def put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
         """A promotion: copy a payload read from a tier below into the slot."""
@@ -298,7 +418,7 @@ class CpuData(TierData):
 
 
 class CpuTier(TierSpec[CpuOptions]):
-    """Host memory: `cpu_bytes` split into per-group slot pools."""
+    """Host memory: `cpu_bytes` as one arena of frames every group draws on."""
 
     store = "cpu"
     hit_source = "HOST"
@@ -308,10 +428,10 @@ class CpuTier(TierSpec[CpuOptions]):
         self.layout = CpuLayout.plan(ctx.planner, options.cpu_bytes)
 
     def check(self) -> None:
-        if self.layout.slots < 1:
+        if self.layout.chunks() < 1:
             need = sum(self.layout.slot_bytes(g) for g in range(len(self.ctx.planner.groups)))
             raise OptionError(f"cpu_bytes={self.options.cpu_bytes}: holds no chunk of this model; "
-                              f"one chunk of every group needs {need} bytes")
+                              f"one chunk of every group needs at least {need} bytes")
 
     def describe(self) -> str:
         return f"{self.options.cpu_bytes} bytes: {self.layout.describe(self.ctx.planner)}"

@@ -25,6 +25,7 @@ import torch
 from offload import copier
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind
+from offload.planner.states import Admission, StateClass
 from offload.store import hygiene, paths
 from offload.store.auth import Keyring, Unauthenticated, check_entry, frame, open_keyring
 from offload.store.base import (
@@ -177,7 +178,7 @@ class FileStore:
         """`path` (inside root) as the ledger names it: relative to the layout directory."""
         return rel_of(self.root.parent, path)
 
-    def written(self, final: Path, nbytes: int, parent: bytes | None = None) -> None:
+    def written(self, final: Path, nbytes: int, parent: bytes | None = None, cold: bool = False) -> None:
         """After a file appeared under its final name: exact mode, and a ledger
         record (the budget evicts at once if this write took it over)."""
         if _UMASK is None or self.file_mode & _UMASK:
@@ -187,7 +188,8 @@ class FileStore:
                 pass  # evicted or replaced meanwhile
         if self.account is not None:
             self.account.note_write(self.rel(final), nbytes,
-                                    None if not parent or parent == bytes(8) else int.from_bytes(parent, "big"))
+                                    None if not parent or parent == bytes(8) else int.from_bytes(parent, "big"),
+                                    cold)
 
     # ---- files ----------------------------------------------------------------------
 
@@ -224,16 +226,17 @@ class FileStore:
         os.replace(tmp, target)
         self.written(target, len(doc.encode()))
 
-    def write(self, header: ChunkHeader, payload: torch.Tensor) -> bool:
+    def write(self, header: ChunkHeader, payload: torch.Tensor, cold: bool = False) -> bool:
         """Write one chunk file from a bare payload (tools, tests). False if it existed."""
         if payload.numel() != header.payload_len:
             # The file would contradict its own header and be quarantined by every reader.
             raise ValueError(f"payload has {payload.numel()} bytes, header says {header.payload_len}")
         chunk = HostChunk.pooled(BufferPool(), payload.numel())
         chunk.payload.copy_(payload.reshape(-1))
-        return self.write_framed(header, chunk, direct=False)[0]
+        return self.write_framed(header, chunk, direct=False, cold=cold)[0]
 
-    def write_framed(self, header: ChunkHeader, chunk: HostChunk, direct: bool) -> tuple[bool, bool]:
+    def write_framed(self, header: ChunkHeader, chunk: HostChunk, direct: bool,
+                     cold: bool = False) -> tuple[bool, bool]:
         """The one chunk writer: write `chunk` (a pooled buffer with the
         header's room in front) atomically; the payload CRC (and, with a key,
         the MAC) is computed here, on the I/O thread. Returns (written,
@@ -252,7 +255,7 @@ class FileStore:
         used = copier.write_file_direct(str(self.tmp_path(final)), str(final), chunk.buf, HEADER_LEN + n,
                                         self.fsync, self.file_mode, direct=direct)
         # A Mamba state stands alone: no parent, whatever its header carries.
-        self.written(final, HEADER_LEN + n, None if header.kind is GroupKind.MAMBA else header.parent)
+        self.written(final, HEADER_LEN + n, None if header.kind is GroupKind.MAMBA else header.parent, cold)
         return True, used
 
     def read_into(self, expected: ChunkHeader, out: torch.Tensor) -> None:
@@ -373,8 +376,11 @@ class FsIndex(TierIndex):
             self.housekeeper.stop()
         self.store.close()
 
-    def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
-        return Placement()
+    def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None,
+                admission: Admission = Admission.HOT, state: StateClass | None = None) -> Placement | None:
+        if admission is Admission.SKIP:
+            return None
+        return Placement(cold=admission is Admission.COLD)
 
     def pin(self, group: int, key: ChunkKey) -> Placement | None:
         return Placement()
@@ -418,7 +424,7 @@ class FsData(TierData):
             self.direct = probe_o_direct(final.parent)
             logger.info("kvoffload: O_DIRECT writes %s in %s", "on" if self.direct else "off (refused)",
                         self.store.root)
-        written, used = self.store.write_framed(header, chunk, self.direct)
+        written, used = self.store.write_framed(header, chunk, self.direct, placement.cold)
         if written:
             if used:
                 self.direct_writes += 1

@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 LEDGER_VERSION = 1
 MAGIC = "kvoffload-ledger"
+# A put line's optional last field: the file entered the eviction order
+# cold. Readers before it skip such a line as damaged (the file is accounted
+# at their next walk).
+COLD_MARK = " cold"
 # A log past this size is sealed and a new one started, so that a long-lived
 # instance's records become foldable (and removable) by the next snapshot.
 MAX_LOG_BYTES = 64 << 20
@@ -62,6 +66,7 @@ class Record(NamedTuple):
     size: int  # 0 for a removal
     parent: int | None  # the parent key's first 8 bytes (chained groups); None: stands alone
     rel: str  # the file, relative to the layout directory (offload.store.paths)
+    cold: bool = False  # it entered the eviction order at the cold end (a state admitted cold)
 
 
 class End(NamedTuple):
@@ -87,8 +92,8 @@ def _crc(body: str) -> str:
     return f"{zlib.crc32(body.encode()):08x}"
 
 
-def put_line(rel: str, size: int, t: float, parent: int | None) -> str:
-    body = f"+ {t:.3f} {size} {'-' if parent is None else format(parent, '016x')} {rel}"
+def put_line(rel: str, size: int, t: float, parent: int | None, cold: bool = False) -> str:
+    body = f"+ {t:.3f} {size} {'-' if parent is None else format(parent, '016x')} {rel}{COLD_MARK if cold else ''}"
     return f"{body} {_crc(body)}\n"
 
 
@@ -125,7 +130,14 @@ def parse(line: str) -> Line | None:
             rel = f[4]
             if not valid_rel(rel):
                 return None
-            return _tuple_new(Record, (f[0], float(f[1]), int(f[2]), None if f[3] == "-" else int(f[3], 16), rel))
+            return _tuple_new(Record, (f[0], float(f[1]), int(f[2]), None if f[3] == "-" else int(f[3], 16), rel,
+                                       False))
+        if f[0] == PUT and len(f) == 6 and f[5] == "cold":
+            rel = f[4]
+            if not valid_rel(rel):
+                return None
+            return _tuple_new(Record, (f[0], float(f[1]), int(f[2]), None if f[3] == "-" else int(f[3], 16), rel,
+                                       True))
         if f[0] == "end" and len(f) == 2:
             return End(float(f[1]))
         if f[0] == "@" and len(f) == 3 and LOG_NAME.match(f[1]):
@@ -247,8 +259,8 @@ class LedgerWriter:
                 self._abandon_locked()
                 return False
 
-    def put(self, rel: str, size: int, t: float, parent: int | None) -> bool:
-        return self.append(put_line(rel, size, t, parent))
+    def put(self, rel: str, size: int, t: float, parent: int | None, cold: bool = False) -> bool:
+        return self.append(put_line(rel, size, t, parent, cold))
 
     def drop(self, rel: str, t: float) -> bool:
         return self.append(drop_line(rel, t))
@@ -335,9 +347,9 @@ def read_snapshot(path: Path, head_only: bool = False) -> Snapshot | None:
     return None
 
 
-# One file in a snapshot, as the index holds it: (rel, size, t, parent). A plain tuple: a
+# One file in a snapshot, as the index holds it: (rel, size, t, parent, cold). A plain tuple: a
 # checkpoint builds one per file in the directory.
-Entry = tuple[str, int, float, "int | None"]
+Entry = tuple[str, int, float, "int | None", bool]
 
 
 def write_snapshot(d: Path, entries: Iterable[Entry], offsets: dict[str, int], walked: float, file_mode: int,
@@ -355,8 +367,8 @@ def write_snapshot(d: Path, entries: Iterable[Entry], offsets: dict[str, int], w
             f.write(header_line("snapshot", f" walked={walked:.3f} other={other}"))
             for log, off in sorted(offsets.items()):
                 f.write(offset_line(log, off))
-            for rel, size, t, parent in entries:
-                f.write(put_line(rel, size, t, parent))
+            for rel, size, t, parent, cold in entries:
+                f.write(put_line(rel, size, t, parent, cold))
                 n += 1
             f.write(end_line(n))
             f.flush()

@@ -37,6 +37,7 @@ from dataclasses import replace
 import torch
 
 from offload.keys import ChunkKey
+from offload.planner.states import Admission, StateClass
 from offload.store.auth import Keyring, Unauthenticated, check_entry, frame, open_keyring
 from offload.store.base import (
     Backed,
@@ -103,6 +104,7 @@ class LMCacheIndex(TierIndex):
         self._release = release
         self._dirs = ctx.dirs
         self.ledger: OrderedDict[tuple[int, bytes], int] | None = None
+        self._skipped = 0
         if ctx.separate_workers:
             self.ledger = OrderedDict()
             self._entry_bytes = [HEADER_LEN + b for b in _max_entry_bytes(ctx)]
@@ -117,7 +119,13 @@ class LMCacheIndex(TierIndex):
                     return True
         return self.objects is not None and self.objects.contains(_name(self.fp, group, key))
 
-    def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
+    def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None,
+                admission: Admission = Admission.HOT, state: StateClass | None = None) -> Placement | None:
+        if admission is not Admission.HOT:
+            # LMCache orders its own pool and remote: a state that would enter
+            # our tiers cold is not given to it at all.
+            self._skipped += 1
+            return None
         if self.ledger is not None:
             k = (group, bytes(key))
             with self._lock:
@@ -153,7 +161,8 @@ class LMCacheIndex(TierIndex):
     def usage(self) -> TierUsage | None:
         if self.ledger is None:
             # Objects are named by hashes: per-group figures are not known here.
-            return TierUsage(entries=(), bytes=(), capacity_bytes=self.options.local_cpu_bytes)
+            return TierUsage(entries=(), bytes=(), capacity_bytes=self.options.local_cpu_bytes,
+                             skipped=self._skipped)
         with self._lock:
             entries = [0] * len(self._entry_bytes)
             nbytes = [0] * len(self._entry_bytes)
@@ -161,7 +170,7 @@ class LMCacheIndex(TierIndex):
                 entries[g] += 1
                 nbytes[g] += n
             return TierUsage(tuple(entries), tuple(nbytes), tuple(self._evictions),
-                             capacity_bytes=self.options.local_cpu_bytes)
+                             capacity_bytes=self.options.local_cpu_bytes, skipped=self._skipped)
 
     def close(self) -> None:
         if self._release is not None:

@@ -16,22 +16,30 @@ from offload.store.evictor import LeafQueue
 from offload.store.ledger import PUT, Entry, Record
 from offload.store.paths import CHUNK_SUFFIX, group_dir_of, is_evictable_rel, parse_chunk_rel, parse_group_dir
 
+# How far below every other entry a cold one ranks (seconds of recency).
+COLD_S = float(1 << 40)
 # An eviction link: (group directory, key prefix), as a child's header names its parent.
 Link = tuple[str, int]
 
 
 class IndexEntry:
-    __slots__ = ("fig", "gdir", "parent", "seen", "size", "t")
+    __slots__ = ("cold", "fig", "gdir", "parent", "seen", "size", "t")
 
-    def __init__(self, size: int, t: float, parent: int | None, seen: int = 0) -> None:
+    def __init__(self, size: int, t: float, parent: int | None, seen: int = 0, cold: bool = False) -> None:
         self.size = size
         self.t = t  # recency: mtime, or the time of the record that added it
+        self.cold = cold  # admitted cold and not loaded since: ranks below every entry that is not
         self.parent = parent  # first 8 bytes of the parent key, as an int; None: stands alone
         self.seen = seen  # the walk that last saw the file
         # Its rel decoded once, when the index takes it (a record names a file many times over):
         # its group's [files, bytes] and its group directory (None and "" for a file that is no chunk).
         self.fig: list[int] | None = None
         self.gdir = ""
+
+    @property
+    def rank(self) -> float:
+        """Its place in the eviction order (lowest first)."""
+        return self.t - COLD_S if self.cold else self.t
 
 
 class UsageIndex:
@@ -82,9 +90,9 @@ class UsageIndex:
             if e.parent is not None:
                 self.queue.link((e.gdir, e.parent))
             if push:
-                self.queue.push(e.t, rel)
+                self.queue.push(e.rank, rel)
         elif push and is_evictable_rel(rel):
-            self.queue.push(e.t, rel)
+            self.queue.push(e.rank, rel)
 
     def _unaccount(self, rel: str, e: IndexEntry) -> None:
         self.bytes -= e.size
@@ -97,7 +105,7 @@ class UsageIndex:
                 if prel is not None:
                     pe = self.entries.get(prel)
                     if pe is not None:
-                        self.queue.push(pe.t, prel)
+                        self.queue.push(pe.rank, prel)
 
     def add(self, rel: str, e: IndexEntry) -> None:
         old = self.entries.get(rel)
@@ -118,6 +126,7 @@ class UsageIndex:
     def touch(self, rel: str, e: IndexEntry, t: float) -> None:
         """`rel` was used at `t` (newer than its recency): requeue it."""
         e.t = t
+        e.cold = False
         if e.fig is not None or is_evictable_rel(rel):
             self.queue.push(t, rel)
 
@@ -134,11 +143,11 @@ class UsageIndex:
     def apply(self, r: Record) -> None:
         """Fold one record in (records of several logs arrive in any order)."""
         if r.op == PUT:
-            self.put(r.rel, r.t, r.size, r.parent)
+            self.put(r.rel, r.t, r.size, r.parent, r.cold)
         else:
             self.drop(r.rel, r.t)
 
-    def put(self, rel: str, t: float, size: int, parent: int | None) -> None:
+    def put(self, rel: str, t: float, size: int, parent: int | None, cold: bool = False) -> None:
         """Fold in a record of `rel` written at `t`."""
         tomb = self.tombs.get(rel)
         if tomb is not None and tomb >= t:
@@ -148,9 +157,13 @@ class UsageIndex:
             if cur.t >= t:
                 return  # known (our own record read back, or an older duplicate write)
             if cur.size == size and cur.parent == parent:
-                self.touch(rel, cur, t)
+                if cold:  # written again, cold: recency moves on, but no higher than cold
+                    cur.t = t
+                    self.queue.push(cur.rank, rel)
+                else:
+                    self.touch(rel, cur, t)
                 return
-        self.add(rel, IndexEntry(size, t, parent))
+        self.add(rel, IndexEntry(size, t, parent, cold=cold))
 
     def drop(self, rel: str, t: float) -> None:
         """Fold in a record of `rel` removed at `t`."""
@@ -163,18 +176,18 @@ class UsageIndex:
         """Replace the index with a snapshot's entries."""
         self.clear()
         for r in records:
-            e = IndexEntry(r.size, r.t, r.parent)
+            e = IndexEntry(r.size, r.t, r.parent, cold=r.cold)
             self._decode(r.rel, e)
             self.entries[r.rel] = e
             self._account(r.rel, e, push=False)
         self.rebuild_queue()
 
     def snapshot_entries(self) -> list[Entry]:
-        return [(rel, e.size, e.t, e.parent) for rel, e in self.entries.items()]
+        return [(rel, e.size, e.t, e.parent, e.cold) for rel, e in self.entries.items()]
 
     def rebuild_queue(self) -> None:
         """Queue every evictable entry afresh (drops stale queue entries, unparks every node)."""
-        self.queue.rebuild([(e.t, rel) for rel, e in self.entries.items() if is_evictable_rel(rel)])
+        self.queue.rebuild([(e.rank, rel) for rel, e in self.entries.items() if is_evictable_rel(rel)])
 
     def queue_bloated(self) -> bool:
         return len(self.queue) > 2 * len(self.entries) + 4096
