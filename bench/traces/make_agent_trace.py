@@ -100,7 +100,7 @@ def generate(seed: int = 7, sessions: int = 260, apps: int = 6, hour_s: float = 
                 # prompt just sent), plus a task of its own.
                 cut = max(len(context), len(segs) - 3)
                 sub = f"{name}/sub{turn}"
-                sub_ctx = segs[:cut] + [(f"{sub}/task", rng.randint(150, 900))]
+                sub_ctx = [*segs[:cut], (f"{sub}/task", rng.randint(150, 900))]
                 t_sub, result = run_agent(sub, t, sub_ctx, rng.randint(2, 6), depth + 1)
                 t = max(t, t_sub) + rng.uniform(0.5, 3.0)
                 segs.append((f"{sub}/result", max(100, result)))
@@ -120,7 +120,7 @@ def generate(seed: int = 7, sessions: int = 260, apps: int = 6, hour_s: float = 
     rows = []
     for t, _, segs, out in events:
         n, hids = ids(segs)
-        rows.append({"timestamp": int(round((t - t0) * 1000)), "input_length": n, "output_length": out,
+        rows.append({"timestamp": round((t - t0) * 1000), "input_length": n, "output_length": out,
                      "hash_ids": hids})
     return rows
 
