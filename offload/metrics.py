@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from offload.planner import GroupKind
+from offload.planner import GroupKind, StateClass
 from offload.store.base import MissReason
 
 CONNECTOR = "OffloadConnector"
@@ -46,6 +46,8 @@ class MetricDef:
 _T = ("connector", "tier")
 _TG = ("connector", "tier", "group_kind")
 _TR = ("connector", "tier", "reason")
+_TS = ("connector", "tier", "state_class")
+_TSR = ("connector", "tier", "state_class", "reason")
 
 METRICS: dict[str, MetricDef] = {
     "kvoffload_lookups": MetricDef(
@@ -96,11 +98,23 @@ METRICS: dict[str, MetricDef] = {
         "gauge", _T, "Capacity of the tier: cpu_bytes, or the size of the cache directory's filesystem."),
     "kvoffload_budget_bytes": MetricDef(
         "gauge", _T, "The byte budget the tier enforces by eviction (a file tier's max_bytes); absent without one."),
+    "kvoffload_state_entries": MetricDef(
+        "gauge", _TS, "Recurrent (Mamba/GDN) states held by the tier, by the class they were stored under: tail, "
+        "branch, internal (host memory)."),
+    "kvoffload_state_bytes": MetricDef("gauge", _TS, "Bytes of the recurrent states held by the tier, by class."),
+    "kvoffload_state_hits": MetricDef(
+        "counter", _TS, "Loads planned from a stored state, by the class it was stored under (host memory)."),
+    "kvoffload_state_evictions": MetricDef(
+        "counter", _TSR, "States evicted to make room, by class and reason: cold (admitted cold and never read) "
+        "or lru (the least recent entry in use)."),
+    "kvoffload_states_not_admitted": MetricDef(
+        "counter", _T, "State stores the tier declined under state_policy (tails; LMCache: every cold state)."),
     "kvoffload_hit_rate": MetricDef(
         "gauge", _T, "Hit tokens / looked-up tokens since the server started (computed in the API server)."),
 }
 
 GROUP_KINDS = tuple(k.value for k in GroupKind)
+STATE_CLASSES = tuple(c.value for c in StateClass)
 DROP_REASONS = ("backpressure", "no_space", "error", "shutdown", "no_room", "parent_dropped")
 LOAD_FAILURE_REASONS = tuple(r.value for r in MissReason)
 

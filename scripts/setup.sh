@@ -74,6 +74,20 @@ if ! command -v redis-server >/dev/null 2>&1; then
          "tests/test_lmcache_objects.py needs it for its remote tests" >&2
   fi
 fi
+# A real network filesystem for tests/test_gluster*.py: GlusterFS (a replica-2 volume on local bricks
+# and two FUSE mounts, each its own client; the tests start glusterd and tear everything down). The
+# packaged service is not started here.
+if ! command -v glusterd >/dev/null 2>&1 || ! command -v mount.glusterfs >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing Debian packages glusterfs-server glusterfs-client"
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get update -qq && apt-get install -y -qq --no-install-recommends glusterfs-server glusterfs-client >/dev/null; } \
+      || echo "setup: WARNING: could not install glusterfs-server and glusterfs-client; tests/test_gluster*.py skip" >&2
+  else
+    echo "setup: WARNING: install the Debian packages 'glusterfs-server' and 'glusterfs-client' (as root);" \
+         "tests/test_gluster*.py need them (and /dev/fuse)" >&2
+  fi
+fi
 # The extension builds against the installed torch-free pybind11: no isolation.
 # --no-deps: every dependency is installed above; letting pip resolve
 # lmcache==0.5.6's declared dependencies here would pull the CUDA wheels.

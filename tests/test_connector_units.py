@@ -413,6 +413,56 @@ def test_hybrid_store_then_hit_restores_attention_pages_and_mamba_state(hybrid_c
         eng.worker.connector.shutdown()
 
 
+@pytest.mark.parametrize("policy", ["by_use", "all", "tails"])
+def test_states_are_stored_by_class_under_the_state_policy(hybrid_config, tmp_path, policy):
+    """A prompt's states at internal chunk boundaries, its tail, and the
+    branch point where another prompt's lookup found the stored prefix
+    ending: `by_use` stores internal states cold, `all` hot, `tails` not at
+    all; tails and branch points are always stored hot."""
+    h_bs = 128
+    set_connector(hybrid_config, {"store": "cpu", "cpu_bytes": 1 << 24, "state_policy": policy})
+    kcc = hybrid_kv_cache_config(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
+                                 ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
+                                 block_size=h_bs, mamba_shapes=((3, 192), (1, 64, 64)),
+                                 mamba_dtypes=(torch.bfloat16, torch.float32), num_kv_heads=4, head_size=64,
+                                 num_blocks=64, mamba_cache_mode=hybrid_config.cache_config.mamba_cache_mode)
+    scheduler = create_scheduler(hybrid_config, kcc)
+    eng = Engine(scheduler, WorkerStep(hybrid_config, kcc, scheduler))
+    idx = scheduler.connector._sched.indices[0]
+
+    def states() -> dict[tuple[str, bool], int]:
+        out: dict[tuple[str, bool], int] = {}
+        for e in idx.entries.values():
+            if e.state is not None:
+                out[e.state.value, e.cold] = out.get((e.state.value, e.cold), 0) + 1
+        return out
+
+    try:
+        a_tokens = prompt(6)  # 600 tokens: boundaries 128, 256, 384 internal, 512 its tail
+        scheduler.add_request(create_request("a", a_tokens, max_tokens=2, block_size=h_bs))
+        eng.run_to_completion()
+        internal = {"by_use": {("internal", True): 3}, "all": {("internal", False): 3}, "tails": {}}[policy]
+        assert states() == {("tail", False): 1, **internal}
+        assert idx.usage().skipped == (3 if policy == "tails" else 0)
+        assert scheduler.reset_prefix_cache()
+        # b shares a's first 300 tokens: its lookup finds a's attention chunks up to 256.
+        b_tokens = a_tokens[:300] + prompt(7)[300:]
+        scheduler.add_request(create_request("b", b_tokens, max_tokens=2, block_size=h_bs))
+        eng.run_to_completion()
+        restored = tier_params(eng, "b")["restored_tokens"]
+        if policy == "tails":  # a stored no state at 256: b computed it, and stored it as its branch point
+            assert restored == 0
+            assert states() == {("tail", False): 2, ("branch", False): 1}
+        else:  # b restored 256 from a's internal state there (a read: hot from now on), and stored 384 and 512
+            assert restored == 256
+            after = {"by_use": {("internal", True): 3, ("internal", False): 1}, "all": {("internal", False): 4}}
+            assert states() == {("tail", False): 2, **after[policy]}
+            assert dict(idx.usage().state_hits) == {"internal": 1}
+        assert pinned(eng) == 0
+    finally:
+        eng.worker.connector.shutdown()
+
+
 # ---- allocation mismatch -------------------------------------------------------------------------
 
 
@@ -683,9 +733,9 @@ def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make,
     reserved: set[tuple[int, bytes]] = set()
     real_reserve = FsIndex.reserve
 
-    def reserve(self, group, key, parent):
+    def reserve(self, group, key, parent, *policy):
         reserved.add((group, bytes(key)))
-        return real_reserve(self, group, key, parent)
+        return real_reserve(self, group, key, parent, *policy)
 
     monkeypatch.setattr(FsIndex, "reserve", reserve)
     monkeypatch.setattr(FsIndex, "contains", lambda self, group, key: (group, bytes(key)) in reserved)

@@ -279,7 +279,27 @@ def rows() -> tuple[Row, ...]:
               (Q(f"sum by (tier, group_kind) (rate(kvoffload_evictions_total{{{T}}}[{RI}]))",
                  "{{tier}} {{group_kind}}"),)),
     ))
-    return overview, per_tier, loads, stores, failures, capacity
+    states = Row("Recurrent states (hybrid models)", (
+        Panel("State bytes by class",
+              "Bytes of Mamba/GDN states each tier holds, by the class they were stored under: tail (a prompt's "
+              "last boundary, read by repeats and next turns), branch (where another prompt's stored prefix "
+              "ended), internal (stored cold under state_policy by_use: first to go unless read).", "bytes",
+              (Q(f"sum by (tier, state_class) (kvoffload_state_bytes{{{T}}})", "{{tier}} {{state_class}}"),
+               Q(f"sum by (tier) (kvoffload_state_entries{{{T}}})", "{{tier}} entries"))),
+        Panel("State hits by class",
+              "Loads per second planned from a stored state, by its class: internal states that are read show "
+              "prompts branching inside other prompts.", "short",
+              (Q(f"sum by (tier, state_class) (rate(kvoffload_state_hits_total{{{T}}}[{RI}]))",
+                 "{{tier}} {{state_class}}"),)),
+        Panel("State evictions by reason",
+              "States evicted per second: cold (stored cold and never read) or lru (least recent in use). "
+              "Many lru evictions of tail states: the tier is too small for the working set.", "short",
+              (Q(f"sum by (tier, state_class, reason) (rate(kvoffload_state_evictions_total{{{T}}}[{RI}]))",
+                 "{{tier}} {{state_class}} {{reason}}"),
+               Q(f"sum by (tier) (rate(kvoffload_states_not_admitted_total{{{T}}}[{RI}]))",
+                 "{{tier}} not admitted"))),
+    ))
+    return overview, per_tier, loads, stores, failures, capacity, states
 
 
 def dashboard() -> dict:

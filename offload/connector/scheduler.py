@@ -31,10 +31,11 @@ from offload.planner import (
     GroupIndex,
     GroupKind,
     HybridOffloadPlanner,
+    StateClass,
     StatePolicy,
     admission,
 )
-from offload.store.base import MissReason, TierIndex
+from offload.store.base import MissReason, TierIndex, TierUsage
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -95,6 +96,7 @@ class SchedulerSide:
         self._kinds = [g.kind.value for g in planner.groups]
         self._reported_evictions = [[0] * len(planner.groups) for _ in indices]
         self._reported_no_room = [0] * len(indices)
+        self._reported_states: list[dict[tuple[str, ...], int]] = [{} for _ in indices]  # cumulative counters
         for r in recorders:
             for kind in set(self._kinds):  # series exist at 0 from the start
                 r.declare("kvoffload_evictions", group_kind=kind)
@@ -104,6 +106,10 @@ class SchedulerSide:
             for name in ("kvoffload_lookups", "kvoffload_lookup_hit_tokens", "kvoffload_lookup_miss_tokens",
                          "kvoffload_hits_deferred"):
                 r.declare(name)
+            if any(g.kind is GroupKind.MAMBA for g in planner.groups):
+                r.declare("kvoffload_states_not_admitted")
+                for cls in StateClass:
+                    r.declare("kvoffload_state_hits", state_class=cls.value)
         self.planner = planner
         self.policy = StatePolicy(cfg.state_policy)
         self.fp = fp
@@ -568,9 +574,28 @@ class SchedulerSide:
                 if n > seen[g]:
                     rec.inc("kvoffload_evictions", n - seen[g], group_kind=self._kinds[g])
                     seen[g] = n
+            self._report_states(t, u)
             if u.no_room > self._reported_no_room[t]:
                 rec.inc("kvoffload_stores_dropped", u.no_room - self._reported_no_room[t], reason="no_room")
                 self._reported_no_room[t] = u.no_room
+
+    def _report_states(self, t: int, u: TierUsage) -> None:
+        """States held, read and evicted, by class: gauges as they are, counters by their growth."""
+        rec, seen = self.recorders[t], self._reported_states[t]
+        for cls, entries, nbytes in u.states:
+            rec.set("kvoffload_state_entries", entries, state_class=cls)
+            rec.set("kvoffload_state_bytes", nbytes, state_class=cls)
+
+        def grow(name: str, key: tuple[str, ...], n: int, **labels: str) -> None:
+            if n > seen.get(key, 0):
+                rec.inc(name, n - seen.get(key, 0), **labels)
+                seen[key] = n
+
+        for cls, n in u.state_hits:
+            grow("kvoffload_state_hits", ("hits", cls), n, state_class=cls)
+        for cls, reason, n in u.state_evictions:
+            grow("kvoffload_state_evictions", ("evictions", cls, reason), n, state_class=cls, reason=reason)
+        grow("kvoffload_states_not_admitted", ("skipped",), u.skipped)
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         st = self.reqs.pop(request.request_id, None)
