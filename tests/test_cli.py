@@ -260,6 +260,49 @@ def test_gc_records_its_deletions_so_a_live_account_follows_without_a_walk(capsy
     assert rep["other_entries"] == [], "ledger-v1/ is not an unknown entry"
 
 
+def test_gc_evicts_states_stored_cold_first_each_on_its_own_then_whole_chunks(capsys, tmp_path):
+    """As the connector's budget does: states the ledger marks cold (and no
+    load touched since) go first, oldest first, and leave their chunks'
+    attention files; a cold state that was loaded since is an ordinary one."""
+    import dataclasses
+    import os
+    import time
+
+    import torch
+
+    from ledger_instance import ATTN, FP, GDN, key, true_bytes
+    from offload.planner import GroupKind
+    from offload.store.budget import DirBudget
+    from offload.store.format import ChunkHeader
+    from offload.store.fs import FileStore
+
+    top = tmp_path / LAYOUT_DIR
+    store = dataclasses.replace(FileStore.open(str(tmp_path), FP), account=DirBudget(top))
+    store.write_layout({"chunk_size": 256, "groups": [{"spec": "MambaSpec(...)"}, {"spec": "FullAttentionSpec(...)"}],
+                        "tensors": {}})
+    states = []
+    for c in range(4):  # one prompt: internal states cold, the tail state hot
+        k = key("cold-gc", 0, c)
+        parent = bytes(key("cold-gc", 0, c - 1))[:8] if c else bytes(8)
+        store.write(ChunkHeader(FP, k, ATTN, GroupKind.FULL_ATTENTION, c * 256, (c + 1) * 256, 1, 32768,
+                                parent=parent), torch.full((32768,), c, dtype=torch.uint8))
+        store.write(ChunkHeader(FP, k, GDN, GroupKind.MAMBA, c * 256, (c + 1) * 256, 1, 4096),
+                    torch.full((4096,), c, dtype=torch.uint8), cold=c < 3)
+        states.append(store.file_path(GDN, k))
+        time.sleep(0.01)
+    time.sleep(0.02)
+    os.utime(states[1])  # loaded since it was stored: no longer cold
+    rc, out = run_cli(capsys, "gc", str(tmp_path), "--max-bytes", str(true_bytes(top) - 1))
+    assert rc == 0 and "deleted 1 of 2 states stored cold" in out, out
+    assert [p.exists() for p in states] == [False, True, True, True], "the oldest cold state went, alone"
+    rc, out = run_cli(capsys, "gc", str(tmp_path), "--max-bytes", str(true_bytes(top) - 1))
+    assert rc == 0 and "deleted 1 of 1 states stored cold" in out, out
+    assert [p.exists() for p in states] == [False, True, False, True]
+    assert len(list(top.glob(f"*/g{ATTN}/*/*.kv"))) == 4, "no chunk was touched"
+    rc, out = run_cli(capsys, "gc", str(tmp_path), "--max-bytes", str(true_bytes(top) - 1))
+    assert rc == 0 and "states stored cold" not in out and "deleted 1 least recently used chunks" in out, out
+
+
 def test_fsck_reports_ledger_drift_and_repair_reconciles_it_for_live_accounts(capsys, tmp_path):
     top, live, true_bytes = _ledger_cache(tmp_path)
     rc, out = run_cli(capsys, "fsck", str(tmp_path))
