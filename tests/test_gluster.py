@@ -285,3 +285,36 @@ def test_budget_records_of_a_node_are_read_by_the_other(shared):
             if not (a / LAYOUT_DIR / FP.hex() / f"g{GDN}" / key("a", p, c).hex()[:2] / f"{key('a', p, c).hex()}.kv")
             .exists()]
     assert gone, "node 2 evicted none of node 1's states"
+
+
+def test_a_volume_outage_is_a_miss_that_keeps_the_file_and_the_account_resumes_where_it_was(volume, shared):
+    """While the volume is stopped every operation fails with ENOTCONN: a read is a transient miss (the file
+    is not quarantined: it is fine once the volume is back) and a ledger tail keeps its place (it does not
+    read every log again from the start). Runs last in this module: it stops the shared volume."""
+    a, b = shared
+    acct_a, acct_b = DirBudget(a / LAYOUT_DIR), DirBudget(b / LAYOUT_DIR)
+    sa, sb = instance(a, acct_a), instance(b, acct_b)
+    acct_a.ensure_loaded(), acct_b.ensure_loaded()
+    for p in range(2):
+        write_prompt(sa, "o", p)
+    gluster.wait_until(lambda: (acct_b.sync(), acct_b.usage == acct_a.usage > 0)[1], 10, "node 2 to read node 1's log")
+    before = acct_b.describe()
+    k = key("o", 0, 1)
+    size = (16 + bytes(k)[0] % 32) * 1024
+    h = ChunkHeader(FP, k, ATTN, GroupKind.FULL_ATTENTION, 256, 512, 1, size, parent=bytes(key("o", 0, 0))[:8])
+    volume.stop()
+    try:
+        with pytest.raises(ChunkMiss) as miss:
+            sb.read_into(h, torch.empty(size, dtype=torch.uint8))
+        acct_b.sync()
+        during = acct_b.describe()
+    finally:
+        volume.start_again()
+    assert miss.value.reason is MissReason.IO_ERROR, miss.value
+    assert (during["logs"], during["bytes"]) == (before["logs"], before["bytes"]), (before, during)
+    out = torch.empty(size, dtype=torch.uint8)
+    gluster.wait_until(lambda: (sb.read_into(h, out), True)[1] if os.path.exists(sb.file_path(ATTN, k)) else False,
+                       30, "the file to read again once the volume is back")
+    assert bool((out == 1).all())
+    acct_b.sync()
+    assert acct_b.usage == true_bytes(b / LAYOUT_DIR) and acct_b.bad_lines == 0

@@ -274,8 +274,10 @@ class DirBudget:
         t0 = time.perf_counter()
         try:
             names = os.listdir(self.ledger_dir)
-        except OSError:
+        except FileNotFoundError:
             names = []
+        except OSError:
+            return  # unreachable now (a network filesystem without its server): keep every offset, tail later
         total = pending = 0
         seen = set()
         newest = self._snap.name if self._snap is not None else ""
@@ -295,7 +297,10 @@ class DirBudget:
                     except OSError:
                         pass
                     continue
-                lines, new_off, size = read_lines(path, off)
+                try:
+                    lines, new_off, size = read_lines(path, off)
+                except OSError:
+                    continue  # as above, for this log: read from the same offset next time
                 if size < 0:
                     continue
                 total += size

@@ -63,9 +63,13 @@ from offload.store.paths import (
 logger = logging.getLogger(__name__)
 
 LAYOUT_VERSION_DIR = LAYOUT_DIR  # the name other modules import
-# Read errors after which the file may still be good: a miss, not a quarantine.
+# Read errors after which the file may still be good: a miss, not a quarantine. The transport errors
+# (ENOTCONN first) are a network filesystem's client without its server: a volume stopped, a server
+# restarting; the file reads again once it is back.
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMEDOUT, errno.ESTALE,
-                              errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EACCES, errno.EPERM})
+                              errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EACCES, errno.EPERM,
+                              errno.ENOTCONN, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
+                              errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN, errno.ENETUNREACH})
 _UMASK = hygiene.umask()
 
 
@@ -145,8 +149,11 @@ class FileStore:
             return True
         if hygiene.escapes(d, self.real_root):
             return False
-        if d.is_dir():
-            self._safe_dirs.add(d)
+        try:
+            if d.is_dir():
+                self._safe_dirs.add(d)
+        except OSError:
+            pass  # unreachable now (a network filesystem without its server): checked again next time
         return True
 
     def prepare_dir(self, final: Path) -> None:
