@@ -292,6 +292,10 @@ def test_gc_evicts_states_stored_cold_first_each_on_its_own_then_whole_chunks(ca
         time.sleep(0.01)
     time.sleep(0.02)
     os.utime(states[1])  # loaded since it was stored: no longer cold
+    rc, out = run_cli(capsys, "stats", str(tmp_path), "--ledger", "--json")
+    by_group = {g["group"]: g for g in json.loads(out)["ledger"]["fingerprints"][FP.hex()]}
+    assert (by_group[GDN]["files"], by_group[GDN]["cold_files"], by_group[ATTN]["cold_files"]) == (4, 2, 0)
+    assert by_group[GDN]["cold_bytes"] == 2 * states[0].stat().st_size, "the loaded one is no longer cold"
     rc, out = run_cli(capsys, "gc", str(tmp_path), "--max-bytes", str(true_bytes(top) - 1))
     assert rc == 0 and "deleted 1 of 2 states stored cold" in out, out
     assert [p.exists() for p in states] == [False, True, True, True], "the oldest cold state went, alone"

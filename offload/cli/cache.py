@@ -40,6 +40,7 @@ from offload.store.paths import (
     QUARANTINE,
     is_tmp_name,
     key_prefix_hex,
+    parse_group_dir,
 )
 
 LAYOUT_VERSION_DIR = LAYOUT_DIR
@@ -184,9 +185,17 @@ def ledger_view(root: Path, walk: bool = True) -> dict:
         out["walk"] = {"files": files, "bytes": nbytes}
         out["drift_bytes"] = out["bytes"] - nbytes
         out["drift_files"] = out["files"] - files
+    # States stored cold (state_policy by_use: a prompt's internal boundary) and not loaded since.
+    cold: dict[tuple[str, int], list[int]] = {}
+    for e in acct.index.entries.values():
+        if e.cold and (fg := parse_group_dir(e.gdir)) is not None:
+            c = cold.setdefault(fg, [0, 0])
+            c[0] += 1
+            c[1] += e.size
     groups: dict[str, list[dict]] = {}
     for (fp, g), (n, b) in sorted(acct.by_group.items()):
-        groups.setdefault(fp, []).append({"group": g, "files": n, "bytes": b})
+        cn, cb = cold.get((fp, g), (0, 0))
+        groups.setdefault(fp, []).append({"group": g, "files": n, "bytes": b, "cold_files": cn, "cold_bytes": cb})
     out["fingerprints"] = groups
     return out
 

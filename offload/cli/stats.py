@@ -120,8 +120,10 @@ def print_ledger(led: dict, table: bool) -> None:
               "(a live directory differs by its writes in flight; the engines correct drift at each reconcile)")
     if table:
         for fp, groups in led["fingerprints"].items():
-            print(f"  {fp[:16]}…  " + ", ".join(f"g{g['group']}: {g['files']} files {human(g['bytes'])}"
-                                               for g in groups))
+            print(f"  {fp[:16]}…  " + ", ".join(
+                f"g{g['group']}: {g['files']} files {human(g['bytes'])}"
+                + (f" ({g['cold_files']} stored cold, {human(g['cold_bytes'])})" if g["cold_files"] else "")
+                for g in groups))
 
 
 def print_table(rep: dict) -> None:
