@@ -1,6 +1,6 @@
 """Write a deterministic agent-shaped trace in the Mooncake format (bench/traces/agent_trace.jsonl).
 
-    python bench/traces/make_agent_trace.py [--out PATH] [--seed 7] [--sessions 260]
+    python bench/traces/make_agent_trace.py [--out PATH] [--seed 7] [--sessions 450]
 
 The shape, unlike a chat service's: a few agent applications, each with a long system prompt
 and long tool definitions that every one of its prompts starts with; sessions that append a
@@ -68,7 +68,7 @@ class Ids:
         return total, ids
 
 
-def generate(seed: int = 7, sessions: int = 260, apps: int = 6, hour_s: float = 3600.0) -> list[dict]:
+def generate(seed: int = 7, sessions: int = 450, apps: int = 6, hour_s: float = 3600.0) -> list[dict]:
     rng = random.Random(seed)
     app_prefix = []
     for a in range(apps):
@@ -93,7 +93,7 @@ def generate(seed: int = 7, sessions: int = 260, apps: int = 6, hour_s: float = 
                 break
             out = rng.randint(40, 600)
             emit(t, segs, out)
-            t += rng.uniform(1.0, 25.0)  # the model's answer, then the tool runs
+            t += rng.uniform(5.0, 150.0)  # the model's answer, then the tool runs (or a person answers)
             segs.append((f"{name}/out{turn}", out))
             if depth == 0 and turn >= 1 and rng.random() < 0.22:
                 # A sub-agent: the context before the latest tool output (a boundary inside the
@@ -112,7 +112,7 @@ def generate(seed: int = 7, sessions: int = 260, apps: int = 6, hour_s: float = 
         app = rng.choices(range(apps), app_weight)[0]
         start = rng.uniform(0, hour_s)
         ctx = app_prefix[app] + [(f"s{s}/user", rng.randint(30, 1_500))]
-        run_agent(f"s{s}", start, ctx, rng.randint(3, 16), 0)
+        run_agent(f"s{s}", start, ctx, rng.randint(3, 12), 0)
 
     events.sort(key=lambda e: (e[0], e[1]))
     ids = Ids()
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=HERE / "agent_trace.jsonl")
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--sessions", type=int, default=260)
+    ap.add_argument("--sessions", type=int, default=450)
     args = ap.parse_args(argv)
     rows = generate(args.seed, args.sessions)
     with args.out.open("w") as f:
