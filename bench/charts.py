@@ -304,3 +304,55 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+REPLAY_POLICIES = {  # trace_replay policy -> legend, colour, marker
+    "all": ('"all": every state stored hot', "tab:red", "s"),
+    "default": ("default (state_policy={default})", "tab:blue", "o"),
+    "tails": ('"tails": no internal states', "tab:green", "v"),
+    "attention_only": ("attention-only reference (same attention bytes)", "tab:gray", "^"),
+}
+
+
+def render_trace_replay(results: Path, out_dir: Path) -> Chart | None:
+    """`trace_replay.png`: token hit rate against the host-memory budget for each state policy
+    and the attention-only reference, one panel per `trace_replay_*.json` (a trace); the
+    unlimited budget is drawn as a dashed level. None when no such file exists."""
+    files = sorted(results.glob("trace_replay_*.json"))
+    if not files:
+        return None
+    docs = [json.loads(f.read_text()) for f in files]
+    chart = Chart(out_dir / "trace_replay.png", [f.name for f in files])
+    fig, axes = plt.subplots(1, len(docs), figsize=(max(6.5, 5.6 * len(docs)), 5.4), squeeze=False)
+    for ax, doc in zip(axes[0], docs):
+        rows = [b for b in doc["budgets"] if b["budget_gb"] != "unlimited"]
+        unlimited = next((b for b in doc["budgets"] if b["budget_gb"] == "unlimited"), None)
+        xs = [float(b["budget_gb"]) for b in rows]
+        for policy, (label, colour, marker) in REPLAY_POLICIES.items():
+            if not rows or policy not in rows[0]["hit_rate"]:
+                continue
+            ys = [100 * b["hit_rate"][policy] for b in rows]
+            ax.plot(xs, ys, color=colour, marker=marker, label=label.format(default=doc.get("default_policy")))
+            for x, y in zip(xs, ys):
+                ax.annotate(f"{y:.1f}", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7,
+                            color=colour)
+            chart.series[policy] = len(ys)
+        if unlimited is not None:
+            level = 100 * unlimited["hit_rate"].get("all", 0.0)
+            ax.axhline(level, color="black", ls="--", lw=1, label=f"unlimited budget ({level:.1f}%)")
+        t = doc["trace"]
+        ax.set_title(f"{t['name']}: {t['requests']} requests, {t['input_tokens'] / 1e6:.0f}M input tokens",
+                     fontsize=9)
+        ax.set_xlabel("host-memory budget (GB)")
+        ax.set_ylabel("token hit rate (%)")
+        ax.set_xticks(xs)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    model = docs[0]["model"]
+    fig.suptitle(f"Trace replay through the host-memory index: {model['name']}, chunk {model['chunk_tokens']} "
+                 f"tokens, states {model['state_share_of_chunk_bytes']:.0%} of a chunk's bytes", fontsize=10)
+    _footer(fig, chart.sources)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.95))
+    fig.savefig(chart.path, dpi=100)
+    plt.close(fig)
+    return chart

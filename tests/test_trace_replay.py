@@ -85,3 +85,11 @@ def test_agent_trace_is_what_the_generator_writes(tmp_path: Path) -> None:
     assert [json.loads(line) for line in committed[:200]] == rows[:200]
     for r in rows[:500]:
         assert -(-r["input_length"] // 512) == len(r["hash_ids"])
+
+
+def test_chart_of_the_committed_results(tmp_path: Path) -> None:
+    from bench import charts
+    chart = charts.render_trace_replay(REPO / "bench" / "results", tmp_path)
+    assert chart is not None and chart.path.exists()
+    assert chart.sources == ["trace_replay_agent.json", "trace_replay_conversation.json"]
+    assert chart.series == {p: 3 for p in ("all", "default", "tails", "attention_only")}
