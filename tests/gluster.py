@@ -19,8 +19,8 @@ volume operations with a cluster lock and refuses a second one meanwhile
 Faults for the long runs: `kill_brick` (SIGKILL to one brick process) and
 `start_force` (brings a killed brick back, then self-heal copies what it
 missed), `stop`/`start` of the whole volume (the mounts stay and return
-errors meanwhile), `fill_brick` (`storage.reserve` set so that the brick
-refuses writes with ENOSPC).
+errors meanwhile), `fill` (a filler file through a mount until tmpfs
+bricks refuse writes with ENOSPC) and `unfill`.
 
 `probe(a, b)` measures what the filesystem does across two mounts: what the
 file tier assumes of it (docs/operations.md, "Supported filesystems").
@@ -235,15 +235,40 @@ class Volume:
         return sum(int(line.split(":")[1]) for line in p.stdout.splitlines()
                    if line.startswith("Number of entries:") and line.split(":")[1].strip().isdigit())
 
-    def fill_brick(self, free_bytes: int) -> None:
-        """Let the bricks' filesystem take only about `free_bytes` more through this volume: `storage.reserve`
-        set to what is free now less that, so writes beyond get ENOSPC."""
-        st = os.statvfs(self.bricks[0])
-        free = st.f_bavail * st.f_frsize
-        gluster("volume", "set", self.name, "storage.reserve", f"{max(1, (free - free_bytes) >> 20)}MB")
+    def fill(self, step: int = 4 << 20) -> Path:
+        """Fill the bricks (tmpfs ones: `brick_bytes`) through mount 1 with a file outside any cache directory,
+        until they refuse a write (ENOSPC); returns the filler's path."""
+        p = self.mounts[0] / f".filler.{os.getpid()}"
+        block = b"\0" * step
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            while True:
+                os.write(fd, block)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        return p
 
-    def unfill_brick(self) -> None:
-        gluster("volume", "reset", self.name, "storage.reserve")
+    def unfill(self, filler: Path, timeout: float = 30) -> float:
+        """Remove the filler; returns the seconds until a write succeeds again (a brick rechecks its free
+        space every few seconds)."""
+        t0 = time.monotonic()
+        with contextlib.suppress(FileNotFoundError):
+            filler.unlink()
+        probe = self.mounts[0] / f".unfilled.{os.getpid()}"
+
+        def writes() -> bool:
+            try:
+                probe.write_bytes(b"x" * 65536)
+                probe.unlink()
+                return True
+            except OSError:
+                return False
+        wait_until(writes, timeout, "the bricks to take writes again", step=0.2)
+        return time.monotonic() - t0
 
     # ---- teardown ------------------------------------------------------------------------------
 

@@ -33,10 +33,10 @@ from ledger_instance import ATTN, FP, GDN, key, true_bytes, write_prompt
 from offload import cli
 from offload.planner import GroupKind
 from offload.store import hygiene
-from offload.store.base import ChunkMiss, MissReason
+from offload.store.base import ChunkMiss, MissReason, Placement
 from offload.store.budget import DirBudget
 from offload.store.format import ChunkHeader
-from offload.store.fs import FileStore
+from offload.store.fs import FileStore, FsData
 from offload.store.ledger import Lease
 from offload.store.paths import LAYOUT_DIR, LEDGER_DIR
 
@@ -306,10 +306,17 @@ def test_a_volume_outage_is_a_miss_that_keeps_the_file_and_the_account_resumes_w
     try:
         with pytest.raises(ChunkMiss) as miss:
             sb.read_into(h, torch.empty(size, dtype=torch.uint8))
+        # A store's "already there?" is no, not an exception that would fail the whole request's stores;
+        # the write itself then fails alone (the worker drops that one store).
+        held = FsData(sb, direct=False).holds(h, Placement())
+        with pytest.raises(OSError):
+            sb.write(ChunkHeader(FP, key("o", 9, 0), ATTN, GroupKind.FULL_ATTENTION, 0, 256, 1, 4096, parent=bytes(8)),
+                     torch.zeros(4096, dtype=torch.uint8))
         acct_b.sync()
         during = acct_b.describe()
     finally:
         volume.start_again()
+    assert held is False
     assert miss.value.reason is MissReason.IO_ERROR, miss.value
     assert (during["logs"], during["bytes"]) == (before["logs"], before["bytes"]), (before, during)
     out = torch.empty(size, dtype=torch.uint8)

@@ -254,7 +254,9 @@ class FileStore:
         if n != header.payload_len:
             raise ValueError(f"payload has {n} bytes, header says {header.payload_len}")
         final = self.file_path(header.group, header.key)
-        if final.exists():
+        # os.path.exists, not Path.exists: an error other than ENOENT (ENOTCONN: a network filesystem without
+        # its server) is "not there"; the write below then fails alone, as a dropped store
+        if os.path.exists(final):
             return False, False  # another request or instance stored it
         self.prepare_dir(final)  # modes, and no planted symlink leads out of the cache
         raw = frame(header, chunk.payload, self.keyring)
@@ -418,7 +420,7 @@ class FsData(TierData):
         self.store.close()
 
     def holds(self, header: ChunkHeader, placement: Placement) -> bool:
-        return self.store.file_path(header.group, header.key).exists()
+        return os.path.exists(self.store.file_path(header.group, header.key))  # an error: not held (write_framed)
 
     def put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
         if chunk.buf is None:  # a host-memory slot: frame it first (a memcpy, off the forward path)
