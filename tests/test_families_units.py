@@ -84,8 +84,9 @@ def qwen35_stand_in(models_dir: Path, out: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def family_plans(models_dir, tmp_path_factory):
+def _plans(models_dir: Path, tmp_path: Path) -> dict:
+    """`kvoffload plan` of Jamba's geometry and of the Qwen3.5 stand-in (one planning child: about
+    40 s, so it runs ahead on a background lane, tests/conftest.py)."""
     import subprocess
     import sys
 
@@ -93,11 +94,16 @@ def family_plans(models_dir, tmp_path_factory):
 
     if not (models_dir / JAMBA / "config.json").exists():
         subprocess.run([sys.executable, str(REPO / "tools" / "tiny_models.py"), str(models_dir)], check=True)
-    stand_in = qwen35_stand_in(models_dir, tmp_path_factory.mktemp("models") / STAND_IN)
+    stand_in = qwen35_stand_in(models_dir, tmp_path / STAND_IN)
     jamba, qwen = plan_for_models([models_dir / JAMBA, stand_in], max_model_len=4096)
     for p in (jamba, qwen):
         assert not isinstance(p, Exception), p
     return {JAMBA: (models_dir / JAMBA, jamba), QWEN35: (stand_in, qwen)}
+
+
+@pytest.fixture(scope="module")
+def family_plans(prefetched):
+    return prefetched(_plans)
 
 
 def test_qwen3_5_text_layers_are_qwen3_next_layers_in_vllm():
@@ -151,6 +157,7 @@ def kv_cache_config_of(plan, shapes, dtypes, hf: dict, num_blocks: int):
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
+@pytest.mark.prefetch.with_args(_plans)
 @pytest.mark.parametrize("family", [JAMBA, QWEN35])
 def test_the_real_groups_match_the_plan(family_plans, models_dir, family):
     """The state page by the family's own vLLM code == the plan's (Qwen3.5: the stand-in's)."""
@@ -216,6 +223,7 @@ def _serve(eng: Engine, rid: str, tokens: list[int], unit: int) -> int:
     return len(tokens) + 1 - eng.scheduled[rid]  # every prompt token it computed, and one decode step
 
 
+@pytest.mark.prefetch.with_args(_plans)
 @pytest.mark.parametrize("family", [JAMBA, QWEN35])
 def test_restores_what_vllms_own_cache_hit_byte_for_byte(family_plans, models_dir, family, tmp_path):
     """Two engines in this process, as the end-to-end tests use two processes: the first serves A,
