@@ -27,6 +27,14 @@ def hybrid(frames: int, backed=None) -> tuple[HybridOffloadPlanner, CpuIndex]:
     return planner, CpuIndex(planner, layout, backed)
 
 
+def attention(frames: int, backed=None) -> tuple[HybridOffloadPlanner, CpuIndex]:
+    """Two full-attention groups, no state: chains as an attention-only model keeps them."""
+    planner = HybridOffloadPlanner([GroupSpec(FULL, 128, ATTN_PAGE, 2), GroupSpec(FULL, 128, ATTN_PAGE, 2)], 256)
+    layout = CpuLayout.plan(planner, frames * FRAME)
+    assert layout.frames == frames
+    return planner, CpuIndex(planner, layout, backed)
+
+
 def chain(idx: CpuIndex, n: int, first: int = 0, group: int = 1) -> None:
     for i in range(first, first + n):
         assert idx.reserve(group, k(i), k(i - 1) if i > first else None) is not None
@@ -58,11 +66,12 @@ def test_memory_follows_what_is_admitted_not_a_split_by_group():
     assert not any(idx.contains(0, k(c)) for c in range(8)), "each cold state made room for a chunk"
     u = idx.usage()
     assert u.entries == (0, 8) and u.bytes == (0, 8 * FRAME) and u.capacity_bytes == 8 * FRAME
-    assert dict(((c, r), n) for c, r, n in u.state_evictions) == {("internal", "cold"): 7} and u.no_room == 1
+    assert dict(((c, r), n) for c, r, n in u.state_evictions) == {("internal", "cold"): 7}
+    assert u.skipped == 1 and u.no_room == 0, "the last cold state was not admitted: no lack of room"
 
 
 def test_oldest_leaf_first_keeps_prefixes_closed():
-    _, idx = hybrid(3)
+    _, idx = attention(3)
     chain(idx, 3)  # 0 <- 1 <- 2
     assert idx.reserve(1, k(1), k(0)) is None, "stored already"
     # A new chain root: the oldest leaf is k(2) (k(0) and k(1) have children).
@@ -131,7 +140,7 @@ def test_orphans_are_never_stored_in_chained_groups():
 
 
 def test_pinned_entries_and_their_ancestors_survive_eviction():
-    _, idx = hybrid(2)
+    _, idx = attention(2)
     chain(idx, 2)
     assert idx.pin(1, k(1)) is not None
     assert idx.reserve(1, k(7), None) is None, "everything pinned or needed by a pin: drop the store"
@@ -241,7 +250,7 @@ def test_an_only_copy_whose_write_below_was_dropped_is_evicted_like_any_other():
     """The worker reports a dropped write to the tier below (`copy_below_dropped`):
     that entry will never be backed, so keeping it from eviction would hold its
     frame until a restart."""
-    _, idx = hybrid(2, backed=lambda g, key: False)
+    _, idx = attention(2, backed=lambda g, key: False)
     chain(idx, 2, first=1)
     assert idx.reserve(1, k(3), None) is None, "only copies whose writes may still land"
     idx.copy_below_dropped(1, k(1))
@@ -256,7 +265,7 @@ def test_an_entry_whose_store_was_dropped_leaves_with_its_chain_once_no_load_hol
     the entry and the chain behind it are offered no more at once; a slot a
     load still reads stays taken until that load unpins it, so no store can
     overwrite it meanwhile. A failed load (`forget`) leaves host memory as it is."""
-    _, idx = hybrid(3)
+    _, idx = attention(3)
     chain(idx, 3)  # 0 <- 1 <- 2
     assert idx.pin(1, k(2)) is not None
     idx.forget(1, k(1))
@@ -272,7 +281,7 @@ def test_an_entry_whose_store_was_dropped_leaves_with_its_chain_once_no_load_hol
 
 
 def test_a_promotion_whose_load_failed_is_forgotten_with_what_chained_behind_it():
-    _, idx = hybrid(3)
+    _, idx = attention(3)
     assert idx.reserve_promotion(1, k(0), None) is not None
     assert not idx.contains(1, k(0)), "offered only once its bytes landed"
     assert idx.reserve(1, k(1), k(0)) is not None  # a store chained behind it meanwhile

@@ -180,6 +180,8 @@ class CpuIndex(TierIndex):
         e.recency = self._tick - _COLD if cold else self._tick
         e.cold = cold
         self.queue.push(e.recency, node)
+        if len(self.queue) > 2 * len(self.entries) + 4096:  # superseded recencies pile up where nothing is evicted
+            self.queue.rebuild([(x.recency, n) for n, x in self.entries.items()])
 
     def _current(self, node: Node) -> int | None:
         e = self.entries.get(node)
@@ -210,15 +212,18 @@ class CpuIndex(TierIndex):
                 if not self._evictable(node, e):
                     held.append((e.recency, node))
                     continue
-                if e.state is not None:
-                    self.state_evictions[e.state.value, "cold" if e.cold else "lru"] += 1
-                self.evictions[node[0]] += 1
-                self._remove(node)
+                self._evict(node, e)
                 return True
             return False
         finally:
             for item in held:
                 self.queue.push(*item)
+
+    def _evict(self, node: Node, e: _Entry) -> None:
+        if e.state is not None:
+            self.state_evictions[e.state.value, "cold" if e.cold else "lru"] += 1
+        self.evictions[node[0]] += 1
+        self._remove(node)
 
     def _count_entry(self, node: Node, e: _Entry, n: int) -> None:
         self._count[node[0]] += n
@@ -237,9 +242,7 @@ class CpuIndex(TierIndex):
             p = self.entries.get(link)
             if p is not None:
                 p.children.discard(node[1])
-        back = self.queue.unlink(link)  # its parent may be a leaf now
-        if back is not None and back in self.entries:
-            self.queue.push(self.entries[back].recency, back)
+        self._unlink(link)  # its parent may be a leaf now
 
     def _offered(self, group: int, parent: ChunkKey | None) -> bool:
         """Can an entry chain from `parent` here (None: the chain's first)?"""
@@ -279,24 +282,38 @@ class CpuIndex(TierIndex):
         if chained and not self._offered(group, parent):
             self.no_room += 1
             return None  # an orphan could never be part of a restorable prefix
+        e = _Entry(-1, parent, state, pending=pending)
+        link = self._parent_link(node, e)
+        if link is not None:
+            self.queue.link(link)  # from now on: the evictions below must not take what it chains from
         while (slot := self._take_slot(group)) is None:
             # A cold entry never displaces one in use: it takes a free slot or another cold entry's.
             if not self._evict_one(cold_only=admission is Admission.COLD):
-                self.no_room += 1
+                if admission is Admission.COLD:
+                    self.skipped += 1  # the policy's choice, not a lack of room
+                else:
+                    self.no_room += 1
+                self._unlink(link)
                 return None
-        if chained and not self._offered(group, parent):  # the eviction took our own parent
+        if chained and not self._offered(group, parent):  # pinned parents aside, nothing evicts a linked one
             self._free_slot(group, slot)
             self.no_room += 1
+            self._unlink(link)
             return None
-        e = self.entries[node] = _Entry(slot, parent, state, pending=pending)
+        e.slot = slot
+        self.entries[node] = e
         self._count_entry(node, e, 1)
         self._touch(node, e, cold=admission is Admission.COLD)
-        link = self._parent_link(node, e)
-        if link is not None:
-            self.queue.link(link)
-            if chained:
-                self.entries[link].children.add(key)
+        if link is not None and chained:
+            self.entries[link].children.add(key)
         return slot
+
+    def _unlink(self, link: Node | None) -> None:
+        if link is None:
+            return
+        back = self.queue.unlink(link)
+        if back is not None and back in self.entries:
+            self.queue.push(self.entries[back].recency, back)
 
     def promotion_done(self, group: int, key: ChunkKey, landed: bool) -> None:
         """Offer the entry from now on; where its load failed (the bytes may
