@@ -224,6 +224,30 @@ def build_granite_4_0_h_small_geometry(out: Path) -> None:
     _save(GraniteMoeHybridForCausalLM, cfg, out, 4)
 
 
+def build_qwen3_next_80b_state_ratio(out: Path) -> None:
+    """Qwen3-Next-80B-A3B's byte ratio at small widths: 3 GDN : 1 full attention (4 layers, the real
+    interleave; vLLM groups them as 3 Mamba groups and 1 attention group of one layer each), with
+    widths chosen so that a GDN state (7 K- and 7 V-heads x 64, conv 4: 114,688 B of float32 state +
+    8,064 B of bf16 conv = 122,752 B) is just under the attention page vLLM-CPU sizes for it (2 KV
+    heads x 128, 128-token block: 131,072 B). States are then 74% of each chunk's bytes, as on the
+    real model (36 GDN + 12 attention layers: 75% in bf16; the 80B geometry here: 73%), at a
+    hidden size of 256 that prefills fast on CPUs without AMX. vLLM-CPU's GDN kernel wants equal
+    K and V head dims, a multiple of 32 it has a kernel for, and a conv width that is a multiple of
+    32; `kvoffload plan` prints the groups."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = Qwen3NextConfig(
+        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=128, linear_conv_kernel_dim=4, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_num_key_heads=7, linear_num_value_heads=7,
+        moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        partial_rotary_factor=0.25, vocab_size=VOCAB_SIZE, max_position_embeddings=32768,
+        torch_dtype="bfloat16", eos_token_id=0, bos_token_id=0, pad_token_id=1,
+    )
+    _save(Qwen3NextForCausalLM, cfg, out, 75)
+
+
 BUILDERS = {
     "qwen3-next-tiny": build_qwen3_next,
     "llama-tiny": build_llama,
@@ -234,6 +258,7 @@ BUILDERS = {
     "falcon-h1-7b-geometry": build_falcon_h1_7b_geometry,
     "jamba-v0.1-geometry": build_jamba_v0_1_geometry,
     "granite-4.0-h-small-geometry": build_granite_4_0_h_small_geometry,
+    "qwen3-next-80b-state-ratio": build_qwen3_next_80b_state_ratio,
 }
 
 
