@@ -68,9 +68,11 @@ def split_length(plan: ModelPlan, near: int) -> int:
 def configs(plan: ModelPlan, tokens: int) -> dict[str, dict[str, Any]]:
     """Engine arguments per configuration (the unit's only where the plan prints one)."""
     base = {"enforce_eager": True, "max_model_len": tokens + 64}
-    out = {DEFAULTS: {**base, "enable_prefix_caching": True}, PLAN: {**base, **plan.engine_kwargs}}
+    # The plan's flags carry its unit where it has one: PLAN is them without it, so the unit's cost shows.
+    flags = {k: v for k, v in plan.engine_kwargs.items() if k != "prefix_match_unit"}
+    out = {DEFAULTS: {**base, "enable_prefix_caching": True}, PLAN: {**base, **flags}}
     if plan.prefix_match_unit:
-        out[UNIT] = {**base, **plan.engine_kwargs, "prefix_match_unit": plan.prefix_match_unit}
+        out[UNIT] = {**base, **flags, "prefix_match_unit": plan.prefix_match_unit}
     return out
 
 

@@ -310,6 +310,8 @@ def _redis(models_dir, tmp_path):
         t0 = time.monotonic()
         kv1 = remote_cfg(tmp_path / "unused", srv.url)
         kv2 = remote_cfg(tmp_path / "unused", srv.url)
+        for kv in (kv1, kv2):  # every state, internal ones too, is given to LMCache: one object per entry
+            kv["kv_connector_extra_config"]["state_policy"] = "all"
         kv1["kv_connector_extra_config"]["tiers"][0]["auth"] = {"key_file": k1_file}
         kv2["kv_connector_extra_config"]["tiers"][0]["auth"] = {"key_env": KEY_ENV, "previous_key_files": [k1_file]}
         model = str(models_dir / "qwen3-next-tiny")

@@ -38,6 +38,7 @@ import os
 import shlex
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -229,11 +230,16 @@ def test_host_memory_tier_capacity_line(plans, geometry_models, name):
     chunk = plan.hybrid_chunk_size
     slot = [(chunk // exp["block"] if k == "full_attention" else 1) * expected_page(exp, k) * n
             for k, n in exp["groups"]]
-    slots = CPU_BYTES // sum(slot)
-    per_group = ", ".join(f"g{i} {k}: {slots * b / 2**20:.1f} MiB ({b} B/slot)"
-                          for i, ((k, _), b) in enumerate(zip(exp["groups"], slot)))
+    # One arena of frames as large as the largest slot; a frame holds as many slots of a group as fit.
+    frame = max(slot)
+    frames = CPU_BYTES // frame
+    per_frame = [frame // b for b in slot]
+    chunks = int(frames / sum(Fraction(1, n) for n in per_frame))
+    per_group = ", ".join(f"g{i} {k}: {b} B/slot, {n}/frame"
+                          for i, ((k, _), b, n) in enumerate(zip(exp["groups"], slot, per_frame)))
     line = CpuLayout.plan(plan.planner(), CPU_BYTES).describe(plan.planner())
-    assert line == f"{slots} chunk slots = {slots * chunk} tokens of full-attention KV; {per_group}"
+    assert line == (f"{frames} frames of {frame} B shared by every group = {chunks} whole chunks = "
+                    f"{chunks * chunk} tokens of full-attention KV with every state kept; {per_group}")
     assert plan.bytes_per_chunk == sum(slot)
 
 

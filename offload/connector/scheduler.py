@@ -110,6 +110,8 @@ class SchedulerSide:
                 r.declare("kvoffload_states_not_admitted")
                 for cls in StateClass:
                     r.declare("kvoffload_state_hits", state_class=cls.value)
+                    r.declare("kvoffload_state_evictions", state_class=cls.value, reason="lru")
+                r.declare("kvoffload_state_evictions", state_class=StateClass.INTERNAL.value, reason="cold")
         self.planner = planner
         self.policy = StatePolicy(cfg.state_policy)
         self.fp = fp
