@@ -178,3 +178,36 @@ def test_granite_4_0_h_restores_what_vllms_own_cache_hits_with_and_without_a_uni
     assert not any(r.load_failed for r in after.results)
     ref_out = {i: r.output_ids for i, r in zip(runs["ref"].index_of, runs["ref"].results)}
     assert [r.output_ids for r in after.results] == [ref_out[0], ref_out[1]]
+
+
+@pytest.mark.long
+def test_falcon_h1_with_a_forced_unit_restores_vllms_own_sub_block_hits(models_dir, tmp_path):
+    """Falcon-H1's Mamba-2 layers, like Granite-4.0-H's: with `--prefix-match-unit 64` added to the
+    plan's flags, vLLM-CPU's own cache hits A's repeat and next turn at A's unit-aligned tail (not at
+    the block), and after a restart the connector restores the same, with the reference's tokens."""
+    from noop_connector import KV as NOOP
+    from noop_connector import pythonpath
+    from offload.plan import plan_for_model
+
+    model = family_model(models_dir, FALCON)
+    plan = plan_for_model(model, max_model_len=MAX_LEN)
+    c = plan.hybrid_chunk_size
+    prompts = prompts_for(c, len(FALCON))[:2]
+    args = {**plan.engine_kwargs, "max_model_len": MAX_LEN, "enforce_eager": True, "prefix_match_unit": 64}
+    f = tmp_path / "f"
+    f.mkdir()
+    kv = shipped_config("hybrid-tiered.json", f)
+    own, ref = side_by_side(
+        lambda: run_engine(RunSpec(model, prompts, kv, 8, args, order=[[0, 0, 1]]), timeout_s=1500),
+        lambda: run_engine(RunSpec(model, prompts, NOOP, 8, args, skip_prefix_cache=True),
+                           env={"PYTHONPATH": pythonpath()}, timeout_s=1500))
+    after = run_engine(RunSpec(model, prompts, kv, 8, args, order=[[0], [1]]), timeout_s=1500)
+    tail = (len(prompts[0]) - 1) // 64 * 64
+    hits = [r.cached_tokens for r in own.results]
+    print(f"\n{FALCON}, {c}-token blocks, --prefix-match-unit 64 forced: vLLM's own hits {hits[1:]}, ours after a "
+          f"restart {[r.restored_tokens for r in after.results]} (A is {len(prompts[0])} tokens)")
+    assert tail % c and hits == [0, tail, tail], (hits, tail)
+    assert [r.restored_tokens for r in after.results] == [r.cached_tokens for r in after.results] == [tail, tail]
+    assert not any(r.load_failed for r in after.results)
+    assert [r.output_ids for r in after.results] == [r.output_ids for r in ref.results]
+    assert [r.output_ids for r in own.results] == [ref.results[i].output_ids for i in (0, 0, 1)]
