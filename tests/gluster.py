@@ -219,6 +219,7 @@ class Volume:
         """Restart bricks that are down (`volume start force`); self-heal then copies what they missed."""
         gluster("volume", "start", self.name, "force")
         wait_until(lambda: len(self.brick_pids()) == 2, 60, "both bricks online")
+        wait_until(self.connected, 60, "both mounts and self-heal connected to both bricks", step=0.2)
 
     def stop(self) -> None:
         gluster("volume", "stop", self.name)
@@ -226,6 +227,34 @@ class Volume:
     def start_again(self) -> None:
         gluster("volume", "start", self.name)
         wait_until(lambda: len(self.brick_pids()) == 2, 60, "both bricks online")
+        # The clients reconnect on their own, each brick in its own time; until both mounts are back on both
+        # bricks a write may land on one replica only.
+        wait_until(self.connected, 60, "both mounts and self-heal connected to both bricks", step=0.2)
+        for m in self.mounts:
+            wait_until(lambda m=m: self.writable(m), 60, f"{m} to take writes again", step=0.2)
+
+    def connected(self) -> bool:
+        """Whether every brick has both mounts and the self-heal daemon as clients."""
+        import xml.etree.ElementTree as ET
+
+        p = gluster("volume", "status", self.name, "clients", "--xml", check=False)
+        counts = {}
+        with contextlib.suppress(ET.ParseError):
+            for node in ET.fromstring(p.stdout).iter("node"):
+                path, n = node.findtext("path"), node.findtext("clientsStatus/clientCount")
+                if path in {str(b) for b in self.bricks} and n and n.isdigit():
+                    counts[path] = int(n)
+        return len(counts) == 2 and min(counts.values()) >= len(self.mounts) + 1
+
+    def writable(self, mount: Path) -> bool:
+        """Whether a small write through `mount` succeeds now."""
+        probe = mount / f".writable.{os.getpid()}"
+        try:
+            probe.write_bytes(b"x" * 65536)
+            probe.unlink()
+            return True
+        except OSError:
+            return False
 
     def heal_pending(self) -> int:
         """Entries self-heal still has to copy (`volume heal info`), summed over bricks; -1 if unknown."""
@@ -235,18 +264,25 @@ class Volume:
         return sum(int(line.split(":")[1]) for line in p.stdout.splitlines()
                    if line.startswith("Number of entries:") and line.split(":")[1].strip().isdigit())
 
-    def fill(self, step: int = 4 << 20) -> Path:
+    def fill(self) -> Path:
         """Fill the bricks (tmpfs ones: `brick_bytes`) through mount 1 with a file outside any cache directory,
-        until they refuse a write (ENOSPC); returns the filler's path."""
+        until they refuse even a 4 KiB write (ENOSPC); returns the filler's path."""
         p = self.mounts[0] / f".filler.{os.getpid()}"
-        block = b"\0" * step
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            while True:
-                os.write(fd, block)
-        except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
+            for step in (4 << 20, 64 << 10, 4 << 10):  # smaller blocks fill what a larger one did not fit in
+                block, eio = b"\0" * step, 0
+                while True:
+                    try:
+                        os.write(fd, block)
+                    except OSError as e:
+                        # EIO: one replica refused and the other took it (the bricks fill a block apart)
+                        if e.errno == errno.EIO and eio < 20:
+                            eio += 1
+                            continue
+                        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EIO):
+                            raise
+                        break
         finally:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -258,16 +294,7 @@ class Volume:
         t0 = time.monotonic()
         with contextlib.suppress(FileNotFoundError):
             filler.unlink()
-        probe = self.mounts[0] / f".unfilled.{os.getpid()}"
-
-        def writes() -> bool:
-            try:
-                probe.write_bytes(b"x" * 65536)
-                probe.unlink()
-                return True
-            except OSError:
-                return False
-        wait_until(writes, timeout, "the bricks to take writes again", step=0.2)
+        wait_until(lambda: self.writable(self.mounts[0]), timeout, "the bricks to take writes again", step=0.2)
         return time.monotonic() - t0
 
     # ---- teardown ------------------------------------------------------------------------------
