@@ -29,6 +29,7 @@ import pytest
 import torch
 from vllm.v1.request import RequestStatus
 
+from offload.store.cpu import CpuIndex
 from offload.store.paths import LAYOUT_DIR
 from vllm_unit_utils import (
     Engine,
@@ -101,10 +102,10 @@ def pinned(eng: Engine) -> int:
     """Entries pinned by loads, counted twice: by the scheduler half and
     inside the host-memory tier itself (offload/store/cpu.py), which must agree."""
     sched = eng.scheduler.connector._sched
-    in_pools = sum(e.pins for ix in sched.indices if hasattr(ix, "pools")
-                   for pool in ix.pools for e in pool.entries.values())
-    if any(hasattr(ix, "pools") for ix in sched.indices):
-        assert in_pools == sched.pinned_entries, (in_pools, sched.pinned_entries)
+    host = [ix for ix in sched.indices if isinstance(ix, CpuIndex)]
+    if host and all(isinstance(ix, CpuIndex) for ix in sched.indices):  # every pin is a host-memory one
+        in_arena = sum(e.pins for ix in host for e in ix.entries.values())
+        assert in_arena == sched.pinned_entries, (in_arena, sched.pinned_entries)
     return sched.pinned_entries
 
 
@@ -168,6 +169,30 @@ def tier_params(eng: Engine, req_id: str) -> dict:
 
 
 # ---- a store, then a lookup hit and a load that restores the exact bytes ----------------------
+
+
+def test_short_prompts_sharing_a_prefix_shorter_than_a_chunk_restore_what_vllms_cache_hits(make, tmp_path):
+    """16-token blocks (CUDA's default), the shipped stack (host memory, then
+    files): four 150-token prompts sharing 96 tokens are served, vLLM's
+    prefix cache is reset, and three more with the same 96 tokens arrive.
+    vLLM's own cache would hit 96 for each: so must we."""
+    eng = make("stack")
+    shared = prompt(40, 96)
+    for i in range(4):  # served together
+        eng.scheduler.add_request(create_request(f"a{i}", shared + prompt(50 + i, 54), max_tokens=2, block_size=BS))
+    eng.run_to_completion()
+    wait_for_stored_tokens(eng, 1)
+    assert eng.scheduler.reset_prefix_cache()
+    eng.worker.scramble()
+    for i in range(3):  # they arrive together: none of them finds the others' blocks in vLLM's cache
+        eng.scheduler.add_request(create_request(f"b{i}", shared + prompt(60 + i, 54), max_tokens=2, block_size=BS))
+    eng.run_to_completion()
+    for i in range(3):
+        restored = {k: v["restored_tokens"] for k, v in eng.finished[f"b{i}"].items()}  # one key per tier
+        assert sum(restored.values()) == 96, (i, restored)
+    assert pinned(eng) == 0
+
+
 
 
 @pytest.mark.parametrize("store", ["cpu", "fs"])
