@@ -285,6 +285,11 @@ def render(results: Path = RESULTS, out_dir: Path = RESULTS) -> Rendered:
         notes.append(f"multi-turn race: no multi_turn*.json in {results}; its chart is skipped")
     else:
         charts.append(mt)
+    replay = render_trace_replay(results, out_dir)
+    if replay is None:
+        notes.append(f"trace replay: no trace_replay_*.json in {results}; its chart is skipped")
+    else:
+        charts.append(replay)
     return Rendered(charts, notes)
 
 
@@ -302,8 +307,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 REPLAY_POLICIES = {  # trace_replay policy -> legend, colour, marker
@@ -341,8 +344,9 @@ def render_trace_replay(results: Path, out_dir: Path) -> Chart | None:
             level = 100 * unlimited["hit_rate"].get("all", 0.0)
             ax.axhline(level, color="black", ls="--", lw=1, label=f"unlimited budget ({level:.1f}%)")
         t = doc["trace"]
-        ax.set_title(f"{t['name']}: {t['requests']} requests, {t['input_tokens'] / 1e6:.0f}M input tokens",
-                     fontsize=9)
+        mode = doc.get("replay", {}).get("partial_blocks", "own")
+        ax.set_title(f"{t['name']}: {t['requests']} requests, {t['input_tokens'] / 1e6:.0f}M input tokens\n"
+                     f"partial last blocks: {mode}", fontsize=9)
         ax.set_xlabel("host-memory budget (GB)")
         ax.set_ylabel("token hit rate (%)")
         ax.set_xticks(xs)
@@ -356,3 +360,7 @@ def render_trace_replay(results: Path, out_dir: Path) -> Chart | None:
     fig.savefig(chart.path, dpi=100)
     plt.close(fig)
     return chart
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
