@@ -95,7 +95,9 @@ def test_fs_tier_charts(rendered):
 def test_missing_results_are_skipped_with_a_note(rendered):
     multi_turn = [f for f in RESULTS.glob("multi_turn*.json") if not f.name.endswith(".partial.json")]
     assert any(n.startswith("multi-turn race:") for n in rendered.notes) == (not multi_turn)
-    assert len(rendered.charts) == 1 + len(list(RESULTS.glob("fs_tier*.json"))) + bool(multi_turn)
+    replay = list(RESULTS.glob("trace_replay_*.json"))
+    assert any(n.startswith("trace replay:") for n in rendered.notes) == (not replay)
+    assert len(rendered.charts) == 1 + len(list(RESULTS.glob("fs_tier*.json"))) + bool(multi_turn) + bool(replay)
 
 
 def test_committed_pngs_are_these_charts_and_shown_in_the_docs(rendered):
