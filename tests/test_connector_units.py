@@ -392,16 +392,22 @@ def hybrid_config(models_dir):
                               prefix_cache_retention_interval=128)  # what `kvoffload plan` prints for it
 
 
-def test_hybrid_store_then_hit_restores_attention_pages_and_mamba_state(hybrid_config, tmp_path):
-    h_bs = 128  # block size and chunk of both groups
-    set_connector(hybrid_config, {"store": "cpu", "cpu_bytes": 1 << 24})
+def hybrid_engine(cfg, extra: dict) -> Engine:
+    """vLLM's Scheduler and both connector halves over the tiny hybrid's KV cache (GDN state, attention)."""
+    set_connector(cfg, extra)
     kcc = hybrid_kv_cache_config(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
                                  ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
-                                 block_size=h_bs, mamba_shapes=((3, 192), (1, 64, 64)),
+                                 block_size=128, mamba_shapes=((3, 192), (1, 64, 64)),
                                  mamba_dtypes=(torch.bfloat16, torch.float32), num_kv_heads=4, head_size=64,
-                                 num_blocks=64, mamba_cache_mode=hybrid_config.cache_config.mamba_cache_mode)
-    scheduler = create_scheduler(hybrid_config, kcc)
-    eng = Engine(scheduler, WorkerStep(hybrid_config, kcc, scheduler))
+                                 num_blocks=64, mamba_cache_mode=cfg.cache_config.mamba_cache_mode)
+    scheduler = create_scheduler(cfg, kcc)
+    return Engine(scheduler, WorkerStep(cfg, kcc, scheduler))
+
+
+def test_hybrid_store_then_hit_restores_attention_pages_and_mamba_state(hybrid_config, tmp_path):
+    h_bs = 128  # block size and chunk of both groups
+    eng = hybrid_engine(hybrid_config, {"store": "cpu", "cpu_bytes": 1 << 24})
+    scheduler = eng.scheduler
     try:
         tokens = prompt(6)
         n_hit = (PROMPT - 1) // h_bs * h_bs  # 512: four chunks
@@ -445,14 +451,8 @@ def test_states_are_stored_by_class_under_the_state_policy(hybrid_config, tmp_pa
     ending: `by_use` stores internal states cold, `all` hot, `tails` not at
     all; tails and branch points are always stored hot."""
     h_bs = 128
-    set_connector(hybrid_config, {"store": "cpu", "cpu_bytes": 1 << 24, "state_policy": policy})
-    kcc = hybrid_kv_cache_config(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
-                                 ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
-                                 block_size=h_bs, mamba_shapes=((3, 192), (1, 64, 64)),
-                                 mamba_dtypes=(torch.bfloat16, torch.float32), num_kv_heads=4, head_size=64,
-                                 num_blocks=64, mamba_cache_mode=hybrid_config.cache_config.mamba_cache_mode)
-    scheduler = create_scheduler(hybrid_config, kcc)
-    eng = Engine(scheduler, WorkerStep(hybrid_config, kcc, scheduler))
+    eng = hybrid_engine(hybrid_config, {"store": "cpu", "cpu_bytes": 1 << 24, "state_policy": policy})
+    scheduler = eng.scheduler
     idx = scheduler.connector._sched.indices[0]
 
     def states() -> dict[tuple[str, bool], int]:
