@@ -25,8 +25,7 @@ OpenAI server with a KV cache of a few requests (`--num-gpu-blocks-override`: vL
 cache holds little, as on a busy server, so most reuse must come from our tiers). CLIENTS
 clients send the first half of the slice in trace order (one token each, greedy), the server is
 stopped and a new one started on the same directory (host memory is empty again: what the first
-half left comes back from files), and once its first budget pass has brought the directory within
-MAX_BYTES, the clients send the second half. The two policies run side
+half left comes back from files), and the clients send the second half. The two policies run side
 by side (same requests, same machine load: their TTFTs are comparable with each other, not with an
 idle machine), beside a reference engine that serves every distinct prompt once, one at a time,
 reading no prefix cache, with a connector that does nothing (tests/noop_connector.py).
@@ -56,7 +55,7 @@ import pytest
 from conftest import REPO, shipped_config, side_by_side
 from loadgen import Request, Result, run_load
 from offload.engine_run import RunSpec, median, run_engine
-from serving import api_server, metric_by_label, metric_sum, scrape, wait_until
+from serving import api_server, metric_by_label, metric_sum, scrape
 
 pytestmark = pytest.mark.e2e
 
@@ -241,20 +240,13 @@ def serve_policy(model: Path, plan, policy: str, halves: list[list[list[int]]], 
         with api_server(model, kv, workdir / f"server{p}.log", serve_args=list(plan.serve_args),
                         extra_args=extra_args, extra_env={"PYTHONHASHSEED": str(100 + p)}) as base:
             start_s = time.monotonic() - t0
-            over = layout_bytes(cache)
-            if p:
-                # A server restarted over its budget evicts the oldest leaves on its first pass, and a
-                # file tier holds no pin: an entry a lookup just found may go before its load (a counted
-                # `missing` failed load and a recompute, docs/operations.md). Let that pass finish, so
-                # that a failed load below is a fault of ours.
-                wait_until(lambda: layout_bytes(cache) <= MAX_BYTES, 120, "the restarted server's first budget pass")
-            settle_s = time.monotonic() - t0 - start_s
+            on_disk = layout_bytes(cache)
             before = scrape(base)
             rep = run_load(base, [Request(x, 1, tag=f"half{p}") for x in prompts], CLIENTS, timeout_s=1200)
             after = scrape(base)
         fig = phase_figures(rep, before, after)
         fig["server_start_s"] = round(start_s, 1)
-        fig["directory_bytes_at_start"], fig["budget_pass_wait_s"] = over, round(settle_s, 1)
+        fig["directory_bytes_at_start"] = on_disk
         phases.append(fig)
         results.append(rep.results)
     return {"policy": policy, "phases": phases, "results": results, "fsck": fsck(cache)}
@@ -390,7 +382,8 @@ def test_state_policies_on_a_trace_slice_with_a_restart(models_dir, tmp_path):
         assert not f["fsck"]["problems"] and not f["fsck"]["attention_chain_holes"], (policy, f["fsck"])
         assert f["fsck"]["rc"] == 0 or f["fsck"]["state_files_below_a_hole"], (policy, f["fsck"])
     restored = {p: f["total"]["restored_tokens"] for p, f in figures["policies"].items()}
-    # Measured here: by_use restored 1.8x what all restored (17,024 against 9,408 tokens, AMD EPYC).
+    # Measured here (AMD EPYC, AVX512-BF16, no AMX; three runs on a shared machine): by_use restored
+    # 17,024, 11,008 and 16,832 tokens, all 9,408, 9,664 and 9,408.
     assert restored["by_use"] >= restored["all"], restored
 
 
