@@ -103,12 +103,14 @@ METRICS: dict[str, MetricDef] = {
         "branch, internal (host memory)."),
     "kvoffload_state_bytes": MetricDef("gauge", _TS, "Bytes of the recurrent states held by the tier, by class."),
     "kvoffload_state_hits": MetricDef(
-        "counter", _TS, "Loads planned from a stored state, by the class it was stored under (host memory)."),
+        "counter", _TS, "Stored states a planned load reads (one per Mamba group at the boundary), by the class "
+        "they were stored under (host memory)."),
     "kvoffload_state_evictions": MetricDef(
         "counter", _TSR, "States evicted to make room, by class and reason: cold (admitted cold and never read) "
         "or lru (the least recent entry in use)."),
     "kvoffload_states_not_admitted": MetricDef(
-        "counter", _T, "State stores the tier declined under state_policy (tails; LMCache: every cold state)."),
+        "counter", _T, "State stores the tier declined under state_policy (tails; by_use: an internal state with no "
+        "free or colder slot; LMCache: every internal state)."),
     "kvoffload_hit_rate": MetricDef(
         "gauge", _T, "Hit tokens / looked-up tokens since the server started (computed in the API server)."),
 }
