@@ -516,8 +516,8 @@ def test_write_fails_when_rename_fails_and_removes_tmp(store, monkeypatch):
     final = store.file_path(h.group, h.key)
     final.mkdir(parents=True)
     (final / "blocker").write_bytes(b"x")  # rename onto a non-empty directory fails
-    real_exists = Path.exists
-    monkeypatch.setattr(Path, "exists", lambda self: False if self == final else real_exists(self))
+    real_exists = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: False if Path(p) == final else real_exists(p))
     with pytest.raises(OSError):
         store.write(h, payload(1))
     assert stray_tmp(store.root) == []
