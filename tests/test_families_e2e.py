@@ -152,6 +152,7 @@ def _falcon_runs(models_dir, tmp_path):
     return scenario(models_dir, tmp_path, FALCON)
 
 
+@pytest.mark.long  # 160 s of engine runs; the default suite covers the families on vLLM's Scheduler
 @pytest.mark.prefetch.with_args(_falcon_runs)
 def test_falcon_h1_restores_what_vllms_own_cache_hits(prefetched):
     runs = prefetched(_falcon_runs)
