@@ -43,6 +43,8 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from offload.engine_run import wait_until
+
 LOCK = "/tmp/kvoffload-gluster.lock"
 PREFIX = "kvt"
 BINARIES = ("glusterd", "gluster", "glusterfs")
@@ -104,17 +106,6 @@ def glusterd_running() -> bool:
     except subprocess.TimeoutExpired:
         return False
     return p.returncode == 0
-
-
-def wait_until(cond, timeout: float, what: str, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gave up after {timeout:.0f} s waiting for {what}")
-        time.sleep(step)
 
 
 def fs_type(path: Path) -> str:
@@ -219,7 +210,7 @@ class Volume:
         """Restart bricks that are down (`volume start force`); self-heal then copies what they missed."""
         gluster("volume", "start", self.name, "force")
         wait_until(lambda: len(self.brick_pids()) == 2, 60, "both bricks online")
-        wait_until(self.connected, 60, "both mounts and self-heal connected to both bricks", step=0.2)
+        wait_until(self.connected, 60, "both mounts and self-heal connected to both bricks", interval_s=0.2)
 
     def stop(self) -> None:
         gluster("volume", "stop", self.name)
@@ -229,9 +220,9 @@ class Volume:
         wait_until(lambda: len(self.brick_pids()) == 2, 60, "both bricks online")
         # The clients reconnect on their own, each brick in its own time; until both mounts are back on both
         # bricks a write may land on one replica only.
-        wait_until(self.connected, 60, "both mounts and self-heal connected to both bricks", step=0.2)
+        wait_until(self.connected, 60, "both mounts and self-heal connected to both bricks", interval_s=0.2)
         for m in self.mounts:
-            wait_until(lambda m=m: self.writable(m), 60, f"{m} to take writes again", step=0.2)
+            wait_until(lambda m=m: self.writable(m), 60, f"{m} to take writes again", interval_s=0.2)
 
     def connected(self) -> bool:
         """Whether every brick has both mounts and the self-heal daemon as clients."""
@@ -294,7 +285,7 @@ class Volume:
         t0 = time.monotonic()
         with contextlib.suppress(FileNotFoundError):
             filler.unlink()
-        wait_until(lambda: self.writable(self.mounts[0]), timeout, "the bricks to take writes again", step=0.2)
+        wait_until(lambda: self.writable(self.mounts[0]), timeout, "the bricks to take writes again", interval_s=0.2)
         return time.monotonic() - t0
 
     # ---- teardown ------------------------------------------------------------------------------
@@ -360,7 +351,7 @@ def probe(a: Path, b: Path, seconds: float = 3.0) -> dict:
         # creates
         t0 = time.monotonic()
         (da / "c").write_bytes(b"x")
-        wait_until(lambda: (db / "c").exists(), 10, "a create to show on the other mount", step=0.001)
+        wait_until(lambda: (db / "c").exists(), 10, "a create to show on the other mount", interval_s=0.001)
         out["create_visible_s"] = round(time.monotonic() - t0, 3)
         # appends: one line at a time, each read back through a fresh open on the other mount
         fd = os.open(da / "log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
@@ -378,7 +369,7 @@ def probe(a: Path, b: Path, seconds: float = 3.0) -> dict:
                         return os.pread(f, 1 << 16, 0).endswith(line)
                     finally:
                         os.close(f)
-                wait_until(seen, 10, "an append to show on the other mount", step=0.002)
+                wait_until(seen, 10, "an append to show on the other mount", interval_s=0.002)
                 delays.append(time.monotonic() - t0)
         finally:
             os.close(fd)
@@ -386,7 +377,7 @@ def probe(a: Path, b: Path, seconds: float = 3.0) -> dict:
         # unlinks
         os.unlink(da / "c")
         t0 = time.monotonic()
-        wait_until(lambda: not (db / "c").exists(), 10, "an unlink to show on the other mount", step=0.001)
+        wait_until(lambda: not (db / "c").exists(), 10, "an unlink to show on the other mount", interval_s=0.001)
         out["unlink_visible_s"] = round(time.monotonic() - t0, 3)
         out.update(_rename_race(da, db, seconds))
         # mtimes: sub-second, and a utime on one mount is what the other reads
