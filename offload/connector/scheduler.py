@@ -35,7 +35,7 @@ from offload.planner import (
     StatePolicy,
     admission,
 )
-from offload.store.base import MissReason, TierIndex, TierUsage
+from offload.store.base import MissReason, TierIndex
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -94,9 +94,8 @@ class SchedulerSide:
         self.recorder = recorders[0]
         self._names = [r.tier for r in recorders]
         self._kinds = [g.kind.value for g in planner.groups]
-        self._reported_evictions = [[0] * len(planner.groups) for _ in indices]
-        self._reported_no_room = [0] * len(indices)
-        self._reported_states: list[dict[tuple[str, ...], int]] = [{} for _ in indices]  # cumulative counters
+        # What each tier's cumulative counts (TierUsage) stood at when last reported, by series.
+        self._reported: list[dict[tuple[object, ...], int]] = [{} for _ in indices]
         for r in recorders:
             for kind in set(self._kinds):  # series exist at 0 from the start
                 r.declare("kvoffload_evictions", group_kind=kind)
@@ -571,33 +570,24 @@ class SchedulerSide:
                 rec.set("kvoffload_capacity_bytes", u.capacity_bytes)
             if u.budget_bytes is not None:
                 rec.set("kvoffload_budget_bytes", u.budget_bytes)
-            seen = self._reported_evictions[t]
+            for cls, entries, nbytes in u.states:
+                rec.set("kvoffload_state_entries", entries, state_class=cls)
+                rec.set("kvoffload_state_bytes", nbytes, state_class=cls)
             for g, n in enumerate(u.evictions):
-                if n > seen[g]:
-                    rec.inc("kvoffload_evictions", n - seen[g], group_kind=self._kinds[g])
-                    seen[g] = n
-            self._report_states(t, u)
-            if u.no_room > self._reported_no_room[t]:
-                rec.inc("kvoffload_stores_dropped", u.no_room - self._reported_no_room[t], reason="no_room")
-                self._reported_no_room[t] = u.no_room
+                self._grow(t, "kvoffload_evictions", g, n, group_kind=self._kinds[g])
+            self._grow(t, "kvoffload_stores_dropped", None, u.no_room, reason="no_room")
+            for cls, n in u.state_hits:
+                self._grow(t, "kvoffload_state_hits", cls, n, state_class=cls)
+            for cls, reason, n in u.state_evictions:
+                self._grow(t, "kvoffload_state_evictions", (cls, reason), n, state_class=cls, reason=reason)
+            self._grow(t, "kvoffload_states_not_admitted", None, u.skipped)
 
-    def _report_states(self, t: int, u: TierUsage) -> None:
-        """States held, read and evicted, by class: gauges as they are, counters by their growth."""
-        rec, seen = self.recorders[t], self._reported_states[t]
-        for cls, entries, nbytes in u.states:
-            rec.set("kvoffload_state_entries", entries, state_class=cls)
-            rec.set("kvoffload_state_bytes", nbytes, state_class=cls)
-
-        def grow(name: str, key: tuple[str, ...], n: int, **labels: str) -> None:
-            if n > seen.get(key, 0):
-                rec.inc(name, n - seen.get(key, 0), **labels)
-                seen[key] = n
-
-        for cls, n in u.state_hits:
-            grow("kvoffload_state_hits", ("hits", cls), n, state_class=cls)
-        for cls, reason, n in u.state_evictions:
-            grow("kvoffload_state_evictions", ("evictions", cls, reason), n, state_class=cls, reason=reason)
-        grow("kvoffload_states_not_admitted", ("skipped",), u.skipped)
+    def _grow(self, t: int, name: str, part: object, n: int, **labels: str) -> None:
+        """Count what a tier's cumulative figure `n` grew by since it was last reported."""
+        seen = self._reported[t]
+        if n > seen.get((name, part), 0):
+            self.recorders[t].inc(name, n - seen.get((name, part), 0), **labels)
+            seen[(name, part)] = n
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         st = self.reqs.pop(request.request_id, None)
