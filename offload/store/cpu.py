@@ -295,11 +295,6 @@ class CpuIndex(TierIndex):
                     self.no_room += 1
                 self._unlink(link)
                 return None
-        if chained and not self._offered(group, parent):  # pinned parents aside, nothing evicts a linked one
-            self._free_slot(group, slot)
-            self.no_room += 1
-            self._unlink(link)
-            return None
         e.slot = slot
         self.entries[node] = e
         self._count_entry(node, e, 1)
