@@ -30,6 +30,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
+
 from offload.store.paths import GROUP_PREFIX, LAYOUT_TMP_RE, QUARANTINE, TMP_RE
 
 logger = logging.getLogger(__name__)
@@ -48,28 +50,11 @@ def _boot_id() -> str:
 
 HOST_TAG = f"{zlib.crc32(f'{socket.gethostname()}|{_boot_id()}'.encode()):08x}"
 
-try:
-    _CLK_TCK = os.sysconf("SC_CLK_TCK")
-except (ValueError, OSError, AttributeError):
-    _CLK_TCK = 100
-
-
-def _boot_time() -> float | None:
-    try:
-        for line in Path("/proc/stat").read_text().splitlines():
-            if line.startswith("btime "):
-                return float(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-_BTIME = _boot_time()
-
 
 def pid_started_at(pid: int) -> float | None:
-    """Wall-clock start time of a live local process; None if it is gone.
-    Returns 0.0 when alive but the start time is unknown."""
+    """Wall-clock start time of a live local process (seconds since the
+    epoch, as a file's mtime); None if it is gone. Returns 0.0 when alive but
+    the start time is unknown."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -79,13 +64,9 @@ def pid_started_at(pid: int) -> float | None:
     except OSError:
         return None
     try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        fields = raw[raw.rindex(")") + 2:].split()
-        if _BTIME is not None:
-            return _BTIME + int(fields[19]) / _CLK_TCK
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0.0
+        return psutil.Process(pid).create_time()  # boot time + the kernel's start ticks
+    except (psutil.Error, OSError):
+        return 0.0
 
 
 def fs_type(path: Path) -> str:
@@ -93,13 +74,10 @@ def fs_type(path: Path) -> str:
     try:
         real = os.path.realpath(path)
         best, kind = "", ""
-        for line in Path("/proc/mounts").read_text().splitlines():
-            parts = line.split()
-            if len(parts) < 3:
-                continue
-            mnt = parts[1].replace("\\040", " ")
+        for part in psutil.disk_partitions(all=True):  # in mount order: the last of equal mount points is on top
+            mnt = part.mountpoint
             if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, kind = mnt, parts[2]
+                best, kind = mnt, part.fstype
         return kind
     except OSError:
         return ""
