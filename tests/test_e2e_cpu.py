@@ -3,7 +3,7 @@
 Repeats are served after `reset_prefix_cache()`, so a hit can only come from
 the CPU tier. The reference is pass 1 of the same engine (connector loaded,
 nothing restored, asserted): loading any connector can flip a near-tie bf16
-token against a connector-less run (../shared/notes/cpu-platform.md).
+token against a connector-less run (docs/cpu-platform.md).
 """
 
 from __future__ import annotations

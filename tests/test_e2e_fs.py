@@ -146,7 +146,7 @@ def llama(models_dir, qwen, tmp_path_factory):
     Reference: with Llama, merely loading a KV connector (any connector, even
     one that does nothing) changes vLLM's execution enough to flip a near-tie
     bf16 greedy token in one of these prompts, with zero cache hits (see
-    ../shared/notes/cpu-platform.md). So Llama's reference is the same engine
+    docs/cpu-platform.md). So Llama's reference is the same engine
     with the connector loaded on an empty directory, restoring nothing, as
     asserted below; the comparison itself stays exact.
     """

@@ -22,7 +22,7 @@ The clients (tests/loadgen.py `run_clients`, each one request at a time, for LOA
 Compared with a reference: greedy tokens from an engine with our connector configured on an empty
 directory and every request reading no prefix cache (neither vLLM's nor ours), one prompt at a time
 (`engine_run`, the same flags): merely configuring a connector changes vLLM-CPU's bf16 near-ties
-(../shared/notes/cpu-platform.md), so the reference has one too. Under preemption only the first
+(docs/cpu-platform.md), so the reference has one too. Under preemption only the first
 token of a request is reproducible (tests/test_concurrent_serving.py's module docstring: vLLM
 recomputes a preempted request's generated tokens as a prefill, which on vLLM-CPU is not bitwise a
 decode), so requests that complete generate one token and hung-up ones are compared on their first;

