@@ -1,5 +1,8 @@
-"""MultiConnector: composes offload tiers (CPU, filesystem, LMCache) by matched
-tokens x load weight. Select it with `"kv_connector": "OffloadMultiConnector"`
+"""MultiConnector: composes KV connectors (ours, LMCache's, vLLM's own) as
+children: per request the child with the most matched tokens x `load_weight`
+loads, every child stores. Our tiers (host memory, files, LMCache's storage
+engine) are not composed here: they stack inside our one connector
+(`"tiers": [...]`). Select it with `"kv_connector": "OffloadMultiConnector"`
 and `"kv_connector_module_path": "offload.multi_connector"`."""
 
 from offload.multi_connector.connector import MultiConnector, OffloadMultiConnector
