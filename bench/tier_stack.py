@@ -46,6 +46,7 @@ from offload.multi_connector.share import GatherShare
 from offload.planner import GroupSpec, HybridOffloadPlanner
 from offload.store import tier_spec
 from offload.store.base import TierContext, TierIndex, TierSpec
+from offload.store.cachedir import CacheDirs
 from offload.store.paths import CHUNK_SUFFIX
 
 FP = Fingerprint(b"\x07" * 32)
@@ -82,7 +83,7 @@ def build(kv: HybridKV, tiers: list[dict], cache: Path) -> tuple[WorkerSide, lis
             t["path"] = str(cache / t.get("name", "fs"))
     cfg = parse_config({"tiers": tiers, "io_threads": 4, "max_pending_store_bytes": 1 << 40})
     planner = planner_for(kv)
-    ctx = TierContext(planner, FP, FP)
+    ctx = TierContext(planner, FP, FP, dirs=CacheDirs())
     specs: list[TierSpec] = [tier_spec(t.store, t.options(), ctx) for t in cfg.tiers]
     for s in specs:
         s.check()

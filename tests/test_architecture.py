@@ -26,16 +26,17 @@ def module_map() -> dict[str, tuple[set[str], bool]]:
     return rows
 
 
-def dotted(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
+def dotted(path: Path, root: Path = REPO) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path) -> set[str]:
-    """Every module `path` imports (at any depth, TYPE_CHECKING included), as dotted names;
-    `from offload import x` names the submodule x where one exists."""
+def imports(path: Path, root: Path = REPO) -> set[str]:
+    """Every module `path` (under `root`, the directory holding its top-level package) imports
+    (at any depth, TYPE_CHECKING included), as dotted names; `from offload import x` names the
+    submodule x where one exists."""
     out: set[str] = set()
-    package = dotted(path) if path.name == "__init__.py" else dotted(path).rpartition(".")[0]
+    package = dotted(path, root) if path.name == "__init__.py" else dotted(path, root).rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
@@ -47,7 +48,7 @@ def imports(path: Path) -> set[str]:
             for a in node.names:
                 sub = f"{base}.{a.name}"
                 rel = Path(*sub.split("."))
-                is_module = (REPO / rel).with_suffix(".py").exists() or (REPO / rel / "__init__.py").exists()
+                is_module = (root / rel).with_suffix(".py").exists() or (root / rel / "__init__.py").exists()
                 out.add(sub if is_module else base)
     return out
 
@@ -169,3 +170,94 @@ def test_the_state_checker_catches_a_registry_a_lock_and_a_global():
                      "line 6: own changes module-level _OWNERS", "line 8: forget changes module-level _OWNERS",
                      "line 10: global N"]
     assert module_state("UNITS = {'k': 1}\n__all__ = ['x']\ndef f(d):\n    d['k'] = 1\n    return UNITS['k']\n") == []
+
+
+# ---- no import circle ----------------------------------------------------------------------------
+# Modules import each other one way: no circle of imports between any modules of offload/, within
+# a package or across packages, whether the imports are at module level, in a function or under
+# TYPE_CHECKING (a circle that only a late import keeps from failing is still a circle).
+
+
+def import_graph(pkg: Path, root: Path = REPO) -> dict[str, set[str]]:
+    """Every module of the package `pkg` (a directory under `root`) -> the modules of that
+    package it imports (`imports`: relative imports resolved, imports at any depth)."""
+    mods = {dotted(p, root): p for p in sorted(pkg.rglob("*.py"))}
+    return {m: {t for t in imports(p, root) if t in mods and t != m} for m, p in mods.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One import circle per strongly connected component of `graph` (Tarjan's algorithm): the
+    shortest from the component's first module back to itself, that module repeated last."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    out = []
+    for component in sorted(components, key=min):
+        start = min(component)
+        paths = {start: [start]}
+        frontier = [start]
+        while frontier and start not in graph[frontier[0]]:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v] & component):
+                    if w not in paths:
+                        paths[w] = [*paths[v], w]
+                        nxt.append(w)
+            frontier = nxt
+            frontier.sort(key=lambda w: (start not in graph[w], w))
+        out.append([*paths[frontier[0]], start])
+    return out
+
+
+def test_no_import_circle_in_offload():
+    found = circles(import_graph(PKG))
+    assert found == [], "import circles: " + "; ".join(" → ".join(c) for c in found)
+
+
+def test_the_circle_checker_catches_circles_within_and_across_packages(tmp_path):
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from pkg.sub import b\n",  # across packages: a → sub.b → sub.c → a
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/b.py": "from . import c\n",
+        "pkg/sub/c.py": "def late():\n    from ..a import VALUE  # in a function, relative\n",
+        "pkg/sub/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.sub.e import E\n",
+        "pkg/sub/e.py": "import pkg.sub.d\n",  # within a package: sub.d → sub.e → sub.d
+        "pkg/f.py": "from pkg import a\nfrom pkg.sub import d\n",  # imports into circles, in none
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    pkg = tmp_path / "pkg"
+    assert circles(import_graph(pkg, tmp_path)) == [["pkg.a", "pkg.sub.b", "pkg.sub.c", "pkg.a"],
+                                                    ["pkg.sub.d", "pkg.sub.e", "pkg.sub.d"]]
+    (pkg / "sub" / "c.py").write_text("VALUE = 1\n")
+    (pkg / "sub" / "e.py").write_text("E = 1\n")
+    assert circles(import_graph(pkg, tmp_path)) == []

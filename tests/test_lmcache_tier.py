@@ -130,7 +130,7 @@ def ledger_ctx():
     from offload.planner.spec import GroupKind
 
     planner = HybridOffloadPlanner([GroupSpec(GroupKind.FULL_ATTENTION, 128, 262_144, 2)], 256)  # 2 pages a chunk
-    return TierContext(planner, FP, FP, separate_workers=True), HEADER_LEN + 2 * 262_144
+    return TierContext(planner, FP, FP, separate_workers=True, dirs=CacheDirs()), HEADER_LEN + 2 * 262_144
 
 
 @pytest.mark.parametrize("cfg,fragment", [

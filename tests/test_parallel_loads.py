@@ -29,6 +29,7 @@ from offload.metrics import Recorder
 from offload.planner import GroupKind, GroupSpec, HybridOffloadPlanner
 from offload.store import tier_spec
 from offload.store.base import Placement, TierContext, TierIndex
+from offload.store.cachedir import CacheDirs
 from offload.store.format import HEADER_LEN
 
 FP = Fingerprint(b"\x0b" * 32)
@@ -85,7 +86,7 @@ def build(kv: KV, tiers: list[dict], io_threads: int) -> tuple[WorkerSide, list[
     (bottom-up, as the connector builds them)."""
     cfg = parse_config({"tiers": tiers, "io_threads": io_threads})
     planner = kv.planner()
-    ctx = TierContext(planner, FP, FP)
+    ctx = TierContext(planner, FP, FP, dirs=CacheDirs())
     specs = [tier_spec(t.store, t.options(), ctx) for t in cfg.tiers]
     indices: list[TierIndex] = []
     for i in reversed(range(len(specs))):

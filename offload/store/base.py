@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
@@ -31,10 +31,9 @@ from offload.keys import ChunkKey, Fingerprint
 from offload.planner import HybridOffloadPlanner
 from offload.planner.states import Admission, StateClass
 from offload.store.buffers import BufferPool
+from offload.store.cachedir import CacheDirs
 from offload.store.format import HEADER_LEN, ChunkHeader
-
-if TYPE_CHECKING:
-    from offload.store.cachedir import CacheDirs
+from offload.store.tier_usage import TierUsage
 
 
 class OptionError(ValueError):
@@ -78,23 +77,6 @@ class Placement:
 
     slot: int | None = None
     cold: bool = False
-
-
-@dataclass(frozen=True)
-class TierUsage:
-    """What a tier holds now, and cumulative event counts, per group (for metrics)."""
-
-    entries: tuple[int, ...]
-    bytes: tuple[int, ...]
-    evictions: tuple[int, ...] = ()  # cumulative since start
-    no_room: int = 0  # cumulative stores skipped for lack of room
-    capacity_bytes: int | None = None
-    budget_bytes: int | None = None  # what eviction keeps the tier within, where it has a budget
-    # Recurrent states by the class they were admitted under (offload.planner.states):
-    states: tuple[tuple[str, int, int], ...] = ()  # (class, entries, bytes) held now
-    state_hits: tuple[tuple[str, int], ...] = ()  # (class, loads planned from such a state), cumulative
-    state_evictions: tuple[tuple[str, str, int], ...] = ()  # (class, "cold" | "lru", count), cumulative
-    skipped: int = 0  # stores the state policy declined, cumulative
 
 
 @dataclass
@@ -252,13 +234,8 @@ class TierContext:
     # The owners of the cache directories (and LMCache engines) these tiers
     # open, shared by reference count (offload/store/cachedir.py). Tiers
     # built with the same object share them; a fresh one shares nothing.
-    dirs: CacheDirs = field(default_factory=lambda: _new_dirs(), compare=False, repr=False)
-
-
-def _new_dirs() -> CacheDirs:
-    from offload.store.cachedir import CacheDirs  # imported late: it imports the stores
-
-    return CacheDirs()
+    # The caller builds it (`CacheDirs()`, or `CacheDirs.attached`).
+    dirs: CacheDirs = field(kw_only=True, compare=False, repr=False)
 
 
 class TierSpec(ABC, Generic[OptionsT]):

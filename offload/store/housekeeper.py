@@ -22,8 +22,8 @@ import shutil
 import threading
 from pathlib import Path
 
-from offload.store.base import TierUsage
 from offload.store.budget import DirBudget
+from offload.store.tier_usage import TierUsage
 
 logger = logging.getLogger(__name__)
 
