@@ -44,10 +44,10 @@ from offload.keys import Fingerprint
 from offload.metrics import Recorder
 from offload.multi_connector.share import GatherShare
 from offload.planner import GroupSpec, HybridOffloadPlanner
-from offload.store import tier_spec
-from offload.store.base import TierContext, TierIndex, TierSpec
+from offload.store.base import TierContext, TierIndex
 from offload.store.cachedir import CacheDirs
 from offload.store.paths import CHUNK_SUFFIX
+from offload.store.stack import build_stack
 
 FP = Fingerprint(b"\x07" * 32)
 
@@ -83,19 +83,12 @@ def build(kv: HybridKV, tiers: list[dict], cache: Path) -> tuple[WorkerSide, lis
             t["path"] = str(cache / t.get("name", "fs"))
     cfg = parse_config({"tiers": tiers, "io_threads": 4, "max_pending_store_bytes": 1 << 40})
     planner = planner_for(kv)
-    ctx = TierContext(planner, FP, FP, dirs=CacheDirs())
-    specs: list[TierSpec] = [tier_spec(t.store, t.options(), ctx) for t in cfg.tiers]
-    for s in specs:
-        s.check()
-    indices: list[TierIndex] = []
-    for i in reversed(range(len(specs))):
-        below = list(indices)
-        backed = None if not below else (lambda g, k, below=below: any(ix.contains(g, k) for ix in below))
-        indices.insert(0, specs[i].index(backed))
-    worker = WorkerSide(cfg, planner, FP, lambda d: [s.data(d) for s in specs], [[], []],
-                        [Recorder(t.tier_name) for t in cfg.tiers])
+    stack = build_stack([(t.store, t.options()) for t in cfg.tiers], TierContext(planner, FP, FP, dirs=CacheDirs()))
+    stack.check()
+    indices = stack.indices()
+    worker = WorkerSide(cfg, planner, FP, stack.data, [[], []], [Recorder(t.tier_name) for t in cfg.tiers])
     worker.pages = [g.pages for g in kv.groups]
-    worker.tiers = [s.data(torch.device("cpu")) for s in specs]
+    worker.tiers = stack.data(torch.device("cpu"))
     return worker, indices
 
 

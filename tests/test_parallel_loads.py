@@ -27,10 +27,10 @@ from offload.copier import GroupPages, LayerPages
 from offload.keys import ChunkKey, Fingerprint
 from offload.metrics import Recorder
 from offload.planner import GroupKind, GroupSpec, HybridOffloadPlanner
-from offload.store import tier_spec
 from offload.store.base import Placement, TierContext, TierIndex
 from offload.store.cachedir import CacheDirs
 from offload.store.format import HEADER_LEN
+from offload.store.stack import build_stack
 
 FP = Fingerprint(b"\x0b" * 32)
 CHUNK = 64  # tokens; attention blocks of 16 (4 pages per chunk file), one Mamba state per chunk
@@ -86,17 +86,11 @@ def build(kv: KV, tiers: list[dict], io_threads: int) -> tuple[WorkerSide, list[
     (bottom-up, as the connector builds them)."""
     cfg = parse_config({"tiers": tiers, "io_threads": io_threads})
     planner = kv.planner()
-    ctx = TierContext(planner, FP, FP, dirs=CacheDirs())
-    specs = [tier_spec(t.store, t.options(), ctx) for t in cfg.tiers]
-    indices: list[TierIndex] = []
-    for i in reversed(range(len(specs))):
-        below = list(indices)
-        backed = None if not below else (lambda g, k, below=below: any(ix.contains(g, k) for ix in below))
-        indices.insert(0, specs[i].index(backed))
-    worker = WorkerSide(cfg, planner, FP, lambda d: [s.data(d) for s in specs], [[], []],
-                        [Recorder(t.tier_name) for t in cfg.tiers])
+    stack = build_stack([(t.store, t.options()) for t in cfg.tiers], TierContext(planner, FP, FP, dirs=CacheDirs()))
+    indices = stack.indices()
+    worker = WorkerSide(cfg, planner, FP, stack.data, [[], []], [Recorder(t.tier_name) for t in cfg.tiers])
     worker.pages = kv.pages
-    worker.tiers = [s.data(torch.device("cpu")) for s in specs]
+    worker.tiers = stack.data(torch.device("cpu"))
     return worker, indices
 
 

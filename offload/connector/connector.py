@@ -27,9 +27,9 @@ from offload.layout import fingerprint_fields, group_specs
 from offload.metrics import OffloadPromMetrics, OffloadStats, Recorder
 from offload.plan import check_chunk_size, plan_from_engine
 from offload.planner import ChunkSizeError, GroupKind, HybridOffloadPlanner
-from offload.store import tier_spec
-from offload.store.base import OptionError, TierContext, TierIndex, TierSpec
+from offload.store.base import TierContext, TierIndex, TierSpec
 from offload.store.cachedir import CacheDirs
+from offload.store.stack import StackOptionError, build_stack
 from offload.tailmask import TokenMap
 
 if TYPE_CHECKING:
@@ -117,7 +117,8 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
                           # Both halves in one process share their directory owners and LMCache
                           # engines through the engine's config object (separate processes do not).
                           dirs=CacheDirs.attached(vllm_config))
-        self.tiers: list[TierSpec] = [tier_spec(t.store, t.options(), ctx) for t in self.cfg.tiers]
+        self.stack = build_stack([(t.store, t.options()) for t in self.cfg.tiers], ctx)
+        self.tiers: list[TierSpec] = self.stack.specs
         if role == KVConnectorRole.SCHEDULER:
             self._startup_checks(vllm_config)
             from offload.connector.scheduler import SchedulerSide
@@ -128,7 +129,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
             names = [list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
             self._worker = WorkerSide(self.cfg, self.planner, ctx.fingerprint,
-                                      lambda device: [t.data(device) for t in self.tiers], names, self.recorders,
+                                      self.stack.data, names, self.recorders,
                                       token_map=self._token_map)
 
     def _token_map(self, group: int, tensor: torch.Tensor, block_dim: int) -> TokenMap:
@@ -150,25 +151,17 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
             else f"tiers[{i}]."
 
     def _indices(self) -> list[TierIndex]:
-        """Bottom-up, so that each tier can ask the ones below whether an
-        entry has another copy (it never evicts an only copy)."""
-        out: list[TierIndex] = []
-        for i in reversed(range(len(self.tiers))):
-            below = list(out)
-            backed = None if not below else (lambda g, k, below=below: any(ix.contains(g, k) for ix in below))
-            try:
-                out.insert(0, self.tiers[i].index(backed))
-            except OptionError as e:
-                raise ConfigError(f"{EXTRA_CONFIG}.{self._where(i)}{e}") from None
-        return out
+        try:
+            return self.stack.indices()
+        except StackOptionError as e:
+            raise ConfigError(f"{EXTRA_CONFIG}.{self._where(e.position)}{e}") from None
 
     def _startup_checks(self, vllm_config: VllmConfig) -> None:
         ktc = vllm_config.kv_transfer_config
-        for i, tier in enumerate(self.tiers):
-            try:
-                tier.check()
-            except OptionError as e:
-                raise ConfigError(f"{EXTRA_CONFIG}.{self._where(i)}{e}") from None
+        try:
+            self.stack.check()
+        except StackOptionError as e:
+            raise ConfigError(f"{EXTRA_CONFIG}.{self._where(e.position)}{e}") from None
         groups = ", ".join(f"{g.kind.value}/{g.block_size}" for g in self.planner.groups)
         how = "set" if self.cfg.hybrid_chunk_size else "the default for these block sizes"
         logger.info("OffloadConnector: hybrid_chunk_size=%d (%s); groups: %s; tiers, fastest first: %s",
