@@ -1346,3 +1346,63 @@ def test_partial_tail_loads_wait_for_room_instead_of_stalling_vllm(models_dir, t
     finally:
         release.set()
         eng.worker.connector.shutdown()
+
+
+def test_a_hit_no_longer_than_vllms_own_partial_block_is_not_deferred(models_dir, held_loads):
+    """vLLM shows the connector its own hit cut to its block (`block_aligned_local`) and keeps
+    its own hit inside the next block over ours unless ours goes past it. A's next turn: vLLM's
+    own cache hits 192 of it (A's tail, inside the second 128-token block), the connector holds the
+    same 192 and offers the 64 past the block. While a load of another request holds blocks (a
+    long prompt restoring its first 192 tokens, held), those 64 do not fit by the room check. The
+    next turn must start at once from vLLM's own hit, not wait: while it waited, a request queued
+    behind it took the free blocks, evicting vLLM's cached copy of A, which the next turn then
+    loaded back from our tier (measured before this rule: deferred, restored 192, vLLM's own hit
+    lost). Real loads still wait (test_partial_tail_loads_wait_for_room_instead_of_stalling_vllm)."""
+    release, _ = held_loads
+    cfg = create_vllm_config(str(models_dir / "qwen3-next-tiny"), block_size=128, max_num_batched_tokens=128,
+                             max_model_len=2048, prefix_cache_retention_interval=128, prefix_match_unit=UNIT)
+    set_connector(cfg, {"store": "cpu", "cpu_bytes": 1 << 24})
+    kcc = hybrid_kv_cache_config(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
+                                 ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
+                                 block_size=128, mamba_shapes=((3, 192), (1, 64, 64)),
+                                 mamba_dtypes=(torch.bfloat16, torch.float32), num_kv_heads=4, head_size=64,
+                                 num_blocks=14, mamba_cache_mode=cfg.cache_config.mamba_cache_mode)
+    sched = create_scheduler(cfg, kcc)
+    eng = Engine(sched, WorkerStep(cfg, kcc, sched))
+    ours = sched.connector._sched
+    try:
+        release.set()  # the stores' own runs load nothing
+        p, a = prompt(51, 250), prompt(52, 250)
+        sched.add_request(create_request("p", p, max_tokens=1, block_size=UNIT))
+        eng.run_to_completion()
+        assert sched.reset_prefix_cache()  # p is in our tier only
+        sched.add_request(create_request("a", a, max_tokens=1, block_size=UNIT))
+        eng.run_to_completion()  # a: in vLLM's prefix cache and in our tier
+        wait_for_stored_tokens(eng, 2 * (2 * 128 + 2 * 64))  # chunk 0 and the tail of p and of a, both groups
+        release.clear()
+        sched.add_request(create_request("load", p + prompt(53, 700), max_tokens=1, block_size=UNIT))
+        eng.step()
+        assert eng.status("load") == WAITING_FOR_KV, "the other request's load is in flight"
+        turn = create_request("turn", a + prompt(54, 400), max_tokens=1, block_size=UNIT)
+        _, own_hit, *_ = sched.kv_cache_manager.get_computed_blocks(turn)  # vLLM's own hit, as it will look it up
+        tail = (len(a) - 1) // UNIT * UNIT
+        assert own_hit == tail and tail % 128, (own_hit, tail)
+        assert not ours.room.fits(turn, tail, ours._loads_waiting()), "the KV cache is tight: our 64 do not fit"
+        sched.add_request(turn)
+        sched.add_request(create_request("behind", prompt(55, 900), max_tokens=1, block_size=UNIT))
+        so = eng.step()
+        assert so.num_scheduled_tokens.get("turn") == 256 - tail, so.num_scheduled_tokens  # to the block's end
+        assert turn.num_computed_tokens == 256
+        for _ in range(12):
+            eng.step()
+        release.set()
+        eng.run_to_completion(timeout=30)
+        assert tier_params(eng, "turn") == {"restored_tokens": 0, "load_failed": False, "vllm_sub_block_hit": True}
+        assert eng.scheduled["turn"] == len(turn.prompt_token_ids) - tail, "vLLM computed past its own hit only"
+        assert tier_params(eng, "load")["restored_tokens"] == tail
+        totals = eng.totals()
+        assert "hits_deferred" not in totals and "failed_loads" not in totals, totals
+        assert_scheduler_empty(sched)
+    finally:
+        release.set()
+        eng.worker.connector.shutdown()

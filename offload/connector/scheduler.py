@@ -229,6 +229,12 @@ class SchedulerSide:
             return 0, False
         if self.room is not None and not self.room.fits(request, num_computed_tokens + hit, self._loads_waiting()):
             st.pending_hit = None
+            if hit < self._block_lcm:
+                # vLLM shows us its own hit cut to its block (the blocks' LCM) and keeps the part
+                # inside the next block over ours unless ours is longer. A hit that ends inside that
+                # block saves less than a block, and waiting for room costs vLLM's whole hit, whose
+                # blocks others may evict meanwhile: offer nothing, vLLM starts from its own hit now.
+                return 0, False
             self.recorder.inc("kvoffload_hits_deferred")
             return None, False  # no room to finish yet: vLLM asks again next step
         st.pending_hit = (n, num_computed_tokens, tail)
