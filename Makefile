@@ -17,9 +17,9 @@ test-long:  ## the long runs: reliability and chaos on real engines, real geomet
 test-fast:  ## unit tests only (no engines)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e"
 
-lint:  ## ruff over the repository; mypy over the pure parts (offload/planner, offload/store)
+lint:  ## ruff over the repository; mypy over the pure parts (offload/planner, offload/store) and harness/
 	$(PY) -m ruff check .
-	$(PY) -m mypy offload/planner offload/store
+	$(PY) -m mypy offload/planner offload/store harness
 
 demo:  ## kvoffload warmup --verify (cross-restart warm-up) on the embedded tiny hybrid model
 	$(PY) -m offload.demo $(DEMO_ARGS)

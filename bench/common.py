@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 # The one median of tests/ and bench/ (None values skipped, NaN when there is nothing), re-exported.
-from offload.engine_run import median  # noqa: F401
+from harness.client import median  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import REPO, drop_page_cache, filesystem_of, median, table, write_results
-from offload.engine_run import wait_until
+from harness.client import wait_until
 
 CHUNK = 256
 

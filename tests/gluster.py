@@ -43,7 +43,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from offload.engine_run import wait_until
+from harness.client import wait_until
 
 LOCK = "/tmp/kvoffload-gluster.lock"
 PREFIX = "kvt"

@@ -101,6 +101,24 @@ def test_the_checker_catches_a_forbidden_import():
     assert not allowed("", set(), "offload.keys")
 
 
+# ---- the product ships alone -------------------------------------------------------------------
+# harness/ (servers, engine runs with test hooks, CLI runs, scrapes), bench/ and tests/ use the
+# product; the product imports none of them (setup.py ships offload/ only).
+NOT_SHIPPED = {"harness", "bench", "tests", "tools", "conftest", "serving"}
+
+
+def test_offload_imports_no_harness_bench_or_tests():
+    problems = [f"{p.relative_to(REPO)} imports {t}" for p in sorted(PKG.rglob("*.py")) for t in sorted(imports(p))
+                if t.split(".")[0] in NOT_SHIPPED]
+    assert problems == []
+
+
+def test_the_harness_is_outside_the_product():
+    harness = REPO / "harness"
+    assert (harness / "__init__.py").exists() and not (PKG / "harness").exists()
+    assert {"client.py", "server.py", "engine.py", "cli.py"} <= {p.name for p in harness.glob("*.py")}
+
+
 # ---- no module-level state ---------------------------------------------------------------------
 # State has an owner that creates and stops it: a module may hold constants, never a lock, a thread
 # or a container that its functions fill (a registry).

@@ -494,7 +494,7 @@ def test_multi_turn_client_is_taken_from_a_matching_sdist_only(tmp_path: Path) -
     import re
 
     from bench.multi_turn_client import CLIENT_FILES, client_dir
-    from offload.engine_run import free_port
+    from harness.client import free_port
 
     def free_port_url() -> str:  # an index nothing answers at: offline
         return f"http://127.0.0.1:{free_port()}/simple"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import harness.cli
 from offload import cli
 from offload.cli.gc import parse_size
 from offload.cli.prompts import PromptFileError, load, token_ids
@@ -32,6 +33,13 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
         rc = int(e.code)
     out = capsys.readouterr()
     return rc, out.out + out.err
+
+
+def json_cli(*argv: str) -> tuple[int, str]:
+    """A run whose output is parsed as JSON: in a process of its own (harness/cli.py), its stdout
+    alone (in-process, what this process's engine lanes print would be in it)."""
+    r = harness.cli.run_cli(*argv)
+    return r.returncode, r.stdout
 
 
 def write(tmp_path: Path, name: str, doc) -> str:
@@ -251,10 +259,10 @@ def test_gc_records_its_deletions_so_a_live_account_follows_without_a_walk(capsy
     assert true_bytes(top) <= limit
     live.sync()  # reads gc's log: no walk
     assert live.usage == true_bytes(top) and live.walks == 1
-    rc, out = run_cli(capsys, "stats", str(tmp_path), "--ledger", "--json")
+    rc, out = json_cli("stats", str(tmp_path), "--ledger", "--json")
     led = json.loads(out)["ledger"]
     assert rc == 0 and led["bytes"] == true_bytes(top) and led["logs"] >= 2 and not led["walked_to_load"]
-    rc, out = run_cli(capsys, "stats", str(tmp_path), "--json")
+    rc, out = json_cli("stats", str(tmp_path), "--json")
     rep = json.loads(out)
     assert rep["ledger"]["drift_bytes"] == 0 and rep["ledger"]["walk"]["bytes"] == true_bytes(top)
     assert rep["other_entries"] == [], "ledger-v1/ is not an unknown entry"
@@ -292,7 +300,7 @@ def test_gc_evicts_states_stored_cold_first_each_on_its_own_then_whole_chunks(ca
         time.sleep(0.01)
     time.sleep(0.02)
     os.utime(states[1])  # loaded since it was stored: no longer cold
-    rc, out = run_cli(capsys, "stats", str(tmp_path), "--ledger", "--json")
+    rc, out = json_cli("stats", str(tmp_path), "--ledger", "--json")
     by_group = {g["group"]: g for g in json.loads(out)["ledger"]["fingerprints"][FP.hex()]}
     assert (by_group[GDN]["files"], by_group[GDN]["cold_files"], by_group[ATTN]["cold_files"]) == (4, 2, 0)
     assert by_group[GDN]["cold_bytes"] == 2 * states[0].stat().st_size, "the loaded one is no longer cold"

@@ -10,23 +10,20 @@ chunk keys (offload.keys) and the files on disk.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import random
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import CHUNK, REPO, engine_args, fs_kv_config, layouts, random_prompt
-from offload import cli
+from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt
+from harness.cli import run_cli
+from harness.client import wait_until
+from harness.engine import RunSpec, run_engine
 from offload.cli.prompts import load, token_ids
-from offload.engine_run import RunSpec, run_engine, wait_until
 from offload.keys import chunk_keys, request_root
 from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.paths import LAYOUT_DIR
@@ -42,21 +39,12 @@ TEXT = "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(800))
 
 
 def cli_run(*argv: str) -> tuple[int, str]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        try:
-            rc = cli.main(list(argv))
-        except SystemExit as e:
-            rc = int(e.code)
-    return rc, out.getvalue()
-
-
-def cli_process(*argv: str) -> tuple[int, str]:
-    """`kvoffload ARGV` in a process of its own: its standard output alone (an in-process run
-    would also collect what the engine lanes running beside it print)."""
-    p = subprocess.run([sys.executable, "-m", "offload.cli", *argv], cwd=REPO, capture_output=True, text=True,
-                       timeout=1800)
-    return p.returncode, p.stdout + (p.stderr[-4000:] if p.returncode else "")
+    """`kvoffload ARGV` in a process of its own (harness/cli.py): its standard output alone, and the
+    end of its standard error where it failed. Never in-process: this process's engine lanes
+    (tests/conftest.py) print to the same stdout, and a vLLM warning inside `--json` output breaks
+    its parse."""
+    r = run_cli(*argv)
+    return r.returncode, r.stdout + (r.stderr[-4000:] if r.returncode else "")
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +58,7 @@ def warm(models_dir, tmp_path_factory, fs_server):
     prompts = d / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in TOKEN_PROMPTS)
                        + json.dumps({"prompt": TEXT}) + "\n")
-    rc, out = cli_process("warmup", "--config", str(cfg), "--prompts", str(prompts), "--model", model, "--verify",
+    rc, out = cli_run("warmup", "--config", str(cfg), "--prompts", str(prompts), "--model", model, "--verify",
                       "--json")
     snapshot = tmp_path_factory.mktemp("snapshot")
     shutil.copytree(d / "cache", snapshot, dirs_exist_ok=True)
@@ -132,7 +120,7 @@ def test_warmup_verify_restores_every_chunk_aligned_prefix_after_a_restart(warm)
 # ---- stats -----------------------------------------------------------------------------
 
 
-def test_stats_counts_match_the_files_and_the_prompts_keys(warm, capsys):
+def test_stats_counts_match_the_files_and_the_prompts_keys(warm):
     cache = warm["snapshot"]
     rc, out = cli_run("stats", str(cache), "--json")
     assert rc == 0
@@ -304,10 +292,10 @@ def test_warmup_url_replays_text_and_token_prompts_through_a_running_server(fs_s
     prompts.write_text(json.dumps({"prompt": TEXT}) + "\n"
                        + json.dumps({"prompt_token_ids": TOKEN_PROMPTS[3]}) + "\n")
     url = fs_server.url()
-    rc, out = cli_process("warmup", "--prompts", str(prompts), "--url", url, "--json")
+    rc, out = cli_run("warmup", "--prompts", str(prompts), "--url", url, "--json")
     assert rc == 0, out
     first = json.loads(out)
-    rc, out = cli_process("warmup", "--prompts", str(prompts), "--url", url, "--json")
+    rc, out = cli_run("warmup", "--prompts", str(prompts), "--url", url, "--json")
     assert rc == 0, out
     second = json.loads(out)
     assert first["prompts"] == 2

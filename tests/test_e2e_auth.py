@@ -32,7 +32,8 @@ import pytest
 import torch
 
 from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt
-from offload.engine_run import EngineRun, RunSpec, start_engine, wait_until
+from harness.client import wait_until
+from harness.engine import EngineRun, RunSpec, start_engine
 from offload.keys import chunk_keys, request_root
 from offload.planner import GroupKind, GroupSpec, HybridOffloadPlanner
 from offload.store.auth import KEY_ID_CONTEXT, MAC_CONTEXT, Keyring, frame

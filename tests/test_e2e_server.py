@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt, start_connector
+from harness.engine import RunSpec, run_engine
 from offload.config import ConfigError
-from offload.engine_run import RunSpec, run_engine
 from offload.keys import chunk_keys, request_root
 from offload.store.paths import LAYOUT_DIR
 from serving import complete

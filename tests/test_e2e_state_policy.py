@@ -53,8 +53,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, shipped_config, side_by_side
+from harness.cli import run_cli
+from harness.client import median
+from harness.engine import RunSpec, run_engine
 from loadgen import Request, Result, run_load
-from offload.engine_run import RunSpec, median, run_engine
 from serving import api_server, metric_by_label, metric_sum, scrape
 
 pytestmark = pytest.mark.e2e
@@ -269,7 +271,7 @@ def fsck(cache: Path) -> dict:
     from offload.cli.cache import chunks, scan
     from offload.planner import GroupKind
 
-    run = subprocess.run([sys.executable, "-m", "offload.cli", "fsck", str(cache)], capture_output=True, text=True)
+    run = run_cli("fsck", str(cache))
     problems, holes, stranded = [], [], 0
     for fp in scan(cache, verify_payloads=True).dirs:
         problems += [(str(f.path), f.problem) for f in fp.files if f.problem]

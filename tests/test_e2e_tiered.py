@@ -14,8 +14,8 @@ import random
 import pytest
 
 from conftest import CHUNK, engine_args, random_prompt, shipped_config, side_by_side
+from harness.engine import RunSpec, run_engine
 from offload.config import tier_dicts
-from offload.engine_run import RunSpec, run_engine
 
 pytestmark = pytest.mark.e2e
 

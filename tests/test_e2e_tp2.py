@@ -15,7 +15,7 @@ import random
 import pytest
 
 from conftest import fs_kv_config, random_prompt
-from offload.engine_run import RunSpec, run_engine
+from harness.engine import RunSpec, run_engine
 from offload.keys import rank_fingerprint
 from offload.store.format import HEADER_LEN
 from offload.store.paths import LAYOUT_DIR

@@ -29,6 +29,7 @@ import torch
 
 import gluster
 from conftest import REPO
+from harness.cli import run_cli
 from ledger_instance import ATTN, FP, GDN, key, true_bytes, write_prompt
 from offload import cli
 from offload.planner import GroupKind
@@ -144,7 +145,8 @@ def test_a_file_written_on_one_node_is_read_verified_on_the_other_and_damage_is_
     # fsck from node 2: every file left verifies; the damaged one is kept in quarantine for inspection.
     rc, out = cli_run(capsys, "fsck", str(b))
     assert rc == 0 and "0 corrupt" in out and "1 files already in quarantine" in out, out
-    rc, out = cli_run(capsys, "stats", str(a), "--json")
+    r = run_cli("stats", str(a), "--json")  # its own process: a JSON stdout alone (harness/cli.py)
+    rc, out = r.returncode, r.stdout
     rep = json.loads(out)
     assert rc == 0 and rep["ledger"]["drift_bytes"] == 0, rep["ledger"]
 

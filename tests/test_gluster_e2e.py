@@ -29,8 +29,6 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -39,7 +37,9 @@ import pytest
 
 import gluster
 from conftest import CHUNK, REPO, engine_args, random_prompt
-from offload.engine_run import EngineRun, RunSpec, start_engine, wait_until
+from harness.cli import CliRun, run_cli
+from harness.client import wait_until
+from harness.engine import EngineRun, RunSpec, start_engine
 from offload.store.paths import LAYOUT_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
@@ -97,9 +97,9 @@ def served(run: EngineRun) -> int:
     return len(run.served())
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "offload.cli", *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **ENV}, cwd=REPO)
+def cli(*args: str) -> CliRun:
+    """`kvoffload ARGS` in a process of its own (harness/cli.py)."""
+    return run_cli(*args, env=ENV, timeout_s=600)
 
 
 def test_two_nodes_share_one_directory_through_brick_volume_disk_and_engine_faults(volume, models_dir, tmp_path):

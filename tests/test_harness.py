@@ -1,4 +1,4 @@
-"""The client harness tests/ and bench/ share (offload/engine_run.py): Prometheus text through
+"""The client harness tests/ and bench/ share (harness/client.py): Prometheus text through
 prometheus_client's parser, sums of samples, medians, polling with a deadline, a free port."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from offload.engine_run import free_port, median, metric_by_label, metric_sum, parse_metrics, wait_until
+from harness.client import free_port, median, metric_by_label, metric_sum, parse_metrics, wait_until
 
 # The shapes vLLM's /metrics has: a colon in the name, a counter's _total and _created, a histogram,
 # a label value with an escaped quote, a gauge without labels.

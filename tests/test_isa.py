@@ -24,7 +24,7 @@ import random
 import pytest
 
 from conftest import REPO, engine_args, fs_kv_config, layouts, random_prompt
-from offload.engine_run import RunSpec, run_engine
+from harness.engine import RunSpec, run_engine
 from offload.plan import cpu_isa, plan_for_model
 from test_plan import config, expected_layout, vllm_cpu_facts
 

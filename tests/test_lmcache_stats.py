@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import redis
 
+from harness.cli import run_cli
 from offload import cli
 from offload.planner import GroupKind
 from offload.store.base import ChunkMiss, HostChunk, Placement
@@ -93,6 +92,13 @@ def stats(capsys, *argv: str) -> tuple[int, str, str]:
     return rc, out.out, out.err
 
 
+def json_stats(*argv: str) -> tuple[int, str, str]:
+    """`stats` whose output is parsed as JSON: in a process of its own (harness/cli.py), its stdout
+    alone (in-process, what this process's engine lanes print would be in it)."""
+    r = run_cli("stats", *argv)
+    return r.returncode, r.stdout, r.stderr
+
+
 def expected_groups(headers: list[ChunkHeader]) -> list[dict]:
     groups: dict[int, dict] = {}
     for h in headers:
@@ -133,7 +139,7 @@ def test_stats_reports_what_the_tier_put(redis_server, tmp_path, capsys):
                                                  "dtype": "torch.bfloat16", "groups": []}))
     redis.Redis.from_url(redis_server.url).set("someone-else", b"x")  # a shared Redis: not ours, counted apart
 
-    rc, out, err = stats(capsys, "--config", cfg, "--json")
+    rc, out, err = json_stats("--config", cfg, "--json")
     assert rc == 0, err
     rep = json.loads(out)
     assert rep["remote"] == redis_server.url
@@ -175,7 +181,7 @@ def test_stats_finds_what_a_load_would_refuse(redis_server, capsys):
     r.set(k[4] + "metadata", r.get(k[5] + "metadata"))
     r.set(k[5] + "metadata", r.get(k[6] + "metadata"))  # a metadata record of another length
     r.set("kvoffload-k2@1@0@abc@uint8kv_bytes", b"later scheme")
-    rc, out, err = stats(capsys, "--lmcache-url", redis_server.url, "--json")
+    rc, out, err = json_stats("--lmcache-url", redis_server.url, "--json")
     assert rc == 0, err
     rep = json.loads(out)
     [a] = rep["fingerprints"]
@@ -208,16 +214,14 @@ def test_unreachable_or_hung_remote_exits_2_naming_the_url(redis_server, tmp_pat
     """The console entry point itself: exit status 2, one line naming the URL, no traceback."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     down = f"redis://127.0.0.1:{free_port()}"
-    p = subprocess.run([sys.executable, "-m", "offload.cli", "stats", "--lmcache-url", down],
-                       capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    p = run_cli("stats", "--lmcache-url", down, env=env, timeout_s=120)
     assert p.returncode == 2, p.stderr
     assert "Traceback" not in p.stderr and p.stdout == ""
     assert f"cannot read the LMCache remote {down}" in p.stderr and "--lmcache-url" in p.stderr, p.stderr
     # A hung server (SIGSTOP): bounded by --timeout, then the same kind of error.
     redis_server.signal(signal.SIGSTOP)
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "offload.cli", "stats", "--lmcache-url", redis_server.url,
-                        "--timeout", "1"], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    p = run_cli("stats", "--lmcache-url", redis_server.url, "--timeout", "1", env=env, timeout_s=120)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert f"{redis_server.url} within 1 s (--timeout)" in p.stderr, p.stderr
     print(f"hung server: exit 2 after {time.monotonic() - t0:.1f} s, import included")

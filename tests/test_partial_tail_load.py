@@ -21,7 +21,7 @@ The clients (tests/loadgen.py `run_clients`, each one request at a time, for LOA
 
 Compared with a reference: greedy tokens from an engine with our connector configured on an empty
 directory and every request reading no prefix cache (neither vLLM's nor ours), one prompt at a time
-(`engine_run`, the same flags): merely configuring a connector changes vLLM-CPU's bf16 near-ties
+(`harness.engine`, the same flags): merely configuring a connector changes vLLM-CPU's bf16 near-ties
 (docs/cpu-platform.md), so the reference has one too. Under preemption only the first
 token of a request is reproducible (tests/test_concurrent_serving.py's module docstring: vLLM
 recomputes a preempted request's generated tokens as a prefill, which on vLLM-CPU is not bitwise a
@@ -56,8 +56,6 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -68,8 +66,9 @@ from pathlib import Path
 import pytest
 
 from conftest import in_background, layouts, shipped_config
+from harness.cli import run_cli
+from harness.engine import RunSpec, run_engine
 from loadgen import Client, Request, Result, run_clients
-from offload.engine_run import RunSpec, run_engine
 from recording_connector import finished, params_of, recording
 from serving import api_server, metric_by_label, metric_sum, scrape, wait_until
 from test_concurrent_serving import Preemptor
@@ -392,7 +391,7 @@ def test_partial_tails_under_concurrent_load_preemption_aborts_and_a_restart(mod
     ref_tokens = {tuple(p): r.output_ids for p, r in zip(ref_prompts, ref.results)}
 
     # ---- fsck
-    fsck = subprocess.run([sys.executable, "-m", "offload.cli", "fsck", str(cache)], capture_output=True, text=True)
+    fsck = run_cli("fsck", str(cache))
     scanned = scan(cache, verify_payloads=True)
     problems = [(str(f.path), f.problem) for fp in scanned.dirs for f in fp.files if f.problem]
 

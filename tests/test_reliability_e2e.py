@@ -2,7 +2,7 @@
 lookup and load, foreign format versions, I/O errors, full disks, kill -9,
 slow storage, a shared directory under a byte budget.
 
-Engines run through the project's engine runner (offload/engine_run.py: passes
+Engines run through the harness's engine runner (harness/engine.py: passes
 the test releases one by one, a hold until killed) on the tiny Qwen3-Next
 hybrid (group 0 = GDN state, group 1 = full attention). Faults are injected
 in files or, where a file cannot be made to fail at the right moment, by
@@ -33,8 +33,8 @@ import pytest
 
 from conftest import CHUNK, REPO, engine_args, layouts, random_prompt
 from faults.report import record
+from harness.engine import EngineRun, RunResult, RunSpec, start_engine
 from offload.copier import crc32c
-from offload.engine_run import EngineRun, RunResult, RunSpec, start_engine
 from offload.keys import chunk_keys, request_root
 from offload.store.format import HEADER_LEN
 from offload.store.paths import LAYOUT_DIR

@@ -107,7 +107,7 @@ def run_engine_with_progress(spec: RunSpec, label: str, seed: str, timeout_s: fl
     """`offload.engine_run.run_engine`, with a progress bar."""
     from tqdm import tqdm
 
-    total = sum(map(len, spec.order)) if spec.order else len(spec.prompts) * spec.passes
+    total = sum(map(len, spec.pass_orders()))
     with tqdm(total=total, desc=label, unit="prompt", file=sys.stderr, mininterval=1.0) as bar:
         return run_engine(spec, env={"PYTHONHASHSEED": seed}, timeout_s=timeout_s,
                           progress=lambda done, _: bar.update(done - bar.n))
