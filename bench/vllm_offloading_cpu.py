@@ -334,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--model", default=".models/qwen3-next-tiny")
-    ap.add_argument("--connector", choices=["none", "vllm-cpu", "vllm-tiered", "ours-fs"], default="vllm-cpu")
+    ap.add_argument("--connector", choices=["none", "vllm-cpu", "vllm-tiered", "vllm-tiered-wait-tail", "ours-fs"],
+                    default="vllm-cpu", help="vllm-tiered-wait-tail: vLLM's tiering with its tail search waiting for "
+                    "its pending lookup, a what-if (bench/vllm_wait_tail.py)")
     ap.add_argument("--kv-config", help="a kv-transfer-config JSON file (overrides --connector)")
     ap.add_argument("--dir", help="directory for file tiers (default: a temp dir)")
     ap.add_argument("--restart", action="store_true",
@@ -352,7 +354,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.kv_config:
         kv = json.loads(Path(a.kv_config).read_text())
     else:
+        from bench.vllm_wait_tail import wait_tail_kv_config
+
         kv = {"none": None, "vllm-cpu": vllm_cpu_kv_config(), "vllm-tiered": vllm_tiered_kv_config(d),
+              "vllm-tiered-wait-tail": wait_tail_kv_config(vllm_tiered_kv_config(d)),
               "ours-fs": ours_fs_kv_config(d)}[a.connector]
     ea, prompts = json.loads(a.engine_args), default_prompts()
     if a.restart:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -617,3 +618,26 @@ def test_multi_turn_client_summary_is_recomputed_from_the_committed_rounds(capsy
         assert m["summary"]["all_requests_succeeded"] == {c: True for c in mtc.CONFIGS}
         mtc.print_tables(m)
         assert "restored tokens" in capsys.readouterr().out
+
+
+def test_vllm_wait_tail_changes_only_the_tail_condition_in_its_own_process() -> None:
+    """bench/vllm_wait_tail.py (peer_race's what-if): applied in a process of its own (never in this
+    one, whose vLLM other tests use), once; the patched `_lookup` reads `complete_hit` once less (the
+    dropped `and complete_hit == 0`) and is otherwise vLLM's own code."""
+    code = (
+        "import dis, json\n"
+        "from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import "
+        "OffloadingConnectorScheduler as S\n"
+        "from bench.vllm_wait_tail import patch_wait_tail\n"
+        "def loads(f): return [i.argval for i in dis.get_instructions(f) if i.opname.startswith('LOAD_FAST')]\n"
+        "before = loads(S._lookup)\n"
+        "first, again = patch_wait_tail(), patch_wait_tail()\n"
+        "after = loads(S._lookup)\n"
+        "print(json.dumps([first, again, before.count('complete_hit') - after.count('complete_hit'),"
+        " sorted(set(before) ^ set(after)), S._lookup.kvoffload_wait_tail]))\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == [True, False, 1, [], True]
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+
+    assert not hasattr(OffloadingConnectorScheduler._lookup, "kvoffload_wait_tail"), "not in this process"
