@@ -905,6 +905,53 @@ def test_a_store_dropped_for_backpressure_drops_the_entries_chained_behind_it(ma
     assert_scheduler_empty(eng.scheduler)
 
 
+def test_a_store_whose_parent_the_budget_evicted_while_it_waited_is_dropped_with_those_behind_it(
+        make, tmp_path, monkeypatch):
+    """Under load a store can wait in the queue while the byte budget evicts
+    its parent (a leaf until the child lands). Written, the child would stand
+    behind a hole: offered by the lookup's binary search, then a failed load.
+    Here chunk 0 lands and is evicted while the rest of the prompt's writes
+    wait; they are all dropped, and a repeat restores nothing and fails nothing.
+    (A parent still queued is no hole: the other unit tests store chains whose
+    entries are all queued at once.)"""
+    from offload.cli.cache import chunks, scan
+    from offload.store.fs import FsData
+
+    eng = make("fs", num_blocks=256)
+    worker = eng.worker.connector._worker
+    n = 4 * CHUNK + 40
+    release, real_put = threading.Event(), FsData.put
+
+    def held_put(self, header, *args, **kwargs):
+        if header.token_start > 0:
+            assert release.wait(30), "write held for 30 s"
+        return real_put(self, header, *args, **kwargs)
+
+    monkeypatch.setattr(FsData, "put", held_put)
+    tokens = prompt(12, n)
+    eng.scheduler.add_request(create_request("a", tokens, max_tokens=2, block_size=BS))
+    eng.run_until(lambda: worker.counters[0].files_written == 1)
+    [first] = list((tmp_path / "cache").glob(f"{LAYOUT_DIR}/*/g*/*/*.kv"))
+    worker.tiers[0].store.remove(first)  # what the budget's evictor does to a leaf
+    release.set()
+    eng.run_to_completion()
+    eng.run_until(lambda: worker._pending_store_bytes == 0)
+
+    assert worker.counters[0].stores_dropped == {"parent_dropped": entries(eng, n) - 1}
+    assert not list((tmp_path / "cache").glob(f"{LAYOUT_DIR}/*/g*/*/*.kv"))
+    dirs = scan(tmp_path / "cache").dirs
+    problems = [(f.path, f.problem) for d in dirs for f in d.files if f.problem]
+    problems += [(c.pos, c.orphan) for d in dirs for c in chunks(d).values() if c.orphan]
+    assert not problems, problems
+
+    assert eng.scheduler.reset_prefix_cache()
+    eng.scheduler.add_request(create_request("b", tokens, max_tokens=2, block_size=BS))
+    eng.run_to_completion()
+    assert tier_params(eng, "b") == {"restored_tokens": 0, "load_failed": False}
+    assert "failed_loads" not in eng.totals()
+    assert_scheduler_empty(eng.scheduler)
+
+
 def test_on_a_hybrid_a_dropped_attention_store_drops_the_mamba_states_behind_it_too(hybrid_config, tmp_path,
                                                                                     monkeypatch):
     """The same on the hybrid: once a chunk's attention store is dropped,

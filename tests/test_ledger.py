@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import REPO
@@ -336,6 +337,50 @@ def test_cold_states_are_evicted_first_until_loaded_and_stay_cold_across_a_resta
     assert [p.exists() for p in paths] == [False, True, True, False, True, False], "then the oldest, loaded or not"
     a.sync()
     assert a.usage == c.usage == true_bytes(top)
+
+
+def test_an_entry_whose_parent_was_evicted_is_not_written_behind_the_hole(tmp_path, monkeypatch):
+    """The budget evicts leaves; a child that waited in the store queue while
+    its parent went (before its write, or during it) is dropped, not left
+    behind a hole a lookup's binary search would step over."""
+    from offload.store.base import HostChunk, ParentGone, Placement
+    from offload.store.buffers import BufferPool
+    from offload.store.fs import FsData
+
+    top = tmp_path / LAYOUT_DIR
+    acct = DirBudget(top)
+    store = instance(tmp_path, acct)
+    data = FsData(store, direct=False)
+    k = [key("gone", 0, c) for c in range(3)]
+
+    def put(c: int, parent: bytes | None) -> bool:
+        h = ChunkHeader(FP, k[c], ATTN, GroupKind.FULL_ATTENTION, c * 256, (c + 1) * 256, 1, 4096,
+                        parent=parent[:8] if parent else bytes(8), parent_key=parent)
+        chunk = HostChunk.pooled(BufferPool(), 4096)
+        chunk.payload.fill_(c)
+        try:
+            return data.put(h, chunk, Placement())
+        finally:
+            chunk.release()
+
+    assert put(0, None) and put(1, bytes(k[0]))
+    store.remove(store.file_path(ATTN, k[1]))  # evicted: a leaf
+    with pytest.raises(ParentGone):
+        put(2, bytes(k[1]))
+    assert not store.file_path(ATTN, k[2]).exists()
+    real = FileStore.write_framed
+
+    def evicting_meanwhile(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        self.remove(self.file_path(ATTN, k[0]))
+        return out
+
+    monkeypatch.setattr(FileStore, "write_framed", evicting_meanwhile)
+    with pytest.raises(ParentGone):
+        put(1, bytes(k[0]))
+    assert not store.file_path(ATTN, k[1]).exists(), "written, then removed again"
+    acct.ensure_loaded()
+    assert acct.usage == true_bytes(top) and acct.files == 0, "the ledger says what is left: nothing"
 
 
 def test_housekeeper_drives_its_account_and_seals_its_log_on_stop(tmp_path):

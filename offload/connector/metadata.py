@@ -26,6 +26,9 @@ class FileRef:
     token_end: int
     num_pages: int
     parent: bytes = bytes(8)  # first 8 bytes of the parent chunk's key; zeros for chunk 0
+    # The whole key of the entry it chains from (attention and windowed groups; None for a
+    # state or a chain's first entry): a file write checks it is still there (ParentGone).
+    parent_key: bytes | None = None
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,7 @@ class SchedulerSide:
             token_end=gc.tail_end if gc.tail_end is not None else (chunk + 1) * c,
             num_pages=1 if gc.state_at is not None else len(gc.blocks),
             parent=parent[:8] if parent is not None else bytes(8),
+            parent_key=bytes(parent) if parent is not None and gc.state_at is None else None,
         )
 
     # ---- lookup and load ----------------------------------------------------------

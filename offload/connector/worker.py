@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -37,7 +38,7 @@ from offload.copier import GroupPages, LayerPages
 from offload.keys import ChunkKey, Fingerprint
 from offload.metrics import DROP_REASONS, Recorder
 from offload.planner import GroupKind, HybridOffloadPlanner
-from offload.store.base import ChunkMiss, HostChunk, MissReason, Placement, TierData
+from offload.store.base import ChunkMiss, HostChunk, MissReason, ParentGone, Placement, TierData
 from offload.store.buffers import BufferPool
 from offload.store.format import ChunkHeader
 from offload.tailmask import TokenMap
@@ -187,6 +188,10 @@ class WorkerSide:
         # scheduler planned from its reservation (a ledger tier records a store
         # when it plans it) reads these bytes instead of racing the write.
         self._writing: dict[tuple[int, int, bytes], HostChunk] = {}
+        # Every entry on its way to a lower tier, either path, by (tier, group,
+        # key) -> the write: a child's write finds its parent here (not yet a
+        # file) or in the tier, and is dropped where it finds neither.
+        self._queued_keys: dict[tuple[int, int, bytes], Future[None]] = {}
         self._pending_store_bytes = 0
         # Chunks whose attention store to a tier was dropped: (tier, key[:8])
         # -> the groups dropped. Every entry chained behind one is dropped
@@ -238,8 +243,9 @@ class WorkerSide:
         # Pinned where the copy kernel reads or writes host memory from CUDA.
         self.buffers = BufferPool(pinned=device.type == "cuda")
         self.tiers = self._make_data(device)
-        for tier in self.tiers:
+        for i, tier in enumerate(self.tiers):
             tier.record_layout({**layout, "tensors": tensors})
+            tier.queued = partial(self._queued_write, i)
         # Map partial tails' attention pages now, at start-up: the first tail store would
         # otherwise probe them inside the step that returns its prompt's first token (tens of
         # ms on 1152-token blocks, paid by the first request after every restart).
@@ -282,7 +288,7 @@ class WorkerSide:
         return ChunkHeader(
             fingerprint=self.fingerprint, key=ChunkKey(ref.key), group=ref.group, kind=ref.kind,
             token_start=ref.token_start, token_end=ref.token_end, num_pages=ref.num_pages,
-            page_bytes=self.pages[ref.group].page_bytes, parent=ref.parent,
+            page_bytes=self.pages[ref.group].page_bytes, parent=ref.parent, parent_key=ref.parent_key,
         )
 
     def _count(self, tier: int, field_name: str, n: int = 1, key: str | None = None) -> None:
@@ -563,7 +569,7 @@ class WorkerSide:
         with self._lock:
             for t in targets:
                 self._writing[(t.tier, header.group, bytes(header.key))] = chunk
-        self._track(self.store_pool.submit(self._write, header, chunk, targets, n, t0))
+        self._track(self.store_pool.submit(self._write, header, chunk, targets, n, t0), header, targets)
 
     def _dispatch_write_through(self, header: ChunkHeader, direct: _Direct, targets: list[TierSlot], n: int,
                                 t0: float) -> None:
@@ -572,12 +578,22 @@ class WorkerSide:
         fut = self.store_pool.submit(self._write_through, header, direct.buffer, targets, n, t0)
         with self._lock:
             self._reading[(direct.slot.tier, header.group, direct.slot.slot)] = fut
-        self._track(fut)
+        self._track(fut, header, targets)
 
-    def _track(self, fut: Future[None]) -> None:
+    def _queued_write(self, tier: int, group: int, key: bytes) -> Future[None] | None:
+        """The write still taking an entry to `tier`, if one is queued or running."""
+        with self._lock:
+            fut = self._queued_keys.get((tier, group, key))
+        return fut if fut is not None and not fut.done() else None
+
+    def _track(self, fut: Future[None], header: ChunkHeader, targets: list[TierSlot]) -> None:
+        keys = [(t.tier, header.group, bytes(header.key)) for t in targets]
         with self._lock:
             self._stores.add(fut)
-        fut.add_done_callback(self._forget)
+            # Registered before any later store is submitted: a child finds its parent's write.
+            for k in keys:
+                self._queued_keys[k] = fut
+        fut.add_done_callback(partial(self._forget, keys=keys))
 
     def _maps(self, group: int) -> list[TokenMap] | None:
         """Token maps of a group's layers (one per registered tensor), or None."""
@@ -621,9 +637,12 @@ class WorkerSide:
         if fut is not None:
             fut.result()  # rare: the slot was evicted and reused while its write-through ran
 
-    def _forget(self, fut: Future[None]) -> None:
+    def _forget(self, fut: Future[None], keys: list[tuple[int, int, bytes]]) -> None:
         with self._lock:
             self._stores.discard(fut)
+            for k in keys:
+                if self._queued_keys.get(k) is fut:
+                    del self._queued_keys[k]
 
     def _release(self, nbytes: int) -> None:
         with self._lock:
@@ -652,6 +671,8 @@ class WorkerSide:
                     else:
                         self._count(t.tier, "files_existing")
                         self.recorders[t.tier].inc("kvoffload_stores_deduplicated", group_kind=header.kind.value)
+                except ParentGone:  # evicted meanwhile: nothing may chain from it here
+                    self._drop_store(t.tier, header, "parent_dropped")
                 except OSError as e:
                     logger.warning("kvoffload: store of %s dropped: %s", header.key.hex()[:16], e)
                     self._drop_store(t.tier, header, "no_space" if e.errno == errno.ENOSPC else "error")
@@ -661,8 +682,9 @@ class WorkerSide:
         finally:
             with self._lock:
                 for t in targets:
-                    if self._writing.get((t.tier, header.group, bytes(header.key))) is chunk:
-                        del self._writing[(t.tier, header.group, bytes(header.key))]
+                    k = (t.tier, header.group, bytes(header.key))
+                    if self._writing.get(k) is chunk:
+                        del self._writing[k]
             chunk.release()
             self._release(nbytes)
 

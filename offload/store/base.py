@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import ClassVar, Generic, TypeVar
@@ -56,6 +57,12 @@ class MissReason(str, Enum):
     UNSAFE = "unsafe"  # a path resolving outside the cache directory
     ERROR = "error"  # an unexpected exception in the load
     ALLOCATION_MISMATCH = "allocation mismatch"  # vLLM's blocks differ from the planned restore
+
+
+class ParentGone(OSError):
+    """The entry a new one chains from is not in the tier (evicted while the
+    new one waited to be written): stored, the new one would stand behind a
+    hole a lookup could step over. The store is dropped instead."""
 
 
 class ChunkMiss(Exception):
@@ -180,6 +187,11 @@ class TierIndex(ABC):
 
 class TierData(ABC):
     """Worker-side bytes of a tier, always through host memory."""
+
+    # Set by the writer that queues puts for this tier: the write still taking
+    # an entry (group, key) to it, if any. A parent still queued is on its
+    # way, not a hole (see `ParentGone`).
+    queued: Callable[[int, bytes], Future[None] | None] = staticmethod(lambda group, key: None)
 
     def record_layout(self, description: dict) -> None:
         """Persist what the fingerprint stands for, where the tier outlives the process."""

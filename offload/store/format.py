@@ -14,7 +14,7 @@ the payload CRC, and, with a deployment key, the MAC (offload/store/auth.py).
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from offload.keys import FORMAT_VERSION, ChunkKey, Fingerprint
 from offload.planner import GroupKind
@@ -62,6 +62,9 @@ class ChunkHeader:
     # header bytes [0, MAC_OFFSET) and the payload; zeros without a key.
     key_id: bytes = NO_KEY
     mac: bytes = bytes(MAC_LEN)
+    # In memory only, never in the file: the whole key of the parent entry, for
+    # a writer that must not land an entry behind a hole (None: unknown, or none).
+    parent_key: bytes | None = field(default=None, compare=False)
 
     @property
     def payload_len(self) -> int:

@@ -17,6 +17,7 @@ import logging
 import os
 import stat
 from collections.abc import Callable
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from offload.store.base import (
     HostChunk,
     MissReason,
     OptionError,
+    ParentGone,
     Placement,
     TierData,
     TierIndex,
@@ -71,6 +73,8 @@ TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMED
                               errno.ENOTCONN, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
                               errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN, errno.ENETUNREACH})
 _UMASK = hygiene.umask()
+# A child waits this long for its parent's write before it checks the parent is there.
+_PARENT_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -338,6 +342,15 @@ class FileStore:
             except OSError:
                 pass
 
+    def remove(self, path: Path) -> None:
+        """Delete a file this process wrote, and say so in the ledger."""
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        if self.account is not None:
+            self.account.note_remove(self.rel(path))
+
     def quarantine(self, path: Path) -> None:
         """Move a bad file aside so lookups stop finding it; keep it for fsck."""
         qdir = quarantine_dir(self.root)
@@ -433,13 +446,31 @@ class FsData(TierData):
             self.direct = probe_o_direct(final.parent)
             logger.info("kvoffload: O_DIRECT writes %s in %s", "on" if self.direct else "off (refused)",
                         self.store.root)
+        # The budget evicts leaves: a parent evicted while this entry waited in the store queue must not
+        # get a child. Checked before the write (a parent still queued is on its way) and again once the
+        # file is in place, after the parent's write ended (it may have failed, or been evicted meanwhile).
+        parent = header.parent_key
+        pending = None if parent is None else self.queued(header.group, parent)
+        if parent is not None and pending is None and not self._holds(header.group, parent):
+            raise ParentGone(f"{parent.hex()[:16]}: evicted before its child was written")
         written, used = self.store.write_framed(header, chunk, self.direct, placement.cold)
+        if written and parent is not None:
+            if pending is not None and pending.running():
+                wait([pending], timeout=_PARENT_WAIT_S)
+            # A parent's write not started yet is queued behind this one (waiting could take every
+            # store thread): it lands later, or is dropped as a hole the worker then knows of.
+            if (pending is None or pending.done()) and not self._holds(header.group, parent):
+                self.store.remove(self.store.file_path(header.group, header.key))
+                raise ParentGone(f"{parent.hex()[:16]}: gone while its child was written")
         if written:
             if used:
                 self.direct_writes += 1
             else:
                 self.buffered_writes += 1
         return written
+
+    def _holds(self, group: int, key: bytes) -> bool:
+        return os.path.exists(self.store.file_path(group, ChunkKey(key)))
 
     def get(self, header: ChunkHeader, placement: Placement, pool: BufferPool) -> HostChunk:
         chunk = HostChunk.pooled(pool, header.payload_len)
