@@ -206,8 +206,9 @@ class SchedulerSide:
         prompt = len(request.prompt_token_ids or [])
         num_tokens = min(request.num_tokens, prompt + 1)
         max_n = self.planner.max_hit_chunks(num_tokens, prompt)
-        tails = self.planner.tail_unit is not None
-        if max_n == 0 and not (tails and min(prompt, num_tokens - 1) >= self.planner.tail_unit):
+        unit = self.planner.tail_unit
+        tails = unit is not None
+        if max_n == 0 and not (unit is not None and min(prompt, num_tokens - 1) >= unit):
             self._count_lookup(st, num_tokens, num_computed_tokens, 0)
             return 0, False
         keys = self._keys(st, max_n)
@@ -309,7 +310,7 @@ class SchedulerSide:
                 break
             for gc in self.planner.needed(GroupIndex(g), n, computed, tail):
                 if gc.state_at is not None:
-                    pairs = ((0, table[(gc.state_at - 1) // spec.block_size]),)
+                    pairs: tuple[tuple[int, int], ...] = ((0, table[(gc.state_at - 1) // spec.block_size]),)
                 else:
                     pairs = tuple((i, table[b]) for i, b in enumerate(gc.blocks) if b in targets)
                 if not pairs:
