@@ -49,11 +49,11 @@ from offload import copier
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind
 from offload.store.base import HostChunk
-from offload.store.budget import DirBudget
 from offload.store.buffers import BufferPool
+from offload.store.cachedir.budget import DirBudget
+from offload.store.cachedir.paths import chunk_path, chunk_rel
 from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.fs import FileStore
-from offload.store.paths import chunk_path, chunk_rel
 
 FP = Fingerprint(hashlib.sha256(b"kvoffload bench scale").digest())
 DEPTH = 8
@@ -70,12 +70,14 @@ REPO = Path(__file__).resolve().parent.parent
 @functools.cache
 def legacy_budget_class() -> Any:
     """The pre-ledger `DirBudget` class, loaded from `git show LEGACY_REV:offload/store/budget.py`
-    (it imports only offload.store.format and offload.store.hygiene.walk, both unchanged since)."""
+    (it imports only offload.store.format and offload.store.hygiene.walk, both unchanged since; hygiene
+    is offload.store.cachedir.hygiene now)."""
     try:
         src = subprocess.run(["git", "show", f"{LEGACY_REV}:offload/store/budget.py"], cwd=REPO, check=True,
                              capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError) as e:
         raise SystemExit(f"bench.scale needs the git history (commit {LEGACY_REV}) for its baseline: {e}") from None
+    src = src.replace("from offload.store.hygiene import", "from offload.store.cachedir.hygiene import")
     name = "bench_legacy_budget"
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / f"{name}.py"

@@ -45,8 +45,8 @@ from offload.metrics import Recorder
 from offload.multi_connector.share import GatherShare
 from offload.planner import GroupSpec, HybridOffloadPlanner
 from offload.store.base import TierContext, TierIndex
-from offload.store.cachedir import CacheDirs
-from offload.store.paths import CHUNK_SUFFIX
+from offload.store.cachedir.owners import CacheDirs
+from offload.store.cachedir.paths import CHUNK_SUFFIX
 from offload.store.stack import build_stack
 
 FP = Fingerprint(b"\x07" * 32)

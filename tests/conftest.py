@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from offload.store.paths import LAYOUT_DIR
+from offload.store.cachedir.paths import LAYOUT_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -109,7 +109,7 @@ def glusterd_running() -> bool:
 
 
 def fs_type(path: Path) -> str:
-    from offload.store import hygiene
+    from offload.store.cachedir import hygiene
 
     return hygiene.fs_type(path)
 
@@ -340,8 +340,8 @@ def probe(a: Path, b: Path, seconds: float = 3.0) -> dict:
     creates, appends and unlinks; whether a file renamed over another on `a` is ever read torn on `b`
     (and which errors a reader meets meanwhile); sub-second mtimes; O_DIRECT; O_EXCL, flock and fcntl
     locks across mounts."""
-    from offload.store import hygiene
     from offload.store.buffers import probe_o_direct
+    from offload.store.cachedir import hygiene
 
     name = f"probe.{os.getpid()}.{os.urandom(3).hex()}"
     da, db = a / name, b / name

@@ -34,11 +34,11 @@ import torch
 
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind
-from offload.store.budget import DirBudget
+from offload.store.cachedir.budget import DirBudget
+from offload.store.cachedir.housekeeper import Housekeeper
+from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.format import ChunkHeader
 from offload.store.fs import FileStore
-from offload.store.housekeeper import Housekeeper
-from offload.store.paths import LAYOUT_DIR
 
 FP = Fingerprint(hashlib.sha256(b"kvoffload ledger test").digest())
 GDN, ATTN = 0, 1

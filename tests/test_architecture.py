@@ -1,7 +1,8 @@
 """docs/architecture.md's module map matches the code: every module of `offload/` has
-its row, and imports only what its row allows (its own package always; vLLM only where
-the row says yes). The planner and the stores importing nothing of vLLM or the connector's
-config is one consequence."""
+its row, and imports only what its row allows (its own package always, a
+subpackage such as offload/store/cachedir/ being a package of its own; vLLM only where the row
+says yes). The planner and the stores importing nothing of vLLM or the connector's config is one
+consequence."""
 
 from __future__ import annotations
 
@@ -78,8 +79,7 @@ def test_every_module_imports_only_what_its_row_allows():
         path = REPO / path_s
         if not path.exists():
             continue
-        parts = path.relative_to(PKG).parts
-        own = parts[0] if len(parts) > 1 else ""
+        own = ".".join(path.relative_to(PKG).parts[:-1])  # its package, relative to offload ("" at the top)
         for target in sorted(imports(path)):
             top = target.split(".")[0]
             if top == "offload" and not allowed(own, names, target):
@@ -99,6 +99,11 @@ def test_the_checker_catches_a_forbidden_import():
     assert not allowed("", {"store.options"}, "offload.store.fs")
     assert not allowed("", set(), "offload")
     assert not allowed("", set(), "offload.keys")
+    # A subpackage is a package of its own: the cache-directory machinery imports no tier.
+    assert allowed("store.cachedir", set(), "offload.store.cachedir.ledger")
+    assert allowed("store.cachedir", {"store.options"}, "offload.store.options")
+    assert not allowed("store.cachedir", {"store.options"}, "offload.store.fs")
+    assert allowed("store", set(), "offload.store.cachedir.owners")
 
 
 # ---- the product ships alone -------------------------------------------------------------------

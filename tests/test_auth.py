@@ -33,9 +33,9 @@ from offload.store.auth import (
     load_keyring,
 )
 from offload.store.base import ChunkMiss, MissReason, OptionError
+from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.format import HEADER_LEN, MAC_OFFSET, NO_KEY, ChunkHeader, FormatError
 from offload.store.fs import FileStore, FsOptions
-from offload.store.paths import LAYOUT_DIR
 from test_format_store import FIELD_OFFSETS, FP, LAYOUT, crc32c_ref, header, key_of, payload
 
 K1 = bytes(range(32, 80))  # 48 bytes
@@ -411,7 +411,7 @@ def test_fsck_key_errors_exit_2_without_the_key(tmp_path, capsys):
 def test_lmcache_objects_carry_the_same_mac(tmp_path):
     from offload.store.base import Placement
     from offload.store.buffers import BufferPool
-    from offload.store.cachedir import CacheDirs
+    from offload.store.cachedir.owners import CacheDirs
     from offload.store.lmcache import LMCacheData, LMCacheOptions, open_objects
     from offload.store.lmcache_objects import lmcache_key, object_name
     from test_lmcache_tier import pooled
@@ -455,8 +455,8 @@ def test_lmcache_objects_carry_the_same_mac(tmp_path):
 
 
 def test_without_a_key_group_writable_dirs_and_other_writers_are_found(tmp_path):
+    from offload.store.cachedir.hygiene import HOST_TAG
     from offload.store.fs import unauthenticated_risks
-    from offload.store.hygiene import HOST_TAG
 
     path = tmp_path / "cache"
     s = store(tmp_path, None)

@@ -1,4 +1,4 @@
-"""The owner of a cache directory (offload/store/cachedir.py): shared by an
+"""The owner of a cache directory (offload/store/cachedir/owners.py): shared by an
 explicit reference count, closed by its last user, a stop that never closes
 the account under a running housekeeping pass, and two owners of one
 directory in one process behaving as two processes would."""
@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 from ledger_instance import ATTN, FP, true_bytes, write_prompt
-from offload.store import ledger as lg
-from offload.store.budget import DirBudget
-from offload.store.cachedir import CacheDirs, Shared
+from offload.store.cachedir import ledger as lg
+from offload.store.cachedir.budget import DirBudget
+from offload.store.cachedir.housekeeper import Housekeeper
+from offload.store.cachedir.owners import CacheDirs, Shared
+from offload.store.cachedir.paths import LEDGER_DIR, LOG_NAME, top_dir
 from offload.store.fs import FileStore, FsOptions
-from offload.store.housekeeper import Housekeeper
-from offload.store.paths import LEDGER_DIR, LOG_NAME, top_dir
 
 
 def wait_for(cond, timeout_s: float = 30.0, what: str = "") -> None:

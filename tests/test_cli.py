@@ -21,7 +21,7 @@ from offload.cli.prompts import PromptFileError, load, token_ids
 from offload.cli.warmup import expected, verdict
 from offload.engine_run import PromptResult, RunResult
 from offload.planner import GroupKind, GroupSpec, HybridOffloadPlanner
-from offload.store.paths import LAYOUT_DIR
+from offload.store.cachedir.paths import LAYOUT_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -235,7 +235,7 @@ def _ledger_cache(tmp_path: Path):
     engine-like account on it that has loaded its index (as a running engine's housekeeper has)."""
 
     from ledger_instance import FP, true_bytes, write_prompt
-    from offload.store.budget import DirBudget
+    from offload.store.cachedir.budget import DirBudget
     from offload.store.fs import FileStore
 
     top = tmp_path / LAYOUT_DIR
@@ -280,7 +280,7 @@ def test_gc_evicts_states_stored_cold_first_each_on_its_own_then_whole_chunks(ca
 
     from ledger_instance import ATTN, FP, GDN, key, true_bytes
     from offload.planner import GroupKind
-    from offload.store.budget import DirBudget
+    from offload.store.cachedir.budget import DirBudget
     from offload.store.format import ChunkHeader
     from offload.store.fs import FileStore
 

@@ -25,8 +25,8 @@ from harness.client import wait_until
 from harness.engine import RunSpec, run_engine
 from offload.cli.prompts import load, token_ids
 from offload.keys import chunk_keys, request_root
+from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.format import HEADER_LEN, ChunkHeader
-from offload.store.paths import LAYOUT_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
 

@@ -68,8 +68,8 @@ import pytest
 
 from conftest import layouts, shipped_config
 from loadgen import LoadReport, Request, Result, run_load
+from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.format import HEADER_LEN, ChunkHeader
-from offload.store.paths import LAYOUT_DIR
 from serving import api_server, metric_by_label, metric_sum, scrape, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)

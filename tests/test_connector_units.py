@@ -29,8 +29,8 @@ import pytest
 import torch
 from vllm.v1.request import RequestStatus
 
+from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.cpu import CpuIndex
-from offload.store.paths import LAYOUT_DIR
 from vllm_unit_utils import (
     Engine,
     WorkerStep,

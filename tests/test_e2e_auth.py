@@ -37,8 +37,8 @@ from harness.engine import EngineRun, RunSpec, start_engine
 from offload.keys import chunk_keys, request_root
 from offload.planner import GroupKind, GroupSpec, HybridOffloadPlanner
 from offload.store.auth import KEY_ID_CONTEXT, MAC_CONTEXT, Keyring, frame
+from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.format import HEADER_LEN, NO_KEY, ChunkHeader
-from offload.store.paths import LAYOUT_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore:.*LoggingHandler.*:DeprecationWarning")]
 

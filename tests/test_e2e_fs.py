@@ -17,7 +17,7 @@ import pytest
 from conftest import CHUNK, engine_args, fs_kv_config, in_background, layouts, random_prompt, side_by_side
 from harness.engine import RunResult, RunSpec, run_engine
 from offload.keys import chunk_keys, request_root
-from offload.store.paths import LAYOUT_DIR
+from offload.store.cachedir.paths import LAYOUT_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
 

@@ -28,8 +28,8 @@ import pytest
 
 from conftest import CHUNK, engine_args, random_prompt, shipped_config, side_by_side
 from harness.engine import RunSpec, run_engine
+from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.format import HEADER_LEN, ChunkHeader
-from offload.store.paths import LAYOUT_DIR
 
 pytestmark = pytest.mark.e2e
 

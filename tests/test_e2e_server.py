@@ -14,7 +14,7 @@ from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt, s
 from harness.engine import RunSpec, run_engine
 from offload.config import ConfigError
 from offload.keys import chunk_keys, request_root
-from offload.store.paths import LAYOUT_DIR
+from offload.store.cachedir.paths import LAYOUT_DIR
 from serving import complete
 
 

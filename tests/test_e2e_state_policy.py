@@ -256,7 +256,7 @@ def serve_policy(model: Path, plan, policy: str, halves: list[list[list[int]]], 
 
 def layout_bytes(cache: Path) -> int:
     """What a file tier's budget accounts: every file under the layout directory but the ledger's."""
-    from offload.store.paths import LAYOUT_DIR, LEDGER_DIR
+    from offload.store.cachedir.paths import LAYOUT_DIR, LEDGER_DIR
 
     return sum(f.stat().st_size for f in (cache / LAYOUT_DIR).rglob("*")
                if f.is_file() and LEDGER_DIR not in f.relative_to(cache).parts)

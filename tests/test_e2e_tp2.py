@@ -17,8 +17,8 @@ import pytest
 from conftest import fs_kv_config, random_prompt
 from harness.engine import RunSpec, run_engine
 from offload.keys import rank_fingerprint
+from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.format import HEADER_LEN
-from offload.store.paths import LAYOUT_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
 

@@ -39,7 +39,7 @@ import pytest
 
 from conftest import REPO, random_prompt, shipped_config, side_by_side
 from harness.engine import RunSpec, run_engine
-from offload.store.paths import LAYOUT_DIR
+from offload.store.cachedir.paths import LAYOUT_DIR
 
 pytestmark = pytest.mark.e2e
 

@@ -24,9 +24,9 @@ from offload.keys import FORMAT_VERSION
 from offload.planner import GroupKind
 from offload.store.base import HostChunk
 from offload.store.buffers import BufferPool
+from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.format import HEADER_LEN, MAGIC, ChunkHeader, FormatError
 from offload.store.fs import ChunkMiss, FileStore
-from offload.store.paths import LAYOUT_DIR
 
 PAGE = 4096
 NPAGES = 3

@@ -33,13 +33,13 @@ from harness.cli import run_cli
 from ledger_instance import ATTN, FP, GDN, key, true_bytes, write_prompt
 from offload import cli
 from offload.planner import GroupKind
-from offload.store import hygiene
 from offload.store.base import ChunkMiss, MissReason, Placement
-from offload.store.budget import DirBudget
+from offload.store.cachedir import hygiene
+from offload.store.cachedir.budget import DirBudget
+from offload.store.cachedir.ledger import Lease
+from offload.store.cachedir.paths import LAYOUT_DIR, LEDGER_DIR
 from offload.store.format import ChunkHeader
 from offload.store.fs import FileStore, FsData
-from offload.store.ledger import Lease
-from offload.store.paths import LAYOUT_DIR, LEDGER_DIR
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1"}
 LAYOUT = {"chunk_size": 256, "groups": [{"spec": "MambaSpec(...)"}, {"spec": "FullAttentionSpec(...)"}],

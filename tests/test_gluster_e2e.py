@@ -40,7 +40,7 @@ from conftest import CHUNK, REPO, engine_args, random_prompt
 from harness.cli import CliRun, run_cli
 from harness.client import wait_until
 from harness.engine import EngineRun, RunSpec, start_engine
-from offload.store.paths import LAYOUT_DIR
+from offload.store.cachedir.paths import LAYOUT_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
 

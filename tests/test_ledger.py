@@ -23,12 +23,12 @@ import torch
 from conftest import REPO
 from ledger_instance import ATTN, FP, GDN, key, true_bytes, write_prompt
 from offload.planner import GroupKind
-from offload.store import ledger as lg
-from offload.store.budget import DirBudget
+from offload.store.cachedir import ledger as lg
+from offload.store.cachedir.budget import DirBudget
+from offload.store.cachedir.housekeeper import Housekeeper
+from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.format import ChunkHeader
 from offload.store.fs import FileStore
-from offload.store.housekeeper import Housekeeper
-from offload.store.paths import LAYOUT_DIR
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1"}
 
@@ -406,7 +406,7 @@ def test_housekeeper_drives_its_account_and_seals_its_log_on_stop(tmp_path):
 def test_many_finished_logs_are_folded_even_without_many_records(tmp_path):
     """Each engine start leaves a log, and every pass opens every log: past MAX_LOGS
     the housekeeper writes a snapshot that folds the finished ones, which then go."""
-    from offload.store import compaction as bmod
+    from offload.store.cachedir import compaction as bmod
 
     top = tmp_path / LAYOUT_DIR
     a = DirBudget(top, folded_idle_s=0.0)

@@ -24,11 +24,11 @@ from offload import cli
 from offload.planner import GroupKind
 from offload.store.base import ChunkMiss, HostChunk, Placement
 from offload.store.buffers import BufferPool
-from offload.store.cachedir import CacheDirs
+from offload.store.cachedir.owners import CacheDirs
+from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.lmcache import LMCacheData, LMCacheOptions, open_objects
 from offload.store.lmcache_objects import object_name, redis_key
-from offload.store.paths import LAYOUT_DIR
 from serving import free_port
 from test_format_store import FP, FP2, key_of, payload
 from test_lmcache_objects import RedisServer

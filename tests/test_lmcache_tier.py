@@ -10,7 +10,7 @@ import torch
 from offload.config import ConfigError, parse_config
 from offload.store.base import ChunkMiss, HostChunk, MissReason, Placement, TierContext
 from offload.store.buffers import BufferPool
-from offload.store.cachedir import CacheDirs
+from offload.store.cachedir.owners import CacheDirs
 from offload.store.format import HEADER_LEN
 from offload.store.lmcache import LMCacheData, LMCacheOptions, LMCacheTier, open_objects, release_objects
 from offload.store.lmcache_objects import object_name

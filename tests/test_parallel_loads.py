@@ -28,7 +28,7 @@ from offload.keys import ChunkKey, Fingerprint
 from offload.metrics import Recorder
 from offload.planner import GroupKind, GroupSpec, HybridOffloadPlanner
 from offload.store.base import Placement, TierContext, TierIndex
-from offload.store.cachedir import CacheDirs
+from offload.store.cachedir.owners import CacheDirs
 from offload.store.format import HEADER_LEN
 from offload.store.stack import build_stack
 

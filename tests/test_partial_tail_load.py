@@ -257,7 +257,7 @@ def repeat_entries(planner, prompt: list[int], root: bytes) -> list[tuple[int, b
 def missing(cache: Path, planner, prompt: list[int]) -> list[int]:
     """Indices (in `repeat_entries` order) of the entries a repeat of `prompt` restores that are not on disk."""
     from offload.keys import request_root
-    from offload.store.paths import LAYOUT_DIR
+    from offload.store.cachedir.paths import LAYOUT_DIR
 
     [(d, lay)] = list(layouts(cache).items())
     root = request_root(bytes.fromhex(lay["base_fingerprint"]))

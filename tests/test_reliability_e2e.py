@@ -36,8 +36,8 @@ from faults.report import record
 from harness.engine import EngineRun, RunResult, RunSpec, start_engine
 from offload.copier import crc32c
 from offload.keys import chunk_keys, request_root
+from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.format import HEADER_LEN
-from offload.store.paths import LAYOUT_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
 

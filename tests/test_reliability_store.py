@@ -26,13 +26,13 @@ from conftest import REPO
 from faults.report import record
 from faults.store_writer import ATTN, FP, GDN, KvCache, expected_payload, key_of
 from offload.copier import crc32c
-from offload.store import hygiene
 from offload.store.base import OptionError
-from offload.store.budget import DirBudget
-from offload.store.cachedir import CacheDirs
+from offload.store.cachedir import hygiene
+from offload.store.cachedir.budget import DirBudget
+from offload.store.cachedir.owners import CacheDirs
+from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.fs import ChunkMiss, FileStore
-from offload.store.paths import LAYOUT_DIR
 
 CYCLES = int(os.environ.get("KVOFFLOAD_KILL_CYCLES", "20"))
 CHUNKS_PER_CYCLE = 100_000  # chunk index range of one writer process
@@ -356,7 +356,7 @@ def test_budget_evicts_leaves_first_and_keeps_every_group_prefix_closed(tmp_path
 
 
 def test_housekeeper_one_account_feeds_usage_and_budget_and_stops(tmp_path):
-    from offload.store.housekeeper import Housekeeper
+    from offload.store.cachedir.housekeeper import Housekeeper
 
     store = FileStore.open(str(tmp_path), FP)
     a = _chain(store, 0, 4)

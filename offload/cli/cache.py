@@ -1,6 +1,6 @@
 """Read-only view of a cache directory, shared by `stats`, `fsck` and `gc`.
 
-`scan(PATH)` walks the layout directory under PATH (offload/store/paths.py, docs/format.md),
+`scan(PATH)` walks the layout directory under PATH (offload/store/cachedir/paths.py, docs/format.md),
 classifies every entry and reads each chunk file's `HEADER_LEN`-byte header. `chunks()`
 groups a fingerprint directory's good files by chunk key and links them into
 chains with the header's `parent` field, which is what `gc` needs to evict
@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offload.planner import GroupKind
-from offload.store import hygiene
 from offload.store.auth import Keyring
-from offload.store.budget import DirBudget
-from offload.store.format import HEADER_LEN, MAC_OFFSET, NO_KEY, ChunkHeader, FormatError
-from offload.store.paths import (
+from offload.store.cachedir import hygiene
+from offload.store.cachedir.budget import DirBudget
+from offload.store.cachedir.paths import (
     CHUNK_FILE,
     CHUNK_TMP_FILE,
     GROUP_DIR,
@@ -42,6 +41,7 @@ from offload.store.paths import (
     key_prefix_hex,
     parse_group_dir,
 )
+from offload.store.format import HEADER_LEN, MAC_OFFSET, NO_KEY, ChunkHeader, FormatError
 
 LAYOUT_VERSION_DIR = LAYOUT_DIR
 NO_PARENT = bytes(8)
@@ -417,7 +417,7 @@ def chunks(fp: FpDir) -> dict[str, Chunk]:
 
 
 def is_stale_tmp(p: Path, max_age_s: float, now: float | None = None) -> bool:
-    """The connector's orphan rule (offload/store/hygiene.py::is_orphan): a
+    """The connector's orphan rule (offload/store/cachedir/hygiene.py::is_orphan): a
     temporary file of this host whose writer is gone, or one older than
     `max_age_s` from any host."""
     try:

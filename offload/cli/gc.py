@@ -67,11 +67,11 @@ from offload.cli.cache import (
     unlink,
 )
 from offload.planner import GroupKind
-from offload.store.budget import DirBudget
+from offload.store.cachedir.budget import DirBudget
+from offload.store.cachedir.paths import LAYOUT_DIR, rel_of
 from offload.store.evictor import LeafQueue
 from offload.store.fs import DEFAULT_ORPHAN_AGE_S
 from offload.store.options import parse_bytes
-from offload.store.paths import LAYOUT_DIR, rel_of
 
 
 def parse_size(s: str) -> int:

@@ -79,7 +79,7 @@ class Remote:
 def scan_remote(url: str, timeout_s: float, layout_dirs: list[Path] = ()) -> Remote:
     """List and classify every kvoffload object in the Redis at `url`.
 
-    `layout_dirs` are file tiers' layout directories (offload/store/paths.py): a fingerprint's
+    `layout_dirs` are file tiers' layout directories (offload/store/cachedir/paths.py): a fingerprint's
     layout.json there names the model and chunk size (the remote has no layout).
     Raises RemoteError if the server cannot be reached or answers with an error.
     """

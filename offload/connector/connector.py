@@ -28,7 +28,7 @@ from offload.metrics import OffloadPromMetrics, OffloadStats, Recorder
 from offload.plan import check_chunk_size, plan_from_engine
 from offload.planner import ChunkSizeError, GroupKind, HybridOffloadPlanner
 from offload.store.base import TierContext, TierIndex, TierSpec
-from offload.store.cachedir import CacheDirs
+from offload.store.cachedir.owners import CacheDirs
 from offload.store.stack import StackOptionError, build_stack
 from offload.tailmask import TokenMap
 

@@ -32,7 +32,7 @@ from offload.config import EXTRA_CONFIG, ConfigError
 from offload.connector import OffloadConnector
 from offload.connector.metadata import OffloadMetadata
 from offload.multi_connector.config import CHILDREN, Child, parse_children
-from offload.store.cachedir import CacheDirs
+from offload.store.cachedir.owners import CacheDirs
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig

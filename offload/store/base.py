@@ -32,7 +32,7 @@ from offload.keys import ChunkKey, Fingerprint
 from offload.planner import HybridOffloadPlanner
 from offload.planner.states import Admission, StateClass
 from offload.store.buffers import BufferPool
-from offload.store.cachedir import CacheDirs
+from offload.store.cachedir.owners import CacheDirs
 from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.tier_usage import TierUsage
 
@@ -244,7 +244,7 @@ class TierContext:
     # multiprocess executor): in-process state is not shared between the halves.
     separate_workers: bool = False
     # The owners of the cache directories (and LMCache engines) these tiers
-    # open, shared by reference count (offload/store/cachedir.py). Tiers
+    # open, shared by reference count (offload/store/cachedir/owners.py). Tiers
     # built with the same object share them; a fresh one shares nothing.
     # The caller builds it (`CacheDirs()`, or `CacheDirs.attached`).
     dirs: CacheDirs = field(kw_only=True, compare=False, repr=False)

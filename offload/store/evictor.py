@@ -8,7 +8,7 @@ the queue when its last child goes. Nodes without links (Mamba states) are
 plain LRU.
 
 `LeafQueue` is the order alone, shared by the connector's byte budget
-(`offload.store.budget`) and `kvoffload gc`; what a node is, how recent it
+(`offload.store.cachedir.budget`) and `kvoffload gc`; what a node is, how recent it
 is and how it is deleted belong to the caller.
 """
 

@@ -1,6 +1,6 @@
 """Filesystem tier: one canonical file per (chunk, group), shared over NFS.
 
-Layout (see offload/store/paths.py and docs/format.md): a layout directory
+Layout (see offload/store/cachedir/paths.py and docs/format.md): a layout directory
 under the configured path, one directory per fingerprint in it, and one file
 per (group, key) under `g<group>/<key[:2]>/`.
 Files appear under their final name only when complete (temporary file in the
@@ -27,7 +27,6 @@ from offload import copier
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind
 from offload.planner.states import Admission, StateClass
-from offload.store import hygiene, paths
 from offload.store.auth import Keyring, Unauthenticated, check_entry, frame, open_keyring
 from offload.store.base import (
     Backed,
@@ -42,13 +41,12 @@ from offload.store.base import (
     TierSpec,
     TierUsage,
 )
-from offload.store.budget import DirBudget
 from offload.store.buffers import BufferPool, probe_o_direct
-from offload.store.cachedir import CacheDirs, DirRef
-from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
-from offload.store.housekeeper import Housekeeper
-from offload.store.options import DEFAULT_ORPHAN_AGE_S, DEFAULT_RECONCILE_S, DIR_MODE, FILE_MODE, FsOptions
-from offload.store.paths import (
+from offload.store.cachedir import hygiene, paths
+from offload.store.cachedir.budget import DirBudget
+from offload.store.cachedir.housekeeper import Housekeeper
+from offload.store.cachedir.owners import CacheDirs, DirRef
+from offload.store.cachedir.paths import (
     LAYOUT_DIR,
     LAYOUT_FILE,
     LEDGER_DIR,
@@ -61,6 +59,8 @@ from offload.store.paths import (
     rel_of,
     top_dir,
 )
+from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
+from offload.store.options import DEFAULT_ORPHAN_AGE_S, DEFAULT_RECONCILE_S, DIR_MODE, FILE_MODE, FsOptions
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ _PARENT_WAIT_S = 60.0
 
 @dataclass(frozen=True)
 class FileStore:
-    root: Path  # a fingerprint directory (offload/store/paths.py)
+    root: Path  # a fingerprint directory (offload/store/cachedir/paths.py)
     fingerprint: Fingerprint
     fsync: bool = False
     file_mode: int = FILE_MODE
@@ -92,7 +92,7 @@ class FileStore:
     account: DirBudget | None = field(default=None, compare=False, repr=False)
     # The deployment's keys: writes are signed, reads verified (offload/store/auth.py); None: CRC only.
     keyring: Keyring | None = field(default=None, compare=False, repr=False)
-    # This store's hold on the directory's owner (offload/store/cachedir.py); released by `close`.
+    # This store's hold on the directory's owner (offload/store/cachedir/owners.py); released by `close`.
     ref: DirRef | None = field(default=None, compare=False, repr=False)
 
     @classmethod
@@ -182,7 +182,7 @@ class FileStore:
             raise OSError(errno.ELOOP, "cache subdirectory resolves outside the cache directory", str(d))
 
     def tmp_path(self, final: Path) -> Path:
-        """`<final name>.tmp.<pid>.<8 hex>.<host tag>` (see offload/store/hygiene.py)."""
+        """`<final name>.tmp.<pid>.<8 hex>.<host tag>` (see offload/store/cachedir/hygiene.py)."""
         return paths.tmp_path(final, hygiene.HOST_TAG)
 
     def rel(self, path: Path) -> str:

@@ -14,7 +14,7 @@ pool size (`local_cpu_bytes`) and, optionally, a remote (`remote_url`, e.g.
 
 One storage engine per options and `CacheDirs` (`open_objects`; the tiers
 of one connector, or of every connector handed the same `CacheDirs`, share
-it: offload/store/cachedir.py). Where the scheduler's connector and the
+it: offload/store/cachedir/owners.py). Where the scheduler's connector and the
 worker's share a process (vLLM's uniproc executor) and a `CacheDirs`, the
 scheduler's index asks that engine. Where they do not (vLLM-CPU
 always runs its worker in a process of its own, and so does every TP>1
@@ -53,7 +53,7 @@ from offload.store.base import (
     TierUsage,
 )
 from offload.store.buffers import BufferPool
-from offload.store.cachedir import CacheDirs
+from offload.store.cachedir.owners import CacheDirs
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
 from offload.store.lmcache_objects import LMCacheObjects, object_name
 from offload.store.options import LMCacheOptions

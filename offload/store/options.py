@@ -39,7 +39,7 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass
 
-from offload.store.hygiene import not_a_directory
+from offload.store.cachedir.hygiene import not_a_directory
 
 # ---- defaults (the stores and the CLI use these) ------------------------------------------
 

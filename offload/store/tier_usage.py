@@ -1,5 +1,5 @@
 """`TierUsage`: a tier's figures for metrics, in a module of its own so that
-the cache-directory machinery (offload/store/housekeeper.py) builds them
+the cache-directory machinery (offload/store/cachedir/housekeeper.py) builds them
 without importing the seam (offload/store/base.py, which imports that
 machinery's `CacheDirs`)."""
 

@@ -1,14 +1,14 @@
 """A housekeeper keeps a cache directory's account
-(`offload.store.budget.DirBudget`) current and feeds both the usage figures
+(`offload.store.cachedir.budget.DirBudget`) current and feeds both the usage figures
 of one fingerprint (per group, for metrics) and the byte budget.
 
 A shared directory is filled by every instance. Each instance records what
-it writes and evicts in its own log (`offload.store.ledger`); a pass reads
+it writes and evicts in its own log (`offload.store.cachedir.ledger`); a pass reads
 the new lines of every log (one listing of the ledger directory and one
 read per log, however many files the cache holds), evicts when over budget,
 and now and then compacts the logs into a snapshot or, every
 `reconcile_s`, advances a walk of the tree that corrects drift. The
-directory's owner (`offload.store.cachedir.CacheDir`) makes one housekeeper
+directory's owner (`offload.store.cachedir.owners.CacheDir`) makes one housekeeper
 per fingerprint directory; one of them *drives* the account, the others only
 read its figures. The thread is started with the scheduler's file-tier index
 and stopped with it (the connector's shutdown), which seals this process's
@@ -22,7 +22,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from offload.store.budget import DirBudget
+from offload.store.cachedir.budget import DirBudget
 from offload.store.tier_usage import TierUsage
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class Housekeeper:
         (a private one, reading the same ledger, without it); `drive`: this
         housekeeper tails, evicts and compacts, and closes the account when it
         stops (one per account)."""
-        self.root = root  # a fingerprint directory (offload/store/paths.py)
+        self.root = root  # a fingerprint directory (offload/store/cachedir/paths.py)
         self.num_groups = num_groups
         self.account = budget if budget is not None else DirBudget(root.parent)
         self.drive = drive

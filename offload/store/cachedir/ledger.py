@@ -3,13 +3,13 @@ kept without walking the tree (format: docs/format.md, "Ledger").
 
 Every process that writes or evicts under the layout directory appends one
 line per file it adds (`+`) or removes (`-`) to its own log in
-`ledger-v1/` in it (offload/store/paths.py). A process that needs the directory's usage reads
+`ledger-v1/` in it (offload/store/cachedir/paths.py). A process that needs the directory's usage reads
 the newest snapshot (a full listing, written now and then) and then tails
 every log from the offsets the snapshot folded in. A line is self-checking
 (CRC-32), so a line torn by a crash, or half-visible on another NFS client,
 is skipped or waited for, never misread.
 
-This module is the format and its I/O only; `offload.store.budget.DirBudget`
+This module is the format and its I/O only; `offload.store.cachedir.budget.DirBudget`
 folds the records into an index and decides what to evict.
 """
 
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from offload.store import hygiene
-from offload.store.paths import (  # noqa: F401
+from offload.store.cachedir import hygiene
+from offload.store.cachedir.paths import (  # noqa: F401
     CHUNK_REL,
     LEASE,
     LEDGER_DIR,
@@ -65,7 +65,7 @@ class Record(NamedTuple):
     t: float
     size: int  # 0 for a removal
     parent: int | None  # the parent key's first 8 bytes (chained groups); None: stands alone
-    rel: str  # the file, relative to the layout directory (offload.store.paths)
+    rel: str  # the file, relative to the layout directory (offload.store.cachedir.paths)
     cold: bool = False  # it entered the eviction order at the cold end (a state admitted cold)
 
 

@@ -1,8 +1,8 @@
 """Who owns a cache directory in this process, and how users share it.
 
 A `CacheDir` owns one layout directory (`<path>/kvoffload-v<N>/`, see
-offload/store/paths.py): its usage account and ledger log
-(`offload.store.budget.DirBudget`, which holds the lease), the housekeeper
+offload/store/cachedir/paths.py): its usage account and ledger log
+(`offload.store.cachedir.budget.DirBudget`, which holds the lease), the housekeeper
 thread that drives the account, and the once-per-fingerprint tidy at open.
 It is made by the first opener and closed when its last user lets go.
 
@@ -37,8 +37,8 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from offload.store.budget import DirBudget
-from offload.store.housekeeper import Housekeeper
+from offload.store.cachedir.budget import DirBudget
+from offload.store.cachedir.housekeeper import Housekeeper
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import psutil
 
-from offload.store.paths import GROUP_PREFIX, LAYOUT_TMP_RE, QUARANTINE, TMP_RE
+from offload.store.cachedir.paths import GROUP_PREFIX, LAYOUT_TMP_RE, QUARANTINE, TMP_RE
 
 logger = logging.getLogger(__name__)
 

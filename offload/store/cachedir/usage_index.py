@@ -1,7 +1,7 @@
 """The ledger's index of a cache directory: one entry per file (size,
 recency, parent), the figures per (fingerprint, group), tombstones of
 removals, and the eviction queue those entries feed. Memory only: no I/O,
-no locking (the owner, `offload.store.budget.DirBudget`, holds its lock).
+no locking (the owner, `offload.store.cachedir.budget.DirBudget`, holds its lock).
 
 Conflicting records are resolved by time: a removal newer than an addition
 wins, an addition newer than a removal wins (a tombstone remembers a
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from offload.store.cachedir.ledger import PUT, Entry, Record
+from offload.store.cachedir.paths import CHUNK_SUFFIX, group_dir_of, is_evictable_rel, parse_chunk_rel, parse_group_dir
 from offload.store.evictor import LeafQueue
-from offload.store.ledger import PUT, Entry, Record
-from offload.store.paths import CHUNK_SUFFIX, group_dir_of, is_evictable_rel, parse_chunk_rel, parse_group_dir
 
 # How far below every other entry a cold one ranks (seconds of recency).
 COLD_S = float(1 << 40)
@@ -43,7 +43,7 @@ class IndexEntry:
 
 
 class UsageIndex:
-    """Entries by rel (offload/store/paths.py), their bytes and per-group
+    """Entries by rel (offload/store/cachedir/paths.py), their bytes and per-group
     figures, tombstones, and the `LeafQueue` of evictable files."""
 
     def __init__(self) -> None:
@@ -74,7 +74,7 @@ class UsageIndex:
         return None if c is None else (self._gdir(c.group_dir), c.key_prefix)
 
     def _decode(self, rel: str, e: IndexEntry) -> None:
-        if rel.endswith(CHUNK_SUFFIX):  # a rel the index takes is valid (offload.store.paths.valid_rel)
+        if rel.endswith(CHUNK_SUFFIX):  # a rel the index takes is valid (offload.store.cachedir.paths.valid_rel)
             gdir = self._gdir(group_dir_of(rel))
             fig = self.groups.get(gdir)
             if fig is None:

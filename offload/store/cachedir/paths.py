@@ -43,7 +43,7 @@ PREFIX_DIR = re.compile(r"^[0-9a-f]{2}$")
 CHUNK_FILE = re.compile(r"^([0-9a-f]{64})\.kv$")
 CHUNK_TMP_FILE = re.compile(r"^([0-9a-f]{64})\.kv\.tmp\.(\d+)\.[0-9a-f]{8}(?:\.[0-9a-f]{8})?$")  # optional host tag
 
-# Temporary files (offload/store/hygiene.py says when one is an orphan).
+# Temporary files (offload/store/cachedir/hygiene.py says when one is an orphan).
 TMP_RE = re.compile(r"\.tmp\.(?P<pid>\d+)\.(?P<rand>[0-9a-f]{8})(?:\.(?P<host>[0-9a-f]{8}))?$")
 LAYOUT_TMP_RE = re.compile(r"^\.layout\.[0-9a-f]{32}\.tmp$")
 

@@ -1,18 +1,18 @@
 """Usage accounting and byte budget of a filesystem cache directory:
 prefix-closed LRU eviction, fed by the directory's ledgers, not by walks.
 
-One `DirBudget` per cache directory and owner (`offload.store.cachedir`)
+One `DirBudget` per cache directory and owner (`offload.store.cachedir.owners`)
 accounts for everything under the layout directory (every fingerprint,
 quarantine and layout files; the ledger directory is reported apart), so
 several engines sharing one directory, each with the same `max_bytes`, keep
-it within the budget together. Its index (`offload.store.usage_index`: one
+it within the budget together. Its index (`offload.store.cachedir.usage_index`: one
 entry per file: size, recency, parent) is the newest snapshot plus every
-instance's log records since (`offload.store.ledger`); keeping it current
+instance's log records since (`offload.store.cachedir.ledger`); keeping it current
 costs a listing of the ledger directory and a read of the new lines, however
-many files the cache holds. A full walk (`offload.store.reconcile`) happens
+many files the cache holds. A full walk (`offload.store.cachedir.reconcile`) happens
 only to build a first snapshot, and every `reconcile_s` by one instance (the
 lease holder), spread over housekeeping passes; it corrects drift, and the
-other instances adopt its snapshot. Compaction (`offload.store.compaction`)
+other instances adopt its snapshot. Compaction (`offload.store.cachedir.compaction`)
 folds the logs into a snapshot now and then.
 
 Eviction keeps presence prefix-closed (`offload.store.evictor`): in an
@@ -37,9 +37,9 @@ import threading
 import time
 from pathlib import Path
 
-from offload.store import compaction, hygiene
-from offload.store.compaction import FOLDED_IDLE_S
-from offload.store.ledger import (
+from offload.store.cachedir import compaction, hygiene
+from offload.store.cachedir.compaction import FOLDED_IDLE_S
+from offload.store.cachedir.ledger import (
     PUT,
     End,
     Lease,
@@ -51,10 +51,10 @@ from offload.store.ledger import (
     read_lines,
     read_snapshot,
 )
+from offload.store.cachedir.paths import LEDGER_DIR, LOG_NAME, SNAPSHOT_NAME, rel_of, valid_rel
+from offload.store.cachedir.reconcile import Reconciler, Walk
+from offload.store.cachedir.usage_index import UsageIndex
 from offload.store.options import DEFAULT_RECONCILE_S
-from offload.store.paths import LEDGER_DIR, LOG_NAME, SNAPSHOT_NAME, rel_of, valid_rel
-from offload.store.reconcile import Reconciler, Walk
-from offload.store.usage_index import UsageIndex
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class DirBudget:
     def __init__(self, top: Path, max_bytes: int | None = None, low_water: float = 0.8, rescan_s: float = 1.0,
                  reconcile_s: float = DEFAULT_RECONCILE_S, file_mode: int = 0o640, dir_mode: int = 0o750,
                  read_only: bool = False, folded_idle_s: float = FOLDED_IDLE_S) -> None:
-        self.top = Path(top)  # the layout directory (offload/store/paths.py)
+        self.top = Path(top)  # the layout directory (offload/store/cachedir/paths.py)
         self.read_only = read_only  # an inspecting tool: reads the ledger, writes nothing (no log, no snapshot)
         self.folded_idle_s = folded_idle_s
         self.ledger_dir = self.top / LEDGER_DIR

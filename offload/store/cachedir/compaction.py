@@ -9,8 +9,8 @@ import os
 import time
 from pathlib import Path
 
-from offload.store.ledger import Entry, write_snapshot, writer_gone
-from offload.store.paths import LOG_NAME, SNAPSHOT_NAME, SNAPSHOT_TMP
+from offload.store.cachedir.ledger import Entry, write_snapshot, writer_gone
+from offload.store.cachedir.paths import LOG_NAME, SNAPSHOT_NAME, SNAPSHOT_TMP
 
 COMPACT_MIN_BYTES = 8 << 20  # log bytes since the newest snapshot before a checkpoint is worth writing
 FOLDED_IDLE_S = 60.0  # a folded log must be this idle before it goes (every reader has tailed it)
