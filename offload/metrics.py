@@ -123,7 +123,11 @@ LOAD_FAILURE_REASONS = tuple(r.value for r in MissReason)
 
 class Recorder:
     """Thread-safe accumulator of one tier's metrics in one process (the
-    scheduler half or a worker half); `take()` drains it into a payload."""
+    scheduler half or a worker half); `take()` drains it into a payload.
+
+    It also keeps this process's running totals, which `take()` leaves alone:
+    a counter's `total` and a histogram's `count` (its Prometheus `_count`),
+    what the process's own logs and tests read instead of counting twice."""
 
     def __init__(self, tier: str) -> None:
         self.tier = tier
@@ -131,6 +135,7 @@ class Recorder:
         self._c: dict[str, dict[str, float]] = {}
         self._g: dict[str, dict[str, float]] = {}
         self._h: dict[str, dict[str, list[float]]] = {}
+        self._totals: dict[str, dict[str, float]] = {}  # counters: sums; histograms: observations
 
     def _key(self, name: str, labels: dict[str, str]) -> str:
         d = METRICS[name]
@@ -144,6 +149,8 @@ class Recorder:
         with self._lock:
             m = self._c.setdefault(name, {})
             m[k] = m.get(k, 0) + value
+            t = self._totals.setdefault(name, {})
+            t[k] = t.get(k, 0) + value
 
     def set(self, name: str, value: float, **labels: str) -> None:
         k = self._key(name, labels)
@@ -154,11 +161,40 @@ class Recorder:
         k = self._key(name, labels)
         with self._lock:
             self._h.setdefault(name, {}).setdefault(k, []).append(value)
+            t = self._totals.setdefault(name, {})
+            t[k] = t.get(k, 0) + 1
 
     def declare(self, name: str, **labels: str) -> None:
         """Make a counter series exist at zero, so that dashboards show 0
         rather than no data before the first event."""
         self.inc(name, 0, **labels)
+
+    def _series(self, name: str, kind: str) -> list[tuple[dict[str, str], float]]:
+        """(labels, running total) of every series of `name`, a metric of `kind`."""
+        d = METRICS[name]
+        if d.kind != kind:
+            raise ValueError(f"{name} is a {d.kind}, not a {kind}")
+        with self._lock:
+            items = list(self._totals.get(name, {}).items())
+        return [(dict(zip(d.labels, k.split(_SEP))), v) for k, v in items]
+
+    def total(self, name: str, **labels: str) -> float:
+        """Counter `name`'s total in this process so far, over its series
+        with `labels` (all of them where none are given)."""
+        return sum(v for have, v in self._series(name, "counter")
+                   if all(have.get(n) == x for n, x in labels.items()))
+
+    def count(self, name: str, **labels: str) -> int:
+        """How many values histogram `name` observed in this process so far, over its series with `labels`."""
+        return int(sum(v for have, v in self._series(name, "histogram")
+                       if all(have.get(n) == x for n, x in labels.items())))
+
+    def by(self, name: str, label: str) -> dict[str, float]:
+        """Counter `name`'s non-zero totals in this process so far, per value of `label`."""
+        out: dict[str, float] = {}
+        for have, v in self._series(name, "counter"):
+            out[have[label]] = out.get(have[label], 0) + v
+        return {k: v for k, v in out.items() if v}
 
     def take(self) -> OffloadStats | None:
         with self._lock:

@@ -58,6 +58,34 @@ def test_take_drains_and_empty_recorder_reports_nothing():
     assert r.take() is None
 
 
+def test_running_totals_survive_take_and_match_what_prometheus_adds_up():
+    """The totals a process logs and its tests read are the Recorder's own: what the payloads it
+    drains add up to in Prometheus, whatever `take` drained meanwhile."""
+    rec = Recorder("fs")
+    rec.declare("kvoffload_stores_dropped", reason="backpressure")
+    rec.inc("kvoffload_stores_dropped", 2, reason="error")
+    rec.inc("kvoffload_stored_bytes", 1000, group_kind="mamba")
+    rec.observe("kvoffload_store_seconds", 0.1, group_kind="mamba")
+    metrics, registry = prom()
+    metrics.observe(rec.take().data)
+    rec.inc("kvoffload_stores_dropped", reason="error")
+    rec.inc("kvoffload_stored_bytes", 24, group_kind="full_attention")
+    rec.observe("kvoffload_store_seconds", 0.2, group_kind="full_attention")
+    metrics.observe(rec.take().data)
+    assert rec.by("kvoffload_stores_dropped", "reason") == {"error": 3}  # zero series left out
+    assert rec.total("kvoffload_stores_dropped", reason="error") == \
+        sample(registry, "kvoffload_stores_dropped_total", tier="fs", reason="error") == 3
+    assert rec.total("kvoffload_stored_bytes") == 1024
+    assert rec.total("kvoffload_stored_bytes", group_kind="mamba") == \
+        sample(registry, "kvoffload_stored_bytes_total", tier="fs", group_kind="mamba") == 1000
+    assert rec.count("kvoffload_store_seconds") == 2
+    assert rec.count("kvoffload_store_seconds", group_kind="mamba") == \
+        sample(registry, "kvoffload_store_seconds_count", tier="fs", group_kind="mamba") == 1
+    assert rec.total("kvoffload_lookups") == 0 and rec.by("kvoffload_failed_loads", "reason") == {}
+    with pytest.raises(ValueError):
+        rec.total("kvoffload_store_seconds")  # a histogram: its count, not a total
+
+
 def test_workers_add_up_and_histograms_concatenate():
     a, b = Recorder("fs"), Recorder("fs")
     for r in (a, b):
