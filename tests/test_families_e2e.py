@@ -128,9 +128,14 @@ def check_family(runs: dict) -> list[tuple[int, int]]:
     assert [r.output_ids for r in restart.results] == [ref_out[i] for i in range(3)]
     assert [r.output_ids for r in own.results] == [ref_out[i] for i in own.index_of]
     assert cold.results[0].output_ids == ref_out[0]
-    # Files: D holds A's chunk and A's tail in both groups; E (the own run) holds the same entries, byte for byte.
+    # Files: D holds A's chunk and every prompt's own tail (A's; the shared prompt's, stored after its
+    # restore; the next turn's is A's) in both groups; E (the own run) holds the same entries, byte for byte.
+    from offload.planner import HybridOffloadPlanner
+
+    planner = HybridOffloadPlanner(plan.specs, c, tail_unit=plan.prefix_match_unit)
+    tails = {tuple(p[:t]) for p in runs["prompts"] if (t := planner.tail_boundary(len(p)))}
     d_files, e_files = runs["files"]["d"], runs["files"]["e"]
-    assert len(d_files) == 2 * 2, sorted(map(str, d_files))
+    assert len(d_files) == len(plan.groups) * (1 + len(tails)), (len(tails), sorted(map(str, d_files)))
     for rel, data in d_files.items():
         assert e_files.get(rel) == data, f"{rel}: differs between two engines that stored the same prefix"
     # fsck: every payload verifies, the chain is complete, nothing orphaned.

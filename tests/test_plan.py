@@ -371,8 +371,9 @@ def test_import_is_cheap():
 def test_prefix_match_unit_fits_the_blocks_or_the_plan_says_why_not(plans, name):
     """A unit divides every group's block (vLLM refuses it otherwise) and is
     finer than the smallest; where vLLM gives no sub-block hits (attention
-    only; Mamba2 layers that export their tail state inside the forward, as
-    Nemotron-H's do) the plan prints no flag but the reason."""
+    only) the plan prints no flag but the reason. Mamba-2 layers (Nemotron-H)
+    get a unit too: they keep the tail's state from inside the forward pass,
+    which the cost line says (no extra prefill step)."""
     plan = plan_of(plans, name)
     kinds = {g.kind for g in plan.groups}
     text = plan.describe()
@@ -386,8 +387,10 @@ def test_prefix_match_unit_fits_the_blocks_or_the_plan_says_why_not(plans, name)
         assert plan.prefix_match.startswith("no prefix-match unit:") and plan.prefix_match in text
         assert "--prefix-match-unit" not in text
         assert "prefix_match_unit" not in plan.engine_kwargs and "--prefix-match-unit" not in plan.serve_args
-    if name.startswith("nemotron"):
-        assert plan.prefix_match_unit is None and "inside the forward pass" in plan.prefix_match
+    if name.startswith("nemotron"):  # Mamba-2: vLLM keeps the tail's state from inside the forward pass
+        assert plan.prefix_match_unit and "inside the forward pass" in plan.prefix_match, plan.prefix_match
+    elif plan.prefix_match_unit:  # GDN: vLLM splits the prefill at the tail
+        assert "splits a prompt's prefill once more" in plan.prefix_match, plan.prefix_match
     if kinds == {"full_attention"}:
         assert plan.prefix_match_unit is None
 
