@@ -277,7 +277,7 @@ def ours_load_parallel(kv: HybridKV, worker: WorkerSide) -> None:
                                                    len(g.ids[c])), tuple(enumerate(g.ids[c])), TierSlot(0))
                                  for c, g in kv.files()))
     worker.start_load_kv(OffloadMetadata(loads=[job]))
-    wait(list(worker._loads.values()))  # blocks without polling: no CPU of ours counted
+    wait(list(worker.loads.in_flight.values()))  # blocks without polling: no CPU of ours counted
     r = worker.get_transfer_results()
     assert r.finished_recving == {"bench"} and not r.failed_recving, r
 

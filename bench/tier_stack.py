@@ -126,7 +126,7 @@ def store_all(kv: HybridKV, workers: list[tuple[WorkerSide, list[TierIndex]]],
     if share is not None:
         share.clear()
     for w, _ in workers:
-        while w._stores:
+        while w.stores.in_flight:
             time.sleep(0.001)
     return forward, time.perf_counter() - t0
 

@@ -878,15 +878,15 @@ def test_a_store_dropped_for_backpressure_drops_the_entries_chained_behind_it(ma
     monkeypatch.setattr(FsData, "put", held_put)
     tokens = prompt(11, n)
     eng.scheduler.add_request(create_request("a", tokens, max_tokens=2, block_size=BS))
-    eng.run_until(lambda: worker.counters[0].stores_dropped.get("backpressure"))
-    assert worker.counters[0].stores_dropped == {"backpressure": 1}
+    eng.run_until(lambda: worker.recorders[0].total("kvoffload_stores_dropped", reason="backpressure"))
+    assert worker.recorders[0].by("kvoffload_stores_dropped", "reason") == {"backpressure": 1}
     release.set()
     wait_for_files(tmp_path / "cache", budget_chunks)
     eng.run_to_completion()
-    eng.run_until(lambda: worker._pending_store_bytes == 0)
+    eng.run_until(lambda: worker.stores.pending_bytes == 0)
 
     # Only the chain's stored prefix is on disk, and nothing behind the dropped chunk.
-    drops = worker.counters[0].stores_dropped
+    drops = worker.recorders[0].by("kvoffload_stores_dropped", "reason")
     assert drops == {"backpressure": 1, "parent_dropped": entries(eng, n) - budget_chunks - 1}, drops
     files = list((tmp_path / "cache").glob(f"{LAYOUT_DIR}/*/g*/*/*.kv"))
     assert len(files) == budget_chunks, files
@@ -930,14 +930,14 @@ def test_a_store_whose_parent_the_budget_evicted_while_it_waited_is_dropped_with
     monkeypatch.setattr(FsData, "put", held_put)
     tokens = prompt(12, n)
     eng.scheduler.add_request(create_request("a", tokens, max_tokens=2, block_size=BS))
-    eng.run_until(lambda: worker.counters[0].files_written == 1)
+    eng.run_until(lambda: worker.recorders[0].count("kvoffload_store_seconds") == 1)
     [first] = list((tmp_path / "cache").glob(f"{LAYOUT_DIR}/*/g*/*/*.kv"))
     worker.tiers[0].store.remove(first)  # what the budget's evictor does to a leaf
     release.set()
     eng.run_to_completion()
-    eng.run_until(lambda: worker._pending_store_bytes == 0)
+    eng.run_until(lambda: worker.stores.pending_bytes == 0)
 
-    assert worker.counters[0].stores_dropped == {"parent_dropped": entries(eng, n) - 1}
+    assert worker.recorders[0].by("kvoffload_stores_dropped", "reason") == {"parent_dropped": entries(eng, n) - 1}
     assert not list((tmp_path / "cache").glob(f"{LAYOUT_DIR}/*/g*/*/*.kv"))
     dirs = scan(tmp_path / "cache").dirs
     problems = [(f.path, f.problem) for d in dirs for f in d.files if f.problem]
@@ -987,10 +987,10 @@ def test_on_a_hybrid_a_dropped_attention_store_drops_the_mamba_states_behind_it_
         n_chunks = planner.max_hit_chunks(n)
         tokens = prompt(13, n)
         scheduler.add_request(create_request("a", tokens, max_tokens=2, block_size=h_bs))
-        eng.run_until(lambda: worker.counters[0].stores_dropped.get("backpressure"))
+        eng.run_until(lambda: worker.recorders[0].total("kvoffload_stores_dropped", reason="backpressure"))
         release.set()
         eng.run_to_completion()
-        eng.run_until(lambda: worker._pending_store_bytes == 0)
+        eng.run_until(lambda: worker.stores.pending_bytes == 0)
 
         dirs = scan(tmp_path / "cache").dirs
         files = [f for d in dirs for f in d.files]
@@ -1000,7 +1000,7 @@ def test_on_a_hybrid_a_dropped_attention_store_drops_the_mamba_states_behind_it_
         a = len(pos["full_attention"])
         assert 0 < a < n_chunks and pos["full_attention"] == list(range(a)), pos
         assert pos["mamba"] == list(range(len(pos["mamba"]))) and len(pos["mamba"]) <= a + 1, pos
-        drops = worker.counters[0].stores_dropped
+        drops = worker.recorders[0].by("kvoffload_stores_dropped", "reason")
         assert drops["parent_dropped"] == 2 * (n_chunks - a - 1), (drops, pos)
         assert len(files) + sum(drops.values()) == 2 * n_chunks, (drops, pos)
         problems = [(f.path, f.problem) for f in files if f.problem]
@@ -1056,9 +1056,10 @@ def test_host_memory_evicts_an_entry_whose_write_to_the_files_was_dropped(make, 
                                {"store": "fs", "path": str(tmp_path / "cache")}])
     worker = eng.worker.connector._worker
     run(eng, "a", prompt(21, n))
-    eng.run_until(lambda: worker._pending_store_bytes == 0)
+    eng.run_until(lambda: worker.stores.pending_bytes == 0)
     eng.step()  # the step's output carries the last drops (any step of other requests would)
-    assert sum(worker.counters[1].stores_dropped.values()) == n_entries, worker.counters[1].stores_dropped
+    dropped = worker.recorders[1].by("kvoffload_stores_dropped", "reason")
+    assert sum(dropped.values()) == n_entries, dropped
 
     b_tokens = prompt(22, n)
     stored = store_prompt(eng, "b", b_tokens, tmp_path)
@@ -1075,11 +1076,11 @@ def test_an_entry_whose_host_memory_store_failed_is_not_offered(make, tmp_path, 
     (that load would fail, a counted miss for every later request with the
     prefix, since the slot's entry stays). A repeat stores the prefix again,
     and the next repeat restores it from host memory."""
-    from offload.connector.worker import WorkerSide
+    from offload.connector.stores import StorePath
 
     eng = make("cpu")
     HIT = hit(eng)
-    real_gather, broken = WorkerSide._gather, threading.Event()
+    real_gather, broken = StorePath._gather, threading.Event()
     broken.set()
 
     def gather(self, *args, **kwargs):
@@ -1087,13 +1088,13 @@ def test_an_entry_whose_host_memory_store_failed_is_not_offered(make, tmp_path, 
             raise RuntimeError("injected gather error")
         return real_gather(self, *args, **kwargs)
 
-    monkeypatch.setattr(WorkerSide, "_gather", gather)
+    monkeypatch.setattr(StorePath, "_gather", gather)
     tokens = prompt(23)
     run(eng, "a", tokens)
     broken.clear()
     # The first entry's drop reached the scheduler in its step, so the entries chained behind it
     # were never planned into host memory (orphans there), nor tried.
-    assert eng.worker.connector._worker.counters[0].stores_dropped == {"error": 1}
+    assert eng.worker.connector._worker.recorders[0].by("kvoffload_stores_dropped", "reason") == {"error": 1}
     assert eng.scheduler.reset_prefix_cache()
     eng.worker.scramble()
     stored = store_prompt(eng, "b", tokens, tmp_path)
@@ -1136,7 +1137,7 @@ def test_drain_runs_idle_priority_stores_at_normal_priority_then_yields_again(ma
         """Let the held writes go once the drain below has lifted every store thread (or after 30 s)."""
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if {os.sched_getscheduler(t) for t in worker._store_tids} == {os.SCHED_OTHER}:
+            if {os.sched_getscheduler(t) for t in worker.stores.store_tids} == {os.SCHED_OTHER}:
                 break
             time.sleep(0.01)
         release.set()
@@ -1144,7 +1145,8 @@ def test_drain_runs_idle_priority_stores_at_normal_priority_then_yields_again(ma
     threading.Thread(target=release_once_lifted, daemon=True).start()
     assert worker.drain(30) == 0
     assert {p for k, p in seen if k == "draining"} == {os.SCHED_OTHER}, seen
-    assert {os.sched_getscheduler(t) for t in worker._store_tids} == {os.SCHED_IDLE}, "yields again after the drain"
+    tids = worker.stores.store_tids
+    assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_IDLE}, "yields again after the drain"
 
 
 # ---- a partial tail: vLLM's prefix-match unit on a hybrid ----------------------------------------
@@ -1224,7 +1226,8 @@ def test_partial_tail_restores_attention_to_the_unit_and_the_state_vllm_material
         def grab(rid=rid, tables=tables, restored=restored) -> None:
             if not tables and eng.status(rid) == WAITING_FOR_KV:
                 tables.append(table_all(eng, rid))
-            if not restored and eng.status(rid) == WAITING_FOR_KV and rid not in worker.connector._worker._loads:
+            in_flight = worker.connector._worker.loads.in_flight
+            if not restored and eng.status(rid) == WAITING_FOR_KV and rid not in in_flight:
                 mamba_table, attn_table = tables[0]
                 restored["tail"] = worker.blocks_bytes(attn_table[1:2], group=1)
                 restored["state"] = worker.blocks_bytes([mamba_table[(tail - 1) // 128]], group=0)

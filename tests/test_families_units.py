@@ -194,7 +194,7 @@ def _wait_loaded(eng: Engine, rid: str, timeout: float = 60.0) -> tuple[list[int
                 eng.scheduler.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             if not tables:
                 tables.append(eng.scheduler.kv_cache_manager.get_block_ids(rid))
-            if rid not in eng.worker.connector._worker._loads:
+            if rid not in eng.worker.connector._worker.loads.in_flight:
                 tables.append("done")
 
     deadline = time.monotonic() + timeout

@@ -100,7 +100,7 @@ def store(kv: KV, worker: WorkerSide, tier: int, only: set[tuple[int, int]] | No
                                    for c, g in kv.entries() if only is None or (c, g) in only])
     worker.wait_for_save(meta)
     deadline = time.monotonic() + 30
-    while worker._stores:
+    while worker.stores.in_flight:
         assert time.monotonic() < deadline, "stores still pending after 30 s"
         time.sleep(0.005)
 
@@ -132,6 +132,11 @@ def counters(worker: WorkerSide, tier: int = 0) -> dict[str, float]:
         for key, v in series.items():
             out[f"{name}|{key}"] = out.get(f"{name}|{key}", 0) + v
     return out
+
+
+def misses(worker: WorkerSide, tier: int = 0) -> dict[str, float]:
+    """The tier's chunk misses so far, by reason (its Recorder's running totals)."""
+    return worker.recorders[tier].by("kvoffload_chunk_misses", "reason")
 
 
 def metric(c: dict[str, float], name: str, label: str) -> float:
@@ -179,7 +184,7 @@ def test_two_corrupt_files_of_one_request_are_both_quarantined_in_one_pass(kv, t
 
         assert not load(kv, worker, job_from(kv, 0)), "a request with two corrupt files was reported restored"
         c = counters(worker)
-        assert worker.counters[0].chunk_misses == {"corrupt": 2}, worker.counters[0].chunk_misses
+        assert misses(worker) == {"corrupt": 2}, misses(worker)
         assert metric(c, "kvoffload_checksum_failures", "mamba") + \
             metric(c, "kvoffload_checksum_failures", "full_attention") == 2
         assert metric(c, "kvoffload_failed_loads", "corrupt") == 1  # one request, one failed load
@@ -198,7 +203,7 @@ def test_two_corrupt_files_of_one_request_are_both_quarantined_in_one_pass(kv, t
         kv.zero()
         assert load(kv, worker, job_from(kv, 0, req="r2"))
         assert all(a.equal(b) for a, b in zip(kv.snapshot(), want)), "restored bytes differ"
-        assert worker.counters[0].chunk_misses == {"corrupt": 2}  # nothing new
+        assert misses(worker) == {"corrupt": 2}  # nothing new
         data = worker.tiers[0]
         if direct_reads:  # this filesystem (ext4, tmpfs refuses) decides which path ran
             assert data.direct_read_count + data.buffered_read_count == 2 * FILES - 2
@@ -220,7 +225,7 @@ def test_mixed_failures_count_every_file_and_name_the_gravest(kv, tmp_path, orde
         flip_payload_byte(file_of(worker, kv, *entries[bad]))
         counters(worker)
         assert not load(kv, worker, job_from(kv, 0))
-        assert worker.counters[0].chunk_misses == {"missing": 1, "corrupt": 1}
+        assert misses(worker) == {"missing": 1, "corrupt": 1}
         c = counters(worker)
         assert metric(c, "kvoffload_failed_loads", "corrupt") == 1
         assert metric(c, "kvoffload_failed_loads", "missing") == 0
@@ -240,7 +245,7 @@ def test_a_good_request_restores_exact_bytes_and_counts_them_once(kv, tmp_path):
         c = counters(worker)
         moved = metric(c, "kvoffload_restored_bytes", "mamba") + metric(c, "kvoffload_restored_bytes", "full_attention")
         assert moved == sum(t.numel() for t in want)
-        assert worker.counters[0].bytes_read == moved and not worker.counters[0].chunk_misses
+        assert worker.recorders[0].total("kvoffload_restored_bytes") == moved and not misses(worker)
     finally:
         worker.shutdown()
 
@@ -267,7 +272,7 @@ def test_promotion_fills_the_reserved_slots_of_every_verified_file(kv, tmp_path)
         assert not load(kv, worker, job_from(kv, 1, promote))
         host = worker.tiers[0]
         for i, ((c, g), (up,)) in enumerate(zip(entries, promote)):
-            held = host.holds(worker._header(kv.ref(c, g)), Placement(up.slot))
+            held = host.holds(worker.kv.header(kv.ref(c, g)), Placement(up.slot))
             assert held == (i != bad), f"file {i}: promoted={held}"
         # The promoted entries restore from host memory, byte for byte.
         good = [i for i in range(FILES) if i != bad]
