@@ -17,9 +17,9 @@ test-long:  ## the long runs: reliability and chaos on real engines, real geomet
 test-fast:  ## unit tests only (no engines)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not e2e"
 
-lint:  ## ruff over the repository; mypy over the pure parts (offload/planner, offload/store) and harness/
+lint:  ## ruff over the repository; mypy over offload/planner, offload/store, offload/connector and harness/
 	$(PY) -m ruff check .
-	$(PY) -m mypy offload/planner offload/store harness
+	$(PY) -m mypy offload/planner offload/store offload/connector harness
 
 demo:  ## kvoffload warmup --verify (cross-restart warm-up) on the embedded tiny hybrid model
 	$(PY) -m offload.demo $(DEMO_ARGS)

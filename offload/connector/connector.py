@@ -7,7 +7,7 @@ both derive them from the same KVCacheConfig. See docs/architecture.md.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -34,15 +34,15 @@ from offload.tailmask import TokenMap
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from offload.connector.worker import SharedGathers
+    from offload.connector.stores import SharedGathers
 
 logger = init_logger(__name__)
 
@@ -68,6 +68,11 @@ def _tp_rank(vllm_config: VllmConfig) -> int:
     return pc.rank % pc.tensor_parallel_size
 
 
+def _transfer_config(vllm_config: VllmConfig) -> KVTransferConfig:
+    """vLLM's kv_transfer_config, which names this connector wherever it is built."""
+    return cast("KVTransferConfig", vllm_config.kv_transfer_config)
+
+
 class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """Offloads KV cache chunks of every group (attention KV, windowed KV,
     Mamba/GDN state) to a stack of tiers (host memory, files, LMCache's
@@ -83,11 +88,11 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+        super().__init__(vllm_config, role, cast("KVCacheConfig", kv_cache_config))  # None is refused below
         share_vllm_logging()
         if kv_cache_config is None:
             raise ConfigError("OffloadConnector needs vLLM's KVCacheConfig (vLLM >= 0.32)")
-        ktc = vllm_config.kv_transfer_config
+        ktc = _transfer_config(vllm_config)
         self.cfg: OffloadConfig = parse_config(ktc.kv_connector_extra_config)
         pc = vllm_config.parallel_config
         if pc.pipeline_parallel_size > 1:
@@ -136,7 +141,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         """Which token owns each element of a block page of `tensor` (a layer
         of attention group `group`, blocks along `block_dim`), from the layer's
         own cache write."""
-        spec = self._kv_cache_config.kv_cache_groups[group].kv_cache_spec
+        spec = cast("AttentionSpec", self._kv_cache_config.kv_cache_groups[group].kv_cache_spec)  # an attention group
         name = self._kv_cache_config.kv_cache_groups[group].layer_names[0]
         layer = self._vllm_config.compilation_config.static_forward_context[name]
 
@@ -144,10 +149,10 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
             layer.impl.do_kv_cache_update(layer, key, value, cache, slots)
 
         return TokenMap.probe(write, tensor, block_dim, spec.block_size, spec.num_kv_heads,
-                              spec.head_size, self._vllm_config.model_config.dtype)
+                              spec.head_size, cast("torch.dtype", self._vllm_config.model_config.dtype))
 
     def _where(self, i: int) -> str:
-        return "" if "tiers" not in (self._vllm_config.kv_transfer_config.kv_connector_extra_config or {}) \
+        return "" if "tiers" not in (_transfer_config(self._vllm_config).kv_connector_extra_config or {}) \
             else f"tiers[{i}]."
 
     def _indices(self) -> list[TierIndex]:
@@ -157,7 +162,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError(f"{EXTRA_CONFIG}.{self._where(e.position)}{e}") from None
 
     def _startup_checks(self, vllm_config: VllmConfig) -> None:
-        ktc = vllm_config.kv_transfer_config
+        ktc = _transfer_config(vllm_config)
         try:
             self.stack.check()
         except StackOptionError as e:

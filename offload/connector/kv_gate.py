@@ -13,9 +13,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from offload.copier import GroupPages, LayerPages
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["GatedPages", "KVCacheReleased", "KVGate"]
 
@@ -65,7 +68,8 @@ class GatedPages:
         self._pages: GroupPages | None = pages
         self._gate = gate
         self._page_bytes = pages.page_bytes
-        self._tensors = [lp.tensor for lp in pages.layers]
+        # Pages registered from tensors (LayerPages.from_tensor) hold them.
+        self._tensors = [cast("torch.Tensor", lp.tensor) for lp in pages.layers]
         self._num_blocks, self._device = pages.num_blocks, pages.device
 
     @property
@@ -73,12 +77,12 @@ class GatedPages:
         return self._page_bytes
 
     def gather(self, *args: Any, **kwargs: Any) -> Any:
-        with self._gate.hold():
-            return self._pages.gather(*args, **kwargs)
+        with self._gate.hold():  # open: the pages are there
+            return cast(GroupPages, self._pages).gather(*args, **kwargs)
 
     def scatter(self, *args: Any, **kwargs: Any) -> None:
         with self._gate.hold():
-            self._pages.scatter(*args, **kwargs)
+            cast(GroupPages, self._pages).scatter(*args, **kwargs)
 
     def drop(self) -> None:
         self._pages = None
