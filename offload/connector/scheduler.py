@@ -80,6 +80,14 @@ class _Req:
     load_failed: bool = False
     counted: bool = False  # its lookup is in the metrics (once per request)
 
+    def may_store(self, chunk: int) -> bool:
+        """Whether entries of `chunk` may be stored: not at or past the chunk
+        vLLM's own sub-block hit started it in (a chain never skips a chunk)."""
+        return self.unstorable_chunk is None or chunk < self.unstorable_chunk
+
+    def mark_unstorable(self, chunk: int) -> None:
+        self.unstorable_chunk = chunk if self.unstorable_chunk is None else min(self.unstorable_chunk, chunk)
+
 
 class SchedulerSide:
     """The stack's scheduler half. `indices` are the tiers' indices, fastest
@@ -181,15 +189,14 @@ class SchedulerSide:
             return self._tail_key(st, prev)
         return st.keys[gc.chunk - 1] if gc.chunk else None
 
-    def _ref(self, st: _Req, group: int, chunk: int, gc: GroupChunk | None = None) -> FileRef:
-        if gc is None:
-            gc = self.planner.stored(GroupIndex(group), ChunkIndex(chunk))
+    def _ref(self, gc: GroupChunk, key: ChunkKey, parent: ChunkKey | None) -> FileRef:
+        """The entry `gc`, keyed `key`, chaining from `parent` (`_entry_key`
+        and `_parent_key`, worked out once per entry by the caller)."""
         c = self.planner.chunk_size
-        parent = self._parent_key(st, gc)
         return FileRef(
-            group=group, kind=self.planner.groups[group].kind, key=self._entry_key(st, gc),
-            token_start=gc.tail_start if gc.tail_start is not None else chunk * c,
-            token_end=gc.tail_end if gc.tail_end is not None else (chunk + 1) * c,
+            group=gc.group, kind=self.planner.groups[gc.group].kind, key=key,
+            token_start=gc.tail_start if gc.tail_start is not None else gc.chunk * c,
+            token_end=gc.tail_end if gc.tail_end is not None else (gc.chunk + 1) * c,
             num_pages=1 if gc.state_at is not None else len(gc.blocks),
             parent=parent[:8] if parent is not None else bytes(8),
             parent_key=bytes(parent) if parent is not None and gc.state_at is None else None,
@@ -327,7 +334,7 @@ class SchedulerSide:
                     if placement is not None:
                         ups.append(TierSlot(t, placement.slot))
                         self._promotions.setdefault(request.request_id, []).append((t, g, key))
-                entries.append(LoadEntry(self._ref(st, g, gc.chunk, gc), pairs, source, tuple(ups)))
+                entries.append(LoadEntry(self._ref(gc, key, parent), pairs, source, tuple(ups)))
                 chunk_tier[gc.chunk] = max(chunk_tier.get(gc.chunk, 0), source.tier)
             if fail:
                 break
@@ -384,8 +391,7 @@ class SchedulerSide:
             # Only hybrids: on attention only, vLLM starts inside a block only to compute the last
             # token of a prompt we restored whole again (over our own pages).
             if st is not None and self._mamba and start % self._block_lcm and start != st.restored_end:
-                chunk = start // self.planner.chunk_size
-                st.unstorable_chunk = chunk if st.unstorable_chunk is None else min(st.unstorable_chunk, chunk)
+                st.mark_unstorable(start // self.planner.chunk_size)
         progress: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
         progress += list(zip(cached.req_ids, cached.num_computed_tokens))
         for req_id, before in progress:
@@ -420,7 +426,7 @@ class SchedulerSide:
             return
         self._keys(st, end)  # the keys the stores below name
         for chunk in range(st.stored_chunks, end):
-            if st.unstorable_chunk is not None and chunk >= st.unstorable_chunk:
+            if not st.may_store(chunk):
                 break  # nothing after it either: a chain never skips a chunk
             for g in self._storable:
                 gc = self.planner.stored(GroupIndex(g), ChunkIndex(chunk))
@@ -451,7 +457,7 @@ class SchedulerSide:
         if st.tail_stored_to >= end or not end or after < end or (before >= end and not self.planner.full_prompt_hits):
             return
         chunk = end // self.planner.chunk_size
-        if st.unstorable_chunk is not None and chunk >= st.unstorable_chunk:
+        if not st.may_store(chunk):
             return  # computed over the incompletely copied block (and its parent chunk is not stored)
         st.tail_stored_to = end
         self._keys(st, chunk)
@@ -471,7 +477,7 @@ class SchedulerSide:
         children would be orphans)."""
         assert self.planner.tail_unit is not None
         c = self.planner.chunk_size
-        if st.unstorable_chunk is not None and chunk >= st.unstorable_chunk:
+        if not st.may_store(chunk):
             return
         ends = self.planner.tail_entries(chunk, max(st.tail_stored_to, chunk * c),
                                          upto // self.planner.tail_unit * self.planner.tail_unit)
@@ -494,7 +500,7 @@ class SchedulerSide:
         tail_end = self.planner.tail_boundary(len(st.request.prompt_token_ids or []))
         for group, block_id, boundary in entries:
             if tail_end and boundary == tail_end and group in self._mamba and block_id != NULL_BLOCK \
-                    and (st.unstorable_chunk is None or boundary // c < st.unstorable_chunk):
+                    and st.may_store(boundary // c):
                 # The state at the prompt's partial tail: vLLM's copy of it (a
                 # block of its own, filled before this step's forward).
                 chunk = boundary // c
@@ -508,7 +514,7 @@ class SchedulerSide:
             chunk = boundary // c - 1
             if chunk >= self._prompt_chunks(st, boundary):
                 continue
-            if st.unstorable_chunk is not None and chunk >= st.unstorable_chunk:
+            if not st.may_store(chunk):
                 continue  # computed over the incompletely copied block
             self._keys(st, chunk + 1)
             self._store(meta, st, group, chunk, (block_id,))
@@ -518,7 +524,7 @@ class SchedulerSide:
         if gc is None:
             gc = self.planner.stored(GroupIndex(group), ChunkIndex(chunk))
         parent = self._parent_key(st, gc)
-        ref = self._ref(st, group, chunk, gc)
+        ref = self._ref(gc, self._entry_key(st, gc), parent)
         state, admit = None, Admission.HOT
         if gc.state_at is not None:
             state = self.planner.state_class(gc.state_at, len(st.request.prompt_token_ids or []), st.branch_at)
