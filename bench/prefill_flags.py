@@ -80,7 +80,7 @@ def prefill_steps(plan: ModelPlan, engine_args: dict[str, Any], tokens: int) -> 
     """Tokens vLLM's scheduler schedules per step for one `tokens`-long prompt, alone, one output
     token, under `engine_args`, on the plan's groups. The KV cache specs carry the plan's kinds
     and block sizes and small stand-in pages (the scheduler reads no page bytes); the Mamba
-    groups export no checkpoint from inside the forward pass (a plan with a unit has none)."""
+    groups export no checkpoint from inside the forward pass (as GDN and Mamba-1 layers do not)."""
     import torch
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
