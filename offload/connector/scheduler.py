@@ -70,6 +70,9 @@ class _Req:
     unstorable_chunk: int | None = None
     # (hit chunks, computed tokens, tail tokens) of the last lookup that reported a hit.
     pending_hit: tuple[int, int, int] | None = None
+    # The fastest tier each entry its last lookup probed was found in, by (group, key):
+    # where the load of that hit pins it first.
+    found_in: dict[tuple[int, ChunkKey], int] = field(default_factory=dict)
     hit_tier: int = 0  # the slowest tier the planned load reads from
     # Where its first lookup found the stored (or vLLM-cached) prefix ending: a
     # branch point, whose state another prompt may read (0: none).
@@ -219,9 +222,10 @@ class SchedulerSide:
             self._count_lookup(st, num_tokens, num_computed_tokens, 0)
             return 0, False
         keys = self._keys(st, max_n)
+        st.found_in = {}
         found = self.planner.lookup(
-            num_tokens, lambda g, ch: ch < len(keys) and self._contains(g, keys[ch]), num_computed_tokens, prompt,
-            present_tail=(lambda g, end: self._contains(g, self._tail_key(st, end))) if tails else None,
+            num_tokens, lambda g, ch: ch < len(keys) and self._probe(st, g, keys[ch]), num_computed_tokens, prompt,
+            present_tail=(lambda g, end: self._probe(st, g, self._tail_key(st, end))) if tails else None,
         )
         # Attention chunks the search saw stored are not stored again. It only
         # probes past vLLM's own hit, so it vouches for a prefix only from 0.
@@ -272,8 +276,13 @@ class SchedulerSide:
         st = self.reqs.get(req_id)
         return st.hit_tier if st is not None else 0
 
-    def _contains(self, group: int, key: ChunkKey) -> bool:
-        return any(ix.contains(group, key) for ix in self.indices)
+    def _probe(self, st: _Req, group: int, key: ChunkKey) -> bool:
+        """Whether a tier holds the entry; the fastest that does is noted for its load's pin."""
+        for t, ix in enumerate(self.indices):
+            if ix.contains(group, key):
+                st.found_in[(group, key)] = t
+                return True
+        return False
 
     def _count_lookup(self, st: _Req, num_tokens: int, computed: int, hit: int) -> None:
         """Once per request: vLLM asks again while a request waits for room."""
@@ -288,13 +297,13 @@ class SchedulerSide:
         st = self.reqs.get(request.request_id)
         if st is None or num_external_tokens == 0:
             if st is not None:
-                st.pending_hit = None
+                st.pending_hit, st.found_in = None, {}
                 if request.num_computed_tokens == 0:
                     st.restored_end = 0  # admitted after a lookup (again, if preempted): nothing of ours restored
             return
         block_ids = blocks.get_block_ids()
-        hit = st.pending_hit
-        st.pending_hit = None
+        hit, found_in = st.pending_hit, st.found_in
+        st.pending_hit, st.found_in = None, {}
         c = self.planner.chunk_size
         if hit is None or hit[0] * c + hit[2] != hit[1] + num_external_tokens:
             # The scheduler took a different count than we offered: refuse to
@@ -323,7 +332,7 @@ class SchedulerSide:
                 if not pairs:
                     continue
                 key = self._entry_key(st, gc)
-                source = self._pin(request.request_id, g, key)
+                source = self._pin(request.request_id, g, key, found_in.get((g, key)))
                 if source is None:
                     fail = MissReason.MISSING, f"group {g} chunk {gc.chunk} left every tier before its load"
                     break
@@ -360,10 +369,15 @@ class SchedulerSide:
         self._loads.append(LoadJob(request.request_id, tuple(entries), fail_reason=fail[0] if fail else None,
                                    fail_detail=fail[1] if fail else ""))
 
-    def _pin(self, req_id: str, group: int, key: ChunkKey) -> TierSlot | None:
-        """Pin the entry in the fastest tier that holds it."""
-        for t, ix in enumerate(self.indices):
-            placement = ix.pin(group, key)
+    def _pin(self, req_id: str, group: int, key: ChunkKey, found: int | None = None) -> TierSlot | None:
+        """Pin the entry in the tier its lookup found it in (`found`, the
+        fastest that held it then), else (not probed, or gone from there
+        since) in the fastest tier that holds it; None: no tier does, and the
+        load fails (the request computes instead)."""
+        order = range(len(self.indices)) if found is None else \
+            (found, *(t for t in range(len(self.indices)) if t != found))
+        for t in order:
+            placement = self.indices[t].pin(group, key)
             if placement is not None:
                 self._pins.setdefault(req_id, []).append((t, group, key))
                 return TierSlot(t, placement.slot)
