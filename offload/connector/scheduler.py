@@ -31,6 +31,7 @@ from offload.planner import (
     GroupIndex,
     GroupKind,
     HybridOffloadPlanner,
+    Lookup,
     StateClass,
     StatePolicy,
     admission,
@@ -73,6 +74,9 @@ class _Req:
     # The fastest tier each entry its last lookup probed was found in, by (group, key):
     # where the load of that hit pins it first.
     found_in: dict[tuple[int, ChunkKey], int] = field(default_factory=dict)
+    # (tokens, vLLM's own hit, the lookup) of a hit held back for room: asked again with
+    # the same two, it is offered again without probing the tiers.
+    deferred: tuple[int, int, Lookup] | None = None
     hit_tier: int = 0  # the slowest tier the planned load reads from
     # Where its first lookup found the stored (or vLLM-cached) prefix ending: a
     # branch point, whose state another prompt may read (0: none).
@@ -221,12 +225,18 @@ class SchedulerSide:
         if max_n == 0 and not (unit is not None and min(prompt, num_tokens - 1) >= unit):
             self._count_lookup(st, num_tokens, num_computed_tokens, 0)
             return 0, False
-        keys = self._keys(st, max_n)
-        st.found_in = {}
-        found = self.planner.lookup(
-            num_tokens, lambda g, ch: ch < len(keys) and self._probe(st, g, keys[ch]), num_computed_tokens, prompt,
-            present_tail=(lambda g, end: self._probe(st, g, self._tail_key(st, end))) if tails else None,
-        )
+        deferred, st.deferred = st.deferred, None
+        if deferred is not None and deferred[:2] == (num_tokens, num_computed_tokens):
+            # Held back for room last time, asked again unchanged: the same hit, not probed again.
+            # An entry a tier evicted meanwhile fails its pin at the load (`_pin`): the request computes.
+            found = deferred[2]
+        else:
+            keys = self._keys(st, max_n)
+            st.found_in = {}
+            found = self.planner.lookup(
+                num_tokens, lambda g, ch: ch < len(keys) and self._probe(st, g, keys[ch]), num_computed_tokens,
+                prompt, present_tail=(lambda g, end: self._probe(st, g, self._tail_key(st, end))) if tails else None,
+            )
         # Attention chunks the search saw stored are not stored again. It only
         # probes past vLLM's own hit, so it vouches for a prefix only from 0.
         if num_computed_tokens < self.planner.chunk_size:
@@ -249,6 +259,7 @@ class SchedulerSide:
                 # blocks others may evict meanwhile: offer nothing, vLLM starts from its own hit now.
                 return 0, False
             self.recorder.inc("kvoffload_hits_deferred")
+            st.deferred = (num_tokens, num_computed_tokens, found)
             return None, False  # no room to finish yet: vLLM asks again next step
         st.pending_hit = (n, num_computed_tokens, tail)
         return hit, True
@@ -297,13 +308,13 @@ class SchedulerSide:
         st = self.reqs.get(request.request_id)
         if st is None or num_external_tokens == 0:
             if st is not None:
-                st.pending_hit, st.found_in = None, {}
+                st.pending_hit, st.found_in, st.deferred = None, {}, None
                 if request.num_computed_tokens == 0:
                     st.restored_end = 0  # admitted after a lookup (again, if preempted): nothing of ours restored
             return
         block_ids = blocks.get_block_ids()
         hit, found_in = st.pending_hit, st.found_in
-        st.pending_hit, st.found_in = None, {}
+        st.pending_hit, st.found_in, st.deferred = None, {}, None
         c = self.planner.chunk_size
         if hit is None or hit[0] * c + hit[2] != hit[1] + num_external_tokens:
             # The scheduler took a different count than we offered: refuse to
