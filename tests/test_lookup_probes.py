@@ -115,9 +115,9 @@ def test_a_hit_deferred_for_room_is_looked_up_once_not_at_every_step_it_waits(mo
     (test_partial_tail_loads_wait_for_room_instead_of_stalling_vllm): the
     first load takes the room, the others wait for it a step at a time and
     vLLM asks the connector again at each. Each repeat probes the tiers in
-    one lookup only, however often it was asked; every repeat still restores
-    its tail (measured before: a deferred repeat probed at every step it
-    waited)."""
+    one lookup only, however often it was asked, and checks its entries once
+    more when it fits; every repeat still restores its tail (measured before:
+    a deferred repeat probed at every step it waited)."""
     eng = hybrid_engine(models_dir, num_blocks=7)
     try:
         store_then_repeat(eng, held_loads, [prompt(40 + i, 250) for i in range(3)])
@@ -134,18 +134,20 @@ def test_a_hit_deferred_for_room_is_looked_up_once_not_at_every_step_it_waits(mo
         asked = Counter(rid for rid, _ in probes)
         probed = Counter(rid for rid, n in probes if n)
         assert max(asked.values()) > 1, asked
-        assert probed == Counter({f"r{i}": 1 for i in range(3)}), (probed, asked)
+        # One lookup each, and for a repeat that waited one check of its entries when it fit.
+        assert set(probed) == {f"r{i}" for i in range(3)} and max(probed.values()) <= 2, (probed, asked)
+        assert sum(probed.values()) < sum(asked.values()), (probed, asked)
         assert_scheduler_empty(eng.scheduler)
     finally:
         held_loads.set()
         eng.worker.connector.shutdown()
 
 
-def test_an_entry_dropped_while_its_hit_waited_fails_the_load_and_the_request_computes(models_dir, held_loads):
-    """The deferred hit is not probed again, so an entry its tier dropped
-    meanwhile is found gone only by the load's pin: that load fails (no bytes
-    read, none reported restored) and vLLM computes the request; the others
-    restore their tails."""
+def test_an_entry_dropped_while_its_hit_waited_is_looked_up_again_when_it_fits(models_dir, held_loads):
+    """The deferred hit is not looked up again while it waits, but its entries
+    are checked once when it fits: one its tier dropped meanwhile makes a fresh
+    lookup (here: nothing left), so no load fails and vLLM computes the request;
+    the others restore their tails."""
     eng = hybrid_engine(models_dir, num_blocks=7)
     ours = eng.scheduler.connector._sched
     try:
@@ -157,11 +159,11 @@ def test_an_entry_dropped_while_its_hit_waited_fails_the_load_and_the_request_co
             host.store_dropped(g, key)
         held_loads.set()
         eng.run_to_completion(timeout=30)
-        assert tier_params(eng, victim) == {"restored_tokens": 0, "load_failed": True}
+        assert tier_params(eng, victim) == {"restored_tokens": 0, "load_failed": False}
         assert eng.scheduled[victim] == 250, "vLLM computed all of it"
         others = [f"r{i}" for i in range(3) if f"r{i}" != victim]
         assert [tier_params(eng, rid)["restored_tokens"] for rid in others] == [192] * 2
-        assert eng.totals().get("failed_loads", 0) == 1
+        assert "failed_loads" not in eng.totals()
         assert_scheduler_empty(eng.scheduler)
     finally:
         held_loads.set()

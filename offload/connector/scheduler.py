@@ -226,9 +226,10 @@ class SchedulerSide:
             self._count_lookup(st, num_tokens, num_computed_tokens, 0)
             return 0, False
         deferred, st.deferred = st.deferred, None
-        if deferred is not None and deferred[:2] == (num_tokens, num_computed_tokens):
-            # Held back for room last time, asked again unchanged: the same hit, not probed again.
-            # An entry a tier evicted meanwhile fails its pin at the load (`_pin`): the request computes.
+        reused = deferred is not None and deferred[:2] == (num_tokens, num_computed_tokens)
+        if deferred is not None and reused:
+            # Held back for room last time, asked again unchanged: the same hit, not looked up again
+            # while it waits (its entries are checked once, when it fits).
             found = deferred[2]
         else:
             keys = self._keys(st, max_n)
@@ -261,6 +262,10 @@ class SchedulerSide:
             self.recorder.inc("kvoffload_hits_deferred")
             st.deferred = (num_tokens, num_computed_tokens, found)
             return None, False  # no room to finish yet: vLLM asks again next step
+        if reused and not all(self.indices[t].contains(g, k) for (g, k), t in st.found_in.items()):
+            # A tier evicted an entry while the hit waited: look up afresh (a shorter hit, or none)
+            # rather than offer one whose load would fail and cost the request all of it.
+            return self.get_num_new_matched_tokens(request, num_computed_tokens)
         st.pending_hit = (n, num_computed_tokens, tail)
         return hit, True
 
