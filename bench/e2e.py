@@ -161,7 +161,7 @@ def run(model: str, long_tokens: int, n_long: int, miss_prompts: int, miss_token
                    "max_num_batched_tokens": max_num_batched_tokens}
     chunk = CHUNK
     if hybrid:  # a hybrid's chunk is its block size; the flags come from the plan
-        from offload.plan import plan_for_model
+        from offload.plan.run import plan_for_model
 
         plan = plan_for_model(model)
         chunk = plan.hybrid_chunk_size

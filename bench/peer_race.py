@@ -898,7 +898,7 @@ def race(runs: list[Any], work_dir: str | None, out_dir: Path | None, name: str,
     `one(run, work, plan, log_dir, checkpoint)` per model (`checkpoint(part)` writes
     `<name>.partial.json` with the models so far and `part`: a long run that dies keeps its finished
     rounds), its table, and `<out_dir>/<name>.json`."""
-    from offload.plan import plan_for_models
+    from offload.plan.run import plan_for_models
 
     if work_dir:
         Path(work_dir).mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.engine import RunSpec, run_engine
-from offload.plan import ModelPlan, plan_for_model
+from offload.plan.model import ModelPlan
+from offload.plan.run import plan_for_model
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULTS, PLAN, UNIT = "vLLM defaults", "plan flags", "plan flags + unit"

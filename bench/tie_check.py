@@ -18,7 +18,7 @@ from bench import peer_race as pr
 
 
 def main(argv: list[str]) -> int:
-    from offload.plan import plan_for_models
+    from offload.plan.run import plan_for_models
 
     model, n = argv[0], int(argv[1])
     plan = plan_for_models([model])[0]

@@ -34,7 +34,7 @@ full attention (2 KV heads x head_dim 256, bf16: 2048 B per token per layer) + 3
 (1,097,728 B of state per layer in bf16: conv 8192 x 3 x 2 B + recurrent 32 x 128 x 128 x 2 B),
 in 4 KV cache groups of 12 layers (3 Mamba, 1 full attention), block size 544 (vLLM raises the
 attention block until its page holds a state), chunk = block = 544 tokens, prefix-match unit 34
-(`offload.plan.prefix_match_unit`: the partial-tail unit the plan serves it with).
+(`offload.plan.policy.prefix_match_unit`: the partial-tail unit the plan serves it with).
 
 Policies: `all`, `by_use` (also reported as `default`, the value of `DEFAULT_STATE_POLICY`),
 `tails`, and `attention_only`: the attention group alone (same block, chunk and bytes, no states;
@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from offload.keys import ChunkKey, chunk_keys, fingerprint, request_root, tail_key
-from offload.plan import prefix_match_unit
+from offload.plan.policy import prefix_match_unit
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, GroupSpec, HybridOffloadPlanner
 from offload.planner.states import DEFAULT_STATE_POLICY, StatePolicy, admission
 from offload.store.cpu import CpuIndex, CpuLayout

@@ -36,7 +36,7 @@ from pathlib import Path
 from offload import cli
 from offload.cli.warmup import explicit_chunk_size
 from offload.config import tier_dicts
-from offload.plan import plan_for_model
+from offload.plan.run import plan_for_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -175,7 +175,7 @@ def _bench_e2e_small(models_dir: Path, tmp_path: Path) -> dict:
 def test_bench_e2e_small(prefetched, models_dir) -> None:
     """Items 5 and 6 on the tiny Llama: one engine pair (no connector; the
     connector storing then restoring in the same process)."""
-    from offload.plan import plan_for_model
+    from offload.plan.run import plan_for_model
 
     doc = prefetched(_bench_e2e_small)
     # What the planner lets a 1024-token prompt hit with vLLM's layout for this model here
@@ -266,7 +266,7 @@ def test_prefill_flags_steps_come_from_vllms_scheduler(models_dir) -> None:
     plan: every step within the configuration's token budget, the prompt whole, and the plan's unit
     costs one more step exactly where the prompt's unit-aligned tail falls inside a block."""
     from bench import prefill_flags as pf
-    from offload.plan import plan_for_model
+    from offload.plan.run import plan_for_model
 
     plan = plan_for_model(models_dir / "qwen3-next-tiny")
     unit, block = plan.prefix_match_unit, max(plan.block_sizes)
@@ -292,7 +292,7 @@ def _bench_prefill_flags_small(models_dir: Path, tmp_path: Path) -> dict:
     """bench/prefill_flags.py on the tiny hybrid: 2 prompts whose unit-aligned tail is inside a
     block, 1 rep, the three engines one after the other."""
     from bench import prefill_flags as pf
-    from offload.plan import plan_for_model
+    from offload.plan.run import plan_for_model
 
     model = str(models_dir / "qwen3-next-tiny")
     plan = plan_for_model(model)

@@ -255,7 +255,7 @@ def test_fs_planted_swapped_copied_wrong_key_and_rotation_on_real_engines(prefet
 @pytest.mark.long
 def test_fs_authentication_on_the_80b_geometry(models_dir, tmp_path, capfd):
     """The same on the Qwen3-Next-80B per-layer geometry, with the chunk size and flags of its plan."""
-    from offload.plan import plan_for_model
+    from offload.plan.run import plan_for_model
 
     model = models_dir / "qwen3-next-80b-geometry"
     plan = plan_for_model(model, max_model_len=4096)

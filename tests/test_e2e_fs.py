@@ -150,7 +150,7 @@ def llama(models_dir, qwen, tmp_path_factory):
     with the connector loaded on an empty directory, restoring nothing, as
     asserted below; the comparison itself stays exact.
     """
-    from offload.plan import plan_for_model
+    from offload.plan.run import plan_for_model
 
     shared, empty = qwen["snapshot"], tmp_path_factory.mktemp("cache2")
     cold = qwen["llama_cold"].result()  # serve(models_dir, "llama-tiny", shared, "1"), run beside Qwen's warm run

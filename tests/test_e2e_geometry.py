@@ -53,7 +53,7 @@ def cached(out: dict) -> int:
 
 @pytest.fixture(scope="module")
 def runs(models_dir, tmp_path_factory):
-    from offload.plan import plan_for_model
+    from offload.plan.run import plan_for_model
 
     tmp = tmp_path_factory.mktemp("geometry")
     model = models_dir / MODEL

@@ -189,7 +189,7 @@ def test_real_geometry_restores_from_lmcache_then_files(models_dir, tmp_path):
     (tests/test_e2e_geometry.py), with the chunk size and flags of its plan:
     LMCache restores after a reset, files after a restart, identical tokens.
     Prefill runs at tens of tokens per second here: a `long` test."""
-    from offload.plan import plan_for_model
+    from offload.plan.run import plan_for_model
 
     model = models_dir / "qwen3-next-80b-geometry"
     plan = plan_for_model(model, max_model_len=4096)

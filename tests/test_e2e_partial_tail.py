@@ -155,7 +155,7 @@ def _llama_prompts(block: int) -> list[list[int]]:
 def _llama_runs(models_dir, tmp_path):
     from dataclasses import replace
 
-    from offload.plan import plan_for_model
+    from offload.plan.run import plan_for_model
     from offload.planner import HybridOffloadPlanner
 
     llama, args = str(models_dir / "llama-tiny"), engine_args(False)
@@ -236,7 +236,7 @@ def test_qwen3_next_80b_geometry_restores_what_vllms_own_cache_hits(models_dir, 
     sharing its first 2000 tokens, with the flags and unit `kvoffload plan`
     prints for this geometry here (blocks of 640 or 1152 tokens by CPU kind).
     Prints the table: vLLM's own in-process hit vs ours after a restart."""
-    from offload.plan import plan_for_model
+    from offload.plan.run import plan_for_model
 
     model = models_dir / "qwen3-next-80b-geometry"
     plan = plan_for_model(model, max_model_len=4096)

@@ -311,7 +311,7 @@ def totals(run: dict) -> dict:
 def test_state_policies_on_a_trace_slice_with_a_restart(models_dir, tmp_path):
     from noop_connector import KV as NOOP
     from noop_connector import pythonpath
-    from offload.plan import plan_for_model
+    from offload.plan.run import plan_for_model
 
     t_start = time.monotonic()
     model = state_model(models_dir)
@@ -398,7 +398,7 @@ def _small_runs(models_dir, tmp_path):
     policy with the tiered config; beside it the same prompts through the do-nothing connector."""
     from noop_connector import KV as NOOP
     from noop_connector import pythonpath
-    from offload.plan import plan_for_model
+    from offload.plan.run import plan_for_model
 
     model = state_model(models_dir)
     plan = plan_for_model(model, max_model_len=4096)

@@ -114,7 +114,7 @@ def test_weights_favour_the_filesystem_child_on_a_tie(runs):
 
 
 def _llama(models_dir, tmp_path):
-    from offload.plan import plan_for_model
+    from offload.plan.run import plan_for_model
 
     llama = str(models_dir / "llama-tiny")
     cold, planner = side_by_side(lambda: run_engine(RunSpec(llama, LLAMA_PROMPTS, tiered(tmp_path), 12,

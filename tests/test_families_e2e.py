@@ -67,7 +67,7 @@ def scenario(models_dir: Path, tmp_path: Path, name: str) -> dict:
     """The four engines of the module docstring."""
     from noop_connector import KV as NOOP
     from noop_connector import pythonpath
-    from offload.plan import plan_for_model
+    from offload.plan.run import plan_for_model
 
     model = family_model(models_dir, name)
     plan = plan_for_model(model, max_model_len=MAX_LEN)

@@ -90,7 +90,7 @@ def _plans(models_dir: Path, tmp_path: Path) -> dict:
     import subprocess
     import sys
 
-    from offload.plan import plan_for_models
+    from offload.plan.run import plan_for_models
 
     if not (models_dir / JAMBA / "config.json").exists():
         subprocess.run([sys.executable, str(REPO / "tools" / "tiny_models.py"), str(models_dir)], check=True)

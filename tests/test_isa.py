@@ -25,7 +25,8 @@ import pytest
 
 from conftest import REPO, engine_args, fs_kv_config, layouts, random_prompt
 from harness.engine import RunSpec, run_engine
-from offload.plan import cpu_isa, plan_for_model
+from offload.plan.model import cpu_isa
+from offload.plan.run import plan_for_model
 from test_plan import config, expected_layout, vllm_cpu_facts
 
 pytestmark = pytest.mark.long  # a plan per kind and TP size, and engine runs (docs/development.md)

@@ -271,7 +271,7 @@ def missing(cache: Path, planner, prompt: list[int]) -> list[int]:
 
 def test_partial_tails_under_concurrent_load_preemption_aborts_and_a_restart(models_dir, tmp_path):
     from offload.cli.cache import scan
-    from offload.plan import plan_for_model
+    from offload.plan.run import plan_for_model
     from offload.planner import HybridOffloadPlanner
 
     t_start = time.monotonic()

@@ -43,7 +43,9 @@ from pathlib import Path
 
 import pytest
 
-from offload.plan import GroupPlan, ModelPlan, PlanError, cli_args, plan_for_models, serve_flags
+from offload.plan.model import GroupPlan, ModelPlan
+from offload.plan.policy import cli_args, serve_flags
+from offload.plan.run import PlanError, plan_for_models
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, GroupSpec, HybridOffloadPlanner
 from offload.store.format import HEADER_LEN, ChunkHeader
 
@@ -190,7 +192,7 @@ def test_groups_block_sizes_and_pages_match_config_json(plans, geometry_models, 
 def test_the_plan_names_the_kernel_build_that_decided_its_blocks(plans):
     """The Qwen3-Next-80B geometry gets 640-token blocks with a bfloat16 GDN state (AVX2, AVX512)
     and 1152 with a float32 one (AVX512-BF16): the plan says which build it was planned under."""
-    from offload.plan import cpu_isa
+    from offload.plan.model import cpu_isa
 
     plan = plan_of(plans, "qwen3-next-80b-geometry")
     assert plan.cpu_isa == cpu_isa() and plan.cpu_isa in ("avx2", "avx512", "avx512_bf16")
@@ -287,7 +289,7 @@ def test_serve_flags_rule():
 
 def test_explicit_chunk_size_on_a_hybrid_must_be_the_block_lcm():
     """The planner's math accepts any multiple; vLLM keeps Mamba states at block boundaries only."""
-    from offload.plan import check_chunk_size
+    from offload.plan.policy import check_chunk_size
     from offload.planner import ChunkSizeError
 
     attn = GroupSpec(GroupKind.FULL_ATTENTION, 640, 1024, 1)
@@ -360,8 +362,9 @@ def test_cli_usage_errors_exit_2(tmp_path, capsys):
 
 
 def test_import_is_cheap():
-    """offload.plan imports neither vLLM nor torch; the CLI module does not import vLLM."""
-    r = subprocess.run([sys.executable, "-c", "import sys, offload.plan; a = {'vllm', 'torch'} & set(sys.modules); "
+    """offload.plan's modules import neither vLLM nor torch; the CLI module does not import vLLM."""
+    r = subprocess.run([sys.executable, "-c", "import sys, offload.plan.policy, offload.plan.model, offload.plan.run, "
+                        "offload.plan.probe; a = {'vllm', 'torch'} & set(sys.modules); "
                         "import offload.cli.plan; print(sorted(a), 'vllm' in sys.modules)"],
                        cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     assert r.stdout.strip() == "[] False"

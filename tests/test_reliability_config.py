@@ -247,7 +247,7 @@ def test_models_dtypes_tp_layouts_and_chunk_sizes_never_share_files(vllm_setup, 
 ])
 def test_start_up_logs_the_plan_and_names_flags_that_lose_hits(vllm_setup, tmp_path, caplog, step, retention, lost):
     """The scheduler-side connector logs what `kvoffload plan` prints, and warns with the exact flags
-    when the engine's would keep Mamba states at prompt ends only (offload/plan.py::serve_flags)."""
+    when the engine's would keep Mamba states at prompt ends only (offload/plan/policy.py::serve_flags)."""
     import copy
     import logging
 

@@ -122,7 +122,7 @@ def test_fails_on_a_removed_method_we_call(vllm_033, tmp_path):
 
 
 def test_imports_are_checked_with_their_version_fallbacks(vllm_033, tmp_path):
-    """offload/plan.py imports `get_kv_cache_configs` from 0.33's `kv_cache_planning`, falling back
+    """offload/plan/probe.py imports `get_kv_cache_configs` from 0.33's `kv_cache_planning`, falling back
     to 0.32's `kv_cache_utils`: both trees pass, and a tree where neither branch resolves warns."""
     for root in (vllm_033, api.installed_root()):
         rep = api.check(root)
@@ -132,7 +132,7 @@ def test_imports_are_checked_with_their_version_fallbacks(vllm_033, tmp_path):
     planning = root / "vllm" / "v1" / "core" / "kv_cache_planning.py"
     planning.write_text(planning.read_text().replace("def get_kv_cache_configs(", "def renamed_kv_cache_configs("))
     warnings = api.check(root).warnings
-    assert any("get_kv_cache_configs" in w and "offload/plan.py" in w for w in warnings), warnings
+    assert any("get_kv_cache_configs" in w and "offload/plan/probe.py" in w for w in warnings), warnings
 
 
 # ---- 2. sleep mode through the real connector ------------------------------------------------------

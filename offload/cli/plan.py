@@ -22,7 +22,7 @@ decides the GDN state dtype) give hybrid models different block sizes. With
 --tensor-parallel-size N, page bytes are per rank.
 
 Exit codes: 0 plan printed; 1 vLLM refuses the flags planned for the model
-(a bug in the flag rule, `offload.plan.serve_flags`); 2 usage error: the
+(a bug in the flag rule, `offload.plan.policy.serve_flags`); 2 usage error: the
 model directory is missing, vLLM cannot build a configuration for the model
 on this platform, or --hybrid-chunk-size does not fit the block sizes.
 """
@@ -33,7 +33,7 @@ import argparse
 import json
 import sys
 
-from offload.plan import FlagsError, PlanError, plan_for_model
+from offload.plan.run import FlagsError, PlanError, plan_for_model
 from offload.planner import ChunkSizeError
 
 
@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
               "leave it out for the planner's default", file=sys.stderr)
         return 2
     except FlagsError as e:
-        print(f"kvoffload plan: {e}\nthis is a bug in offload.plan.serve_flags: please report it", file=sys.stderr)
+        print(f"kvoffload plan: {e}\nthis is a bug in offload.plan.policy.serve_flags: please report it",
+              file=sys.stderr)
         return 1
     except PlanError as e:
         print(f"kvoffload plan: --model {args.model}: {e}\n"

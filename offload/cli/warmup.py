@@ -49,7 +49,8 @@ from typing import Any
 from offload.cli.prompts import Prompt, PromptFileError, load, token_ids
 from offload.config import connector_extras, tier_dicts
 from offload.engine_run import RunResult, RunSpec, run_engine
-from offload.plan import ModelPlan, PlanError, plan_for_model
+from offload.plan.model import ModelPlan
+from offload.plan.run import PlanError, plan_for_model
 from offload.planner import HybridOffloadPlanner
 
 
@@ -92,7 +93,7 @@ def explicit_chunk_size(kv: dict) -> int | None:
 
 
 def engine_args(plan: ModelPlan, batched: int | None = None, max_len: int | None = None) -> dict:
-    """The plan's flags (offload/plan.py::serve_flags), eager, and a model length for small machines."""
+    """The plan's flags (offload/plan/policy.py::serve_flags), eager, and a model length for small machines."""
     args: dict[str, Any] = {**plan.engine_kwargs, "enforce_eager": True,
                             "max_model_len": max_len or min(plan.max_model_len or 4096, 8192)}
     if batched:

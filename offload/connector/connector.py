@@ -25,7 +25,8 @@ from offload.connector.startup import advise, share_vllm_logging
 from offload.keys import FORMAT_VERSION, fingerprint, rank_fingerprint
 from offload.layout import fingerprint_fields, group_specs
 from offload.metrics import OffloadPromMetrics, OffloadStats, Recorder
-from offload.plan import check_chunk_size, plan_from_engine
+from offload.plan.model import plan_from_engine
+from offload.plan.policy import check_chunk_size
 from offload.planner import ChunkSizeError, GroupKind, HybridOffloadPlanner
 from offload.store.base import TierContext, TierIndex, TierSpec
 from offload.store.cachedir.owners import CacheDirs

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
     from offload.config import OffloadConfig
-    from offload.plan import ModelPlan
+    from offload.plan.model import ModelPlan
     from offload.planner import HybridOffloadPlanner
 
 logger = init_logger(__name__)
@@ -63,7 +63,7 @@ def flags_losing_hits(vllm_config: VllmConfig, planned: dict[str, Any]) -> list[
     """The planned Mamba checkpoint flags this engine runs without, as
     `vllm serve` flags. A prefill step longer than a chunk, or a retention
     interval that drops the states between steps, leaves states only at
-    prompt ends (measured, offload/plan.py::serve_flags)."""
+    prompt ends (measured, offload/plan/policy.py::serve_flags)."""
     if "prefix_cache_retention_interval" not in planned:
         return []
     chunk = planned["prefix_cache_retention_interval"]
