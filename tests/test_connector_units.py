@@ -42,6 +42,7 @@ from vllm_unit_utils import (
     hybrid_kv_cache_config,
     run_and_snapshot,
     set_connector,
+    tiny_hybrid_engine,
 )
 
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]  # llama-tiny
@@ -1362,16 +1363,8 @@ def test_partial_tail_loads_wait_for_room_instead_of_stalling_vllm(models_dir, t
     the free blocks hold what it and every admitted load still need, so the
     others wait a step at a time and every repeat restores its tail."""
     release, _ = held_loads
-    cfg = create_vllm_config(str(models_dir / "qwen3-next-tiny"), block_size=128, max_num_batched_tokens=128,
-                             max_model_len=1536, prefix_cache_retention_interval=128, prefix_match_unit=UNIT)
-    set_connector(cfg, {"store": "cpu", "cpu_bytes": 1 << 24})
-    kcc = hybrid_kv_cache_config(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
-                                 ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
-                                 block_size=128, mamba_shapes=((3, 192), (1, 64, 64)),
-                                 mamba_dtypes=(torch.bfloat16, torch.float32), num_kv_heads=4, head_size=64,
-                                 num_blocks=num_blocks, mamba_cache_mode=cfg.cache_config.mamba_cache_mode)
-    sched = create_scheduler(cfg, kcc)
-    eng = Engine(sched, WorkerStep(cfg, kcc, sched))
+    eng = tiny_hybrid_engine(str(models_dir / "qwen3-next-tiny"), num_blocks, UNIT)
+    sched = eng.scheduler
     try:
         prompts = [prompt(40 + i, 250) for i in range(3)]
         release.set()  # the stores' own runs load nothing
@@ -1409,16 +1402,8 @@ def test_a_hit_no_longer_than_vllms_own_partial_block_is_not_deferred(models_dir
     loaded back from our tier (measured before this rule: deferred, restored 192, vLLM's own hit
     lost). Real loads still wait (test_partial_tail_loads_wait_for_room_instead_of_stalling_vllm)."""
     release, _ = held_loads
-    cfg = create_vllm_config(str(models_dir / "qwen3-next-tiny"), block_size=128, max_num_batched_tokens=128,
-                             max_model_len=2048, prefix_cache_retention_interval=128, prefix_match_unit=UNIT)
-    set_connector(cfg, {"store": "cpu", "cpu_bytes": 1 << 24})
-    kcc = hybrid_kv_cache_config(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
-                                 ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
-                                 block_size=128, mamba_shapes=((3, 192), (1, 64, 64)),
-                                 mamba_dtypes=(torch.bfloat16, torch.float32), num_kv_heads=4, head_size=64,
-                                 num_blocks=14, mamba_cache_mode=cfg.cache_config.mamba_cache_mode)
-    sched = create_scheduler(cfg, kcc)
-    eng = Engine(sched, WorkerStep(cfg, kcc, sched))
+    eng = tiny_hybrid_engine(str(models_dir / "qwen3-next-tiny"), 14, UNIT, max_model_len=2048)
+    sched = eng.scheduler
     ours = sched.connector._sched
     try:
         release.set()  # the stores' own runs load nothing

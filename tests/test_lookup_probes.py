@@ -15,7 +15,6 @@ import threading
 from collections import Counter
 
 import pytest
-import torch
 
 from offload.connector.scheduler import SchedulerSide
 from offload.store.cpu import CpuIndex
@@ -28,8 +27,8 @@ from vllm_unit_utils import (
     create_request,
     create_scheduler,
     create_vllm_config,
-    hybrid_kv_cache_config,
     set_connector,
+    tiny_hybrid_engine,
 )
 
 UNIT = 64  # divides the tiny hybrid's 128-token blocks: vLLM hits at every 64 tokens
@@ -86,16 +85,7 @@ def probes(monkeypatch):
 
 
 def hybrid_engine(models_dir, num_blocks: int) -> Engine:
-    cfg = create_vllm_config(str(models_dir / "qwen3-next-tiny"), block_size=128, max_num_batched_tokens=128,
-                             max_model_len=1536, prefix_cache_retention_interval=128, prefix_match_unit=UNIT)
-    set_connector(cfg, {"store": "cpu", "cpu_bytes": 1 << 24})
-    kcc = hybrid_kv_cache_config(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
-                                 ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
-                                 block_size=128, mamba_shapes=((3, 192), (1, 64, 64)),
-                                 mamba_dtypes=(torch.bfloat16, torch.float32), num_kv_heads=4, head_size=64,
-                                 num_blocks=num_blocks, mamba_cache_mode=cfg.cache_config.mamba_cache_mode)
-    sched = create_scheduler(cfg, kcc)
-    return Engine(sched, WorkerStep(cfg, kcc, sched))
+    return tiny_hybrid_engine(str(models_dir / "qwen3-next-tiny"), num_blocks, UNIT)
 
 
 def store_then_repeat(eng: Engine, release, prompts: list[list[int]]) -> None:

@@ -384,3 +384,18 @@ def run_and_snapshot(eng: Engine, req_id: str, tokens: list[int], *, block_size:
             snapshot = eng.worker.blocks_bytes(blocks)
     assert snapshot is not None, f"{req_id}: never computed the {hit} tokens a repeat restores"
     return snapshot
+
+
+def tiny_hybrid_engine(model_dir: str, num_blocks: int, unit: int, max_model_len: int = 1536) -> Engine:
+    """The tiny hybrid (tools/tiny_models.py's qwen3-next-tiny: 128-token blocks) under vLLM's
+    Scheduler with `num_blocks` KV cache blocks, prefix-match unit `unit` and a 16 MiB host-memory tier."""
+    cfg = create_vllm_config(model_dir, block_size=128, max_num_batched_tokens=128, max_model_len=max_model_len,
+                             prefix_cache_retention_interval=128, prefix_match_unit=unit)
+    set_connector(cfg, {"store": "cpu", "cpu_bytes": 1 << 24})
+    kcc = hybrid_kv_cache_config(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
+                                 ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
+                                 block_size=128, mamba_shapes=((3, 192), (1, 64, 64)),
+                                 mamba_dtypes=(torch.bfloat16, torch.float32), num_kv_heads=4, head_size=64,
+                                 num_blocks=num_blocks, mamba_cache_mode=cfg.cache_config.mamba_cache_mode)
+    sched = create_scheduler(cfg, kcc)
+    return Engine(sched, WorkerStep(cfg, kcc, sched))
