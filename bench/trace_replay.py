@@ -8,7 +8,7 @@ hit needs, what a chunk or tail entry holds, a state's class), `offload.keys` (c
 and tail keys of deterministic token ids), `offload.planner.states.admission`, and the host-memory
 tier's scheduler-side index and evictor (`CpuLayout.plan` + `CpuIndex`: one arena of frames,
 prefix-closed leaf LRU, cold admission). Per request it does what `offload.connector.scheduler`
-does, in its order:
+(and its store planning, `offload.connector.store_plan`) does, in its order:
 
 1. lookup (`get_num_new_matched_tokens`): `planner.lookup` with the index's `contains` for chunk
    and partial-tail keys; the branch point is `max(full_prefix, computed // chunk) * chunk`;

