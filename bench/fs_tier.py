@@ -65,8 +65,10 @@ from offload.metrics import Recorder
 from offload.store.auth import AuthRef
 from offload.store.base import HostChunk, Placement
 from offload.store.buffers import BufferPool, probe_o_direct
+from offload.store.files import FileStore
 from offload.store.format import HEADER_LEN, ChunkHeader
-from offload.store.fs import FileStore, FsData, FsOptions
+from offload.store.fs import FsData
+from offload.store.options import FsOptions
 
 FP = Fingerprint(bytes(range(32)))
 RAW_IO = 16 << 20

@@ -42,8 +42,9 @@ from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind
 from offload.store.base import HostChunk, Placement
 from offload.store.buffers import BufferPool
+from offload.store.files import FileStore
 from offload.store.format import ChunkHeader
-from offload.store.fs import FileStore, FsData
+from offload.store.fs import FsData
 
 sys.path.insert(0, str(REPO / "tests"))
 import gluster  # tests/gluster.py: the volume

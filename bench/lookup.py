@@ -26,7 +26,8 @@ from pathlib import Path
 from bench.common import REPO, drop_page_cache, filesystem_of, median, table, write_results
 from offload.keys import Fingerprint, chunk_keys, request_root
 from offload.planner import GroupKind, GroupSpec, HybridOffloadPlanner
-from offload.store.fs import FileStore, FsIndex
+from offload.store.files import FileStore
+from offload.store.fs import FsIndex
 
 CHUNK = 256
 FP = Fingerprint(bytes(range(32, 64)))

@@ -52,8 +52,8 @@ from offload.store.base import HostChunk
 from offload.store.buffers import BufferPool
 from offload.store.cachedir.budget import DirBudget
 from offload.store.cachedir.paths import chunk_path, chunk_rel
+from offload.store.files import FileStore
 from offload.store.format import HEADER_LEN, ChunkHeader
-from offload.store.fs import FileStore
 
 FP = Fingerprint(hashlib.sha256(b"kvoffload bench scale").digest())
 DEPTH = 8

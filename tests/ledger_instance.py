@@ -37,8 +37,8 @@ from offload.planner import GroupKind
 from offload.store.cachedir.budget import DirBudget
 from offload.store.cachedir.housekeeper import Housekeeper
 from offload.store.cachedir.paths import LAYOUT_DIR
+from offload.store.files import FileStore
 from offload.store.format import ChunkHeader
-from offload.store.fs import FileStore
 
 FP = Fingerprint(hashlib.sha256(b"kvoffload ledger test").digest())
 GDN, ATTN = 0, 1

@@ -34,8 +34,9 @@ from offload.store.auth import (
 )
 from offload.store.base import ChunkMiss, MissReason, OptionError
 from offload.store.cachedir.paths import LAYOUT_DIR
+from offload.store.files import FileStore
 from offload.store.format import HEADER_LEN, MAC_OFFSET, NO_KEY, ChunkHeader, FormatError
-from offload.store.fs import FileStore, FsOptions
+from offload.store.options import FsOptions
 from test_format_store import FIELD_OFFSETS, FP, LAYOUT, crc32c_ref, header, key_of, payload
 
 K1 = bytes(range(32, 80))  # 48 bytes
@@ -456,7 +457,7 @@ def test_lmcache_objects_carry_the_same_mac(tmp_path):
 
 def test_without_a_key_group_writable_dirs_and_other_writers_are_found(tmp_path):
     from offload.store.cachedir.hygiene import HOST_TAG
-    from offload.store.fs import unauthenticated_risks
+    from offload.store.files import unauthenticated_risks
 
     path = tmp_path / "cache"
     s = store(tmp_path, None)

@@ -18,8 +18,9 @@ from offload.copier import GroupPages, LayerPages
 from offload.planner import GroupKind
 from offload.store.base import HostChunk, Placement
 from offload.store.buffers import BufferPool, probe_o_direct
+from offload.store.files import FileStore
 from offload.store.format import HEADER_LEN, ChunkHeader
-from offload.store.fs import FileStore, FsData
+from offload.store.fs import FsData
 
 FP = bytes(range(32))
 REPO = Path(__file__).resolve().parents[1]

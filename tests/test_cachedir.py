@@ -16,7 +16,8 @@ from offload.store.cachedir.budget import DirBudget
 from offload.store.cachedir.housekeeper import Housekeeper
 from offload.store.cachedir.owners import CacheDirs, Shared
 from offload.store.cachedir.paths import LEDGER_DIR, LOG_NAME, top_dir
-from offload.store.fs import FileStore, FsOptions
+from offload.store.files import FileStore
+from offload.store.options import FsOptions
 
 
 def wait_for(cond, timeout_s: float = 30.0, what: str = "") -> None:

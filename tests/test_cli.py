@@ -236,7 +236,7 @@ def _ledger_cache(tmp_path: Path):
 
     from ledger_instance import FP, true_bytes, write_prompt
     from offload.store.cachedir.budget import DirBudget
-    from offload.store.fs import FileStore
+    from offload.store.files import FileStore
 
     top = tmp_path / LAYOUT_DIR
     live = DirBudget(top)
@@ -281,8 +281,8 @@ def test_gc_evicts_states_stored_cold_first_each_on_its_own_then_whole_chunks(ca
     from ledger_instance import ATTN, FP, GDN, key, true_bytes
     from offload.planner import GroupKind
     from offload.store.cachedir.budget import DirBudget
+    from offload.store.files import FileStore
     from offload.store.format import ChunkHeader
-    from offload.store.fs import FileStore
 
     top = tmp_path / LAYOUT_DIR
     store = dataclasses.replace(FileStore.open(str(tmp_path), FP), account=DirBudget(top))

@@ -193,11 +193,10 @@ def test_cpu_data_round_trip_and_slot_identity_check():
 
     from offload.copier import GroupPages, LayerPages
     from offload.keys import ChunkKey
-    from offload.store.base import HostChunk, Placement
+    from offload.store.base import ChunkMiss, HostChunk, Placement
     from offload.store.buffers import BufferPool
     from offload.store.cpu import CpuData
     from offload.store.format import ChunkHeader
-    from offload.store.fs import ChunkMiss
 
     num_blocks = 8
     kv = torch.randint(-100, 100, (num_blocks, 4, 16, 8), dtype=torch.int16)

@@ -1,5 +1,5 @@
 """Tests for the chunk file format (offload/store/format.py) and the
-filesystem tier (offload/store/fs.py), on real files under tmp_path.
+filesystem tier (offload/store/files.py, offload/store/fs.py), on real files under tmp_path.
 
 Header bytes are checked against the documented layout with `struct` and a
 pure-Python CRC-32C, not against the code under test.
@@ -22,11 +22,11 @@ import torch
 
 from offload.keys import FORMAT_VERSION
 from offload.planner import GroupKind
-from offload.store.base import HostChunk
+from offload.store.base import ChunkMiss, HostChunk
 from offload.store.buffers import BufferPool
 from offload.store.cachedir.paths import LAYOUT_DIR
+from offload.store.files import FileStore
 from offload.store.format import HEADER_LEN, MAGIC, ChunkHeader, FormatError
-from offload.store.fs import ChunkMiss, FileStore
 
 PAGE = 4096
 NPAGES = 3
@@ -530,7 +530,7 @@ from pathlib import Path
 import torch
 sys.path.insert(0, sys.argv[2])
 from test_format_store import FP, header, payload
-from offload.store.fs import FileStore
+from offload.store.files import FileStore
 s = FileStore.open(sys.argv[1], FP)
 h = header()
 s.file_path(h.group, h.key).parent.mkdir(parents=True)

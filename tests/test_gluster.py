@@ -38,8 +38,9 @@ from offload.store.cachedir import hygiene
 from offload.store.cachedir.budget import DirBudget
 from offload.store.cachedir.ledger import Lease
 from offload.store.cachedir.paths import LAYOUT_DIR, LEDGER_DIR
+from offload.store.files import FileStore
 from offload.store.format import ChunkHeader
-from offload.store.fs import FileStore, FsData
+from offload.store.fs import FsData
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1"}
 LAYOUT = {"chunk_size": 256, "groups": [{"spec": "MambaSpec(...)"}, {"spec": "FullAttentionSpec(...)"}],

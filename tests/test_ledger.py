@@ -27,8 +27,8 @@ from offload.store.cachedir import ledger as lg
 from offload.store.cachedir.budget import DirBudget
 from offload.store.cachedir.housekeeper import Housekeeper
 from offload.store.cachedir.paths import LAYOUT_DIR
+from offload.store.files import FileStore
 from offload.store.format import ChunkHeader
-from offload.store.fs import FileStore
 
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1"}
 

@@ -188,7 +188,8 @@ def test_models_dtypes_tp_layouts_and_chunk_sizes_never_share_files(vllm_setup, 
 
     from offload.keys import fingerprint, rank_fingerprint
     from offload.layout import fingerprint_fields
-    from offload.store.fs import ChunkMiss, FileStore
+    from offload.store.base import ChunkMiss
+    from offload.store.files import FileStore
 
     vllm_config, kvc = vllm_setup
 

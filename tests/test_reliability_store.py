@@ -26,13 +26,13 @@ from conftest import REPO
 from faults.report import record
 from faults.store_writer import ATTN, FP, GDN, KvCache, expected_payload, key_of
 from offload.copier import crc32c
-from offload.store.base import OptionError
+from offload.store.base import ChunkMiss, OptionError
 from offload.store.cachedir import hygiene
 from offload.store.cachedir.budget import DirBudget
 from offload.store.cachedir.owners import CacheDirs
 from offload.store.cachedir.paths import LAYOUT_DIR
+from offload.store.files import FileStore
 from offload.store.format import HEADER_LEN, ChunkHeader
-from offload.store.fs import ChunkMiss, FileStore
 
 CYCLES = int(os.environ.get("KVOFFLOAD_KILL_CYCLES", "20"))
 CHUNKS_PER_CYCLE = 100_000  # chunk index range of one writer process
@@ -240,12 +240,12 @@ def test_file_and_directory_modes_follow_config_whatever_the_umask(tmp_path):
 import os, sys
 sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]
 from offload.config import parse_config
-from offload.store.fs import FileStore
-import offload.store.fs as fs
+from offload.store.files import FileStore
+import offload.store.files as files
 from faults.store_writer import FP, KvCache
 for n, (umask, fm, dm) in enumerate({MODE_CASES!r}):
     os.umask(umask)
-    fs._UMASK = umask
+    files._UMASK = umask
     extra = {{"store": "fs", "path": {str(tmp_path)!r} + f"/c{{n}}"}}
     if fm:
         extra |= {{"file_mode": fm, "dir_mode": dm}}

@@ -63,7 +63,7 @@ from offload.cli.cache import (
 from offload.store.auth import AuthRef, KeyConfigError, Keyring, load_keyring
 from offload.store.cachedir.budget import DirBudget
 from offload.store.cachedir.paths import LAYOUT_DIR, quarantine_dir, quarantined_path
-from offload.store.fs import DEFAULT_ORPHAN_AGE_S
+from offload.store.options import DEFAULT_ORPHAN_AGE_S
 
 EXIT_CLEAN, EXIT_PROBLEMS, EXIT_USAGE, EXIT_REPAIRED = 0, 1, 2, 3
 

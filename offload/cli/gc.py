@@ -70,8 +70,7 @@ from offload.planner import GroupKind
 from offload.store.cachedir.budget import DirBudget
 from offload.store.cachedir.paths import LAYOUT_DIR, rel_of
 from offload.store.evictor import LeafQueue
-from offload.store.fs import DEFAULT_ORPHAN_AGE_S
-from offload.store.options import parse_bytes
+from offload.store.options import DEFAULT_ORPHAN_AGE_S, parse_bytes
 
 
 def parse_size(s: str) -> int:

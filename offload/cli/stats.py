@@ -32,8 +32,19 @@ import sys
 import time
 from pathlib import Path
 
-from offload.cli.cache import Cache, Chunk, FpDir, NotACache, age, chunks, find_root, human, ledger_view, scan
-from offload.store.fs import LAYOUT_VERSION_DIR
+from offload.cli.cache import (
+    LAYOUT_VERSION_DIR,
+    Cache,
+    Chunk,
+    FpDir,
+    NotACache,
+    age,
+    chunks,
+    find_root,
+    human,
+    ledger_view,
+    scan,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -197,7 +208,6 @@ class UsageError(Exception):
 def remote_from_config(config: str, url: str | None) -> tuple[str, list[Path]]:
     """(the remote URL to read, the file tiers' layout directories) of a kv-transfer-config."""
     from offload.config import tier_dicts
-    from offload.store.fs import LAYOUT_VERSION_DIR
 
     try:
         doc = json.loads(Path(config).read_text())

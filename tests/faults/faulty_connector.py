@@ -27,7 +27,7 @@ import time
 
 from offload import copier
 from offload.connector import OffloadConnector  # noqa: F401  (what vLLM loads)
-from offload.store import fs
+from offload.store import files, fs
 
 FAULTS = json.loads(os.environ.get("KVOFFLOAD_FAULTS", "{}"))
 _lock = threading.Lock()
@@ -52,7 +52,7 @@ def _install() -> None:
     vanish = {(v["group"], k): v.get("how", "delete") for v in FAULTS.get("vanish_after_lookup", [])
               for k in v["keys"]}
     if vanish:
-        contains = fs.FileStore.contains
+        contains = files.FileStore.contains
 
         def faulty_contains(self, group, key):
             found = contains(self, group, key)
@@ -70,7 +70,7 @@ def _install() -> None:
                         path.write_bytes(os.urandom(n))
             return found
 
-        fs.FileStore.contains = faulty_contains
+        files.FileStore.contains = faulty_contains
 
     eio = set(FAULTS.get("eio_read_keys", []))
     if eio:

@@ -1,5 +1,5 @@
 """One cache directory's machinery, apart from the tiers that use it
-(offload/store/fs.py): the path codec (`paths`), hygiene at open (`hygiene`),
+(offload/store/files.py, fs.py): the path codec (`paths`), hygiene at open (`hygiene`),
 the ledger's logs, snapshots and lease (`ledger`) and its index
 (`usage_index`), the reconciling walk (`reconcile`), compaction
 (`compaction`), the byte budget that drives them (`budget`), the thread that
