@@ -24,7 +24,7 @@ from harness.cli import run_cli
 from harness.client import wait_until
 from harness.engine import RunSpec, run_engine
 from offload.cli.prompts import load, token_ids
-from offload.keys import chunk_keys, request_root
+from offload.keys import chunk_keys, request_root, tail_key
 from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.format import HEADER_LEN, ChunkHeader
 
@@ -54,7 +54,9 @@ def warm(models_dir, tmp_path_factory, fs_server):
     d = tmp_path_factory.mktemp("warm")
     model = str(models_dir / "qwen3-next-tiny")
     cfg = d / "kv.json"
-    cfg.write_text(json.dumps(fs_kv_config(d / "cache")))
+    # Every state hot: gc's order here is the LRU chains' alone. Under the default policy internal
+    # states are stored cold and gc takes them first (tests/test_cli.py, tests/test_ledger.py).
+    cfg.write_text(json.dumps(fs_kv_config(d / "cache", state_policy="all")))
     prompts = d / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in TOKEN_PROMPTS)
                        + json.dumps({"prompt": TEXT}) + "\n")
@@ -62,7 +64,8 @@ def warm(models_dir, tmp_path_factory, fs_server):
                       "--json")
     snapshot = tmp_path_factory.mktemp("snapshot")
     shutil.copytree(d / "cache", snapshot, dirs_exist_ok=True)
-    return {"rc": rc, "out": out, "model": model, "snapshot": snapshot, "ids": token_ids(load(prompts), model)}
+    return {"rc": rc, "out": out, "model": model, "snapshot": snapshot, "ids": token_ids(load(prompts), model),
+            "unit": json.loads(out)["prefix_match_unit"] if rc == 0 else None}
 
 
 def copy_cache(warm, tmp_path) -> Path:
@@ -81,6 +84,19 @@ def files_of(cache: Path, prompt: list[int], group: int) -> list[Path]:
     root, lay = fp_dir(cache)
     keys = chunk_keys(request_root(bytes.fromhex(lay["base_fingerprint"])), prompt, CHUNK)
     return [root / f"g{group}" / k.hex()[:2] / f"{k.hex()}.kv" for k in keys]
+
+
+def tail_file(cache: Path, prompt: list[int], group: int, unit: int | None) -> Path | None:
+    """The file of `prompt`'s partial tail (a hybrid: one entry per group, at the last
+    unit-aligned boundary before its last token), or None where that boundary is a chunk's."""
+    if unit is None or (t := (len(prompt) - 1) // unit * unit) % CHUNK == 0:
+        return None
+    root, lay = fp_dir(cache)
+    c = t // CHUNK
+    base = request_root(bytes.fromhex(lay["base_fingerprint"]))
+    parent = chunk_keys(base, prompt, CHUNK)[c - 1] if c else base
+    k = tail_key(parent, prompt[c * CHUNK:t])
+    return root / f"g{group}" / k.hex()[:2] / f"{k.hex()}.kv"
 
 
 def restorable(cache: Path, prompt: list[int]) -> int:
@@ -132,7 +148,9 @@ def test_stats_counts_match_the_files_and_the_prompts_keys(warm):
     groups = {g["group"]: g for g in d["groups"]}
     assert groups[GDN]["kind"] == "mamba" and groups[ATTN]["kind"] == "full_attention"
     attn_keys = {f for ids in warm["ids"] for f in files_of(cache, ids, ATTN)}
+    attn_keys |= {f for ids in warm["ids"] if (f := tail_file(cache, ids, ATTN, warm["unit"]))}
     assert groups[ATTN]["files"] == len(attn_keys)  # shared chunks are stored once
+    assert set((fp_dir(cache)[0] / f"g{ATTN}").rglob("*.kv")) == attn_keys
     assert d["chunks"] == len({f.stem for f in kv})
     assert d["longest_chain_tokens"] == max(len(p) // CHUNK for p in warm["ids"]) * CHUNK
     assert d["quarantined_files"] == 0 and d["tmp_files"] == 0

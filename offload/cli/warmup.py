@@ -249,7 +249,8 @@ def warm_engine(args: argparse.Namespace, kv: dict, ids: list[list[int]]) -> int
                  for label, r in zip(("2 after restart", "2 again (reset)"), run2)]
         problems = verdict(run1, run2, planner) if args.verify else []
         doc: dict[str, Any] = {"prompts": len(ids), "prompt_tokens": total, "model": args.model,
-                               "hybrid_chunk_size": chunk, "tiers": names, "runs": runs}
+                               "hybrid_chunk_size": chunk, "prefix_match_unit": plan.prefix_match_unit, "tiers": names,
+                               "runs": runs}
         if args.verify:
             doc.update(cross_restart_hit_rate=run2[0].hit_rate, expected_hit_rate=exp,
                        verify={"ok": not problems, "problems": problems})
