@@ -175,7 +175,7 @@ def _serve(spec: RunSpec, workdir: Path) -> None:
                 # a peer): the pass's stores must have landed, not wait on idle threads of a busy host.
                 land_stores()
             write_row(out, {"pass_done": p})
-    (workdir / "metrics.json").write_text(json.dumps(engine_run.kvoffload_metrics()))
+    engine_run.write_metrics(workdir, engine_run.kvoffload_metrics())
     while spec.hold:
         time.sleep(3600)
     del llm  # clean shutdown: the connector finishes its stores in flight

@@ -185,6 +185,13 @@ def run_engine(spec: RunSpec, env: dict[str, str] | None = None, timeout_s: floa
 # ---- the engine process ---------------------------------------------------------------------
 
 
+def write_metrics(workdir: Path, samples: Samples) -> None:
+    """DIR/metrics.json, whole or not at all: a run killed while writing it leaves no half file."""
+    tmp = workdir / "metrics.json.tmp"
+    tmp.write_text(json.dumps(samples))
+    os.replace(tmp, workdir / "metrics.json")
+
+
 def kvoffload_metrics() -> Samples:
     """This process's kvoffload_* Prometheus samples."""
     from prometheus_client import REGISTRY
@@ -238,7 +245,7 @@ def _serve(spec: RunSpec, workdir: Path) -> None:
             for i in indices:
                 write_row(out, {"pass": p, "index": i, "result": asdict(serve_one(llm, spec.prompts[i], params))})
             write_row(out, {"pass_done": p})
-    (workdir / "metrics.json").write_text(json.dumps(kvoffload_metrics()))
+    write_metrics(workdir, kvoffload_metrics())
     del llm  # clean shutdown: the connector finishes its stores in flight
 
 
