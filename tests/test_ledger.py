@@ -227,6 +227,87 @@ def test_a_killed_instance_leaves_a_readable_ledger_and_a_torn_line_is_tolerated
     assert drift.get("added_files", 0) <= 2 and drift.get("removed_files", 0) == 0, drift
 
 
+# ---- a ledger that cannot be written for a while ---------------------------------------------------
+
+
+class _Unwritable:
+    """The ledger directory made unwritable for real, as a network filesystem away from its
+    server is: this process's open log closed behind the writer's back (its next write fails
+    with EBADF), and the directory replaced by a plain file (a new log cannot be created)."""
+
+    def __init__(self, top: Path, acct: DirBudget) -> None:
+        self.d, self.aside, self.acct = top / lg.LEDGER_DIR, top / "ledger-away", acct
+
+    def __enter__(self) -> None:
+        if self.acct.ledger._fd is not None:
+            os.close(self.acct.ledger._fd)
+        self.d.rename(self.aside)
+        self.d.write_text("")
+
+    def __exit__(self, *exc) -> None:
+        self.d.unlink()
+        self.aside.rename(self.d)
+
+
+def test_records_the_ledger_could_not_take_are_appended_once_it_can(tmp_path):
+    top = tmp_path / LAYOUT_DIR
+    a = DirBudget(top)
+    sa = instance(tmp_path, a)
+    write_prompt(sa, "a", 0)
+    a.ensure_loaded()  # a walk, and its snapshot: b starts from it
+    write_prompt(sa, "a", 3)  # this process's log is open
+    with _Unwritable(top, a):
+        write_prompt(sa, "a", 1)
+        write_prompt(sa, "a", 2)
+        (top / FP.hex() / f"g{ATTN}" / key("a", 0, 0).hex()[:2] / f"{key('a', 0, 0).hex()}.kv").unlink()
+        a.note_remove(f"{FP.hex()}/g{ATTN}/{key('a', 0, 0).hex()[:2]}/{key('a', 0, 0).hex()}.kv")
+        kept = a.ledger.backlog
+        assert kept > 0 and a.ledger.failed > 0
+        a.maintain()  # still unwritable: nothing lost, nothing appended
+        assert a.ledger.backlog == kept and a.ledger.lost == 0
+    walks = a.walks
+    a.maintain()
+    assert a.ledger.backlog == 0
+    # Another instance reads every record, the removal after the additions, without a walk.
+    b = DirBudget(top)
+    b.ensure_loaded()
+    assert b.walks == 0 and b.usage == a.usage == true_bytes(top)
+    # After an outage the lease holder walks once (what went on meanwhile may not be in any record).
+    deadline = time.monotonic() + 30
+    while a.walks == walks:
+        a.maintain()
+        assert time.monotonic() < deadline
+    a.maintain()
+    assert a.walks == walks + 1 and a.usage == true_bytes(top)
+
+
+def test_records_dropped_from_a_full_backlog_or_at_close_make_the_next_pass_walk(tmp_path, monkeypatch):
+    monkeypatch.setattr(lg, "MAX_BACKLOG_LINES", 3)
+    top = tmp_path / LAYOUT_DIR
+    a = DirBudget(top)
+    sa = instance(tmp_path, a)
+    write_prompt(sa, "a", 9)
+    a.ensure_loaded()
+    before = sum(1 for _ in top.rglob("*.kv"))
+    with _Unwritable(top, a):
+        write_prompt(sa, "a", 0)
+        written = sum(1 for _ in top.rglob("*.kv")) - before
+        assert a.ledger.backlog == 3 and a.ledger.lost == written - 3
+    walks = a.walks
+    deadline = time.monotonic() + 30
+    while a.walks == walks:  # the first pass appends the last three records and starts a walk
+        a.maintain()
+        assert time.monotonic() < deadline
+    b = DirBudget(top)
+    b.ensure_loaded()
+    assert b.walks == 0 and b.usage == true_bytes(top)
+    # Records still kept when the writer closes are counted lost, for the next walk.
+    with _Unwritable(top, a):
+        write_prompt(sa, "a", 1)
+        a.close()
+    assert a.ledger.lost > written - 3 and a.ledger.backlog == 0
+
+
 # ---- reconcile and compaction --------------------------------------------------------------------
 
 

@@ -258,7 +258,13 @@ def _scan_group(fp: FpDir, gdir: Path, group: int, unknown_layout: str | None, v
             elif unknown_layout:
                 fp.unknown.append((f, f"unknown layout: {unknown_layout}"))
             else:
-                st = f.stat()
+                try:
+                    st = f.stat()
+                except FileNotFoundError:
+                    continue  # evicted since the listing (or, on a network filesystem, listed late)
+                except OSError as e:
+                    fp.unknown.append((f, f"cannot stat: {e.strerror}"))
+                    continue
                 cf = ChunkFile(f, group, m.group(1), st.st_size, st.st_mtime, st.st_atime)
                 _check(fp, cf, verify, kinds, keyring)
                 fp.files.append(cf)

@@ -69,6 +69,13 @@ def longest_chain_tokens(ch: dict[str, Chunk]) -> int:
     return max((c.end for c in ch.values() if c.complete and c.orphan is None), default=0)
 
 
+def _size(p: Path) -> int:
+    try:
+        return p.lstat().st_size
+    except OSError:
+        return 0  # gone since the listing
+
+
 def describe(fp: FpDir, now: float) -> dict:
     lay = fp.layout or {}
     kinds = fp.group_kinds()
@@ -97,7 +104,7 @@ def describe(fp: FpDir, now: float) -> dict:
         "files": len(fp.files),
         "bytes": sum(f.size for f in fp.files),
         "quarantined_files": len(fp.quarantine),
-        "quarantined_bytes": sum(q.lstat().st_size for q in fp.quarantine),
+        "quarantined_bytes": sum(_size(q) for q in fp.quarantine),
         "tmp_files": len(fp.tmp),
         "unknown_entries": len(fp.unknown),
         "oldest_age_s": round(now - min(mtimes), 1) if mtimes else None,

@@ -98,6 +98,10 @@ class DirBudget:
         self._snap_bytes = 0
         self._snap_sizes: dict[str, int] = {}
         self._walked = 0.0  # start of the walk behind our index (ours, or an adopted snapshot's)
+        self._lost_walked = 0  # the ledger writer's `lost` when our last walk started
+        self.unreachable = 0  # passes that could not list the ledger directory
+        self._troubles_walked = 0  # `troubles` when our last walk started
+        self._reachable = True  # the last pass listed the ledger directory
         self._adopt: str | None = None
         self._walk: Walk | None = None
         self._tombs_pruned_at = 0.0
@@ -141,6 +145,11 @@ class DirBudget:
     @property
     def walk_s(self) -> float:
         return self.reconciler.walk_s
+
+    @property
+    def troubles(self) -> int:
+        """Failed appends to our log and passes that could not list the ledger directory, so far."""
+        return self.ledger.failed + self.unreachable
 
     @property
     def last_drift(self) -> dict[str, int]:
@@ -277,6 +286,8 @@ class DirBudget:
         except FileNotFoundError:
             names = []
         except OSError:
+            self.unreachable += 1
+            self._reachable = False
             return  # unreachable now (a network filesystem without its server): keep every offset, tail later
         total = pending = 0
         seen = set()
@@ -349,6 +360,7 @@ class DirBudget:
         self._snap_sizes = {n: s for n, s in self._snap_sizes.items() if n in names}
         self._ledger_bytes = total
         self._pending_log_bytes = pending
+        self._reachable = True
         now = time.time()
         if now - self._tombs_pruned_at > 60:
             self.index.prune_tombs(min(now - TOMB_S, self._walk.started if self._walk is not None else now))
@@ -415,6 +427,7 @@ class DirBudget:
         or compact the logs into a snapshot."""
         if self.read_only:
             return
+        self.ledger.retry()  # records kept while the ledger could not be written
         if self._walk is not None:
             self.reconciler.step(self._walk, 0.05)
             if self._walk.done:
@@ -434,9 +447,15 @@ class DirBudget:
                     self._sync_locked()
             return
         newest_walk = max(self._walked, self._snap.walked if self._snap is not None else 0.0)
-        if self.reconcile_s > 0 and time.time() - newest_walk > self.reconcile_s:
+        # Records dropped, or an outage now over (the directory unreachable, the ledger unwritable): only a
+        # walk accounts what went on meanwhile (a store whose rename took effect though it reported an error;
+        # on a replicated volume, a file a heal brought back after its eviction).
+        lost = self.ledger.lost > self._lost_walked
+        after_outage = self.troubles > self._troubles_walked and not self.ledger.backlog and self._reachable
+        if (self.reconcile_s > 0 and time.time() - newest_walk > self.reconcile_s) or lost or after_outage:
             if self.lease.acquire():
                 self.reconciler.last_drift = {}
+                self._lost_walked, self._troubles_walked = self.ledger.lost, self.troubles
                 self._walk = self.reconciler.start()
             return
         due, many = compaction.due(self._logs, self._pending_log_bytes, self._snap_bytes, self._snap is not None,

@@ -53,6 +53,9 @@ COLD_MARK = " cold"
 # A log past this size is sealed and a new one started, so that a long-lived
 # instance's records become foldable (and removable) by the next snapshot.
 MAX_LOG_BYTES = 64 << 20
+# Lines a writer keeps while its ledger cannot be written (a network
+# filesystem away, a full disk), about 100 bytes each; past it the oldest go.
+MAX_BACKLOG_LINES = 200_000
 
 PUT = "+"
 DROP = "-"
@@ -210,7 +213,9 @@ class LedgerWriter:
         self.bytes_written = 0
         self._dirty = False
         self._flushed_at = 0.0
-        self.failed = 0
+        self.failed = 0  # appends that did not go through (each kept for a retry)
+        self._backlog: list[str] = []  # texts not yet appended, oldest first
+        self.lost = 0  # lines dropped from a full backlog: only a walk accounts their files
 
     def _open(self) -> int:
         """Start this process's log file; returns its descriptor (also kept in `_fd`)."""
@@ -234,30 +239,69 @@ class LedgerWriter:
         return fd
 
     def append(self, text: str) -> bool:
-        """Append whole lines; False (and nothing raised) if the ledger cannot be written."""
-        data = text.encode()
+        """Append whole lines; False (and nothing raised) if the ledger cannot be
+        written now. Such lines are kept, in order, and appended before the next
+        ones once it can (`retry`): a record carries its own time, so a late one
+        folds in where it belongs and a repeated one changes nothing."""
         with self._lock:
-            try:
-                if self._fd is not None and (self._pid != os.getpid() or self.size >= MAX_LOG_BYTES):
-                    self._seal_locked()  # forked child: its own log; or rotation
-                fd = self._fd if self._fd is not None else self._open()
-                n = os.write(fd, data)
-                self.size += n
-                self.bytes_written += n
-                if n != len(data):  # a torn line: readers skip it; start a clean log
-                    self._abandon_locked()
-                    return False
-                self._dirty = True
-                if self.network and time.monotonic() - self._flushed_at > 0.5:
-                    self._flush_locked()
+            if self._backlog:
+                self._backlog.append(text)
+                return self._drain_locked()
+            if self._write_locked(text):
                 return True
-            except OSError as e:
-                self.failed += 1
-                if self.failed in (1, 100, 10000):
-                    logger.warning("kvoffload: cannot append to the ledger in %s (%s); usage accounting "
-                                   "drifts until the next reconcile", self.dir, e)
+            self._keep_locked([text])
+            return False
+
+    def retry(self) -> bool:
+        """Append the lines kept while the ledger could not be written; True when none are left."""
+        with self._lock:
+            return self._drain_locked() if self._backlog else True
+
+    @property
+    def backlog(self) -> int:
+        """Lines waiting to be appended."""
+        return len(self._backlog)
+
+    def _drain_locked(self) -> bool:
+        lines, self._backlog = self._backlog, []
+        if self._write_locked("".join(lines)):
+            logger.info("kvoffload: the ledger in %s takes writes again: appended %d deferred records",
+                        self.dir, len(lines))
+            return True
+        self._keep_locked(lines)
+        return False
+
+    def _keep_locked(self, lines: list[str]) -> None:
+        self._backlog = lines
+        over = len(lines) - MAX_BACKLOG_LINES
+        if over > 0:  # their files are found by the walk this prompts (`lost`)
+            del self._backlog[:over]
+            self.lost += over
+
+    def _write_locked(self, text: str) -> bool:
+        data = text.encode()
+        try:
+            if self._fd is not None and (self._pid != os.getpid() or self.size >= MAX_LOG_BYTES):
+                self._seal_locked()  # forked child: its own log; or rotation
+            fd = self._fd if self._fd is not None else self._open()
+            n = os.write(fd, data)
+            self.size += n
+            self.bytes_written += n
+            if n != len(data):  # a torn line: readers skip it; start a clean log (the whole text is kept)
                 self._abandon_locked()
+                self.failed += 1
                 return False
+            self._dirty = True
+            if self.network and time.monotonic() - self._flushed_at > 0.5:
+                self._flush_locked()
+            return True
+        except OSError as e:
+            self.failed += 1
+            if self.failed in (1, 100, 10000):
+                logger.warning("kvoffload: cannot append to the ledger in %s (%s); its records are kept and "
+                               "appended once it can", self.dir, e)
+            self._abandon_locked()
+            return False
 
     def put(self, rel: str, size: int, t: float, parent: int | None, cold: bool = False) -> bool:
         return self.append(put_line(rel, size, t, parent, cold))
@@ -284,6 +328,11 @@ class LedgerWriter:
         """End this log: a sealed log is never appended to again (the next
         record opens a new one), so a snapshot that folded it lets it go."""
         with self._lock:
+            if self._backlog and not self._drain_locked():
+                logger.warning("kvoffload: %d records could not be appended to the ledger in %s; the next "
+                               "reconcile walk accounts their files", len(self._backlog), self.dir)
+                self.lost += len(self._backlog)
+                self._backlog = []
             self._seal_locked()
 
     def _seal_locked(self) -> None:
