@@ -160,6 +160,9 @@ class Volume:
         # A client notices a brick that went away at once (the connection drops on this host); across hosts
         # the default 42 s ping timeout would hold every operation that long.
         gluster("volume", "set", self.name, "network.ping-timeout", "5")
+        # Client quorum, as docs/config-reference.md advises: on replica 2, writes need the first brick,
+        # so the two never take different writes to one file (a split-brain reads EIO until resolved by hand).
+        gluster("volume", "set", self.name, "cluster.quorum-type", "auto")
         gluster("volume", "start", self.name)
         for m in self.mounts:
             self.mount(m)

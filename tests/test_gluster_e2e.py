@@ -3,7 +3,7 @@ the tiny hybrid (qwen3-next-tiny), each on its own FUSE mount of one GlusterFS r
 (tests/gluster.py), sharing one directory under one byte budget.
 
 - Engine A (node 1) and engine B (node 2) serve conversations (a system prefix shared by the turns, each
-  turn extending the one before) at the same time, in different orders, A eight times (vLLM's own prefix cache
+  turn extending the one before) at the same time, in different orders, A twelve times (vLLM's own prefix cache
   emptied in between); A first stores hand-off prompts that only it serves. A reference engine, on a
   local directory with the connector loaded but reading no cache at all (`skip_prefix_cache`), gives
   every prompt's tokens.
@@ -47,8 +47,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.long]
 MODEL = "qwen3-next-tiny"
 ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "VLLM_CPU_KVCACHE_SPACE": "1"}
 BUDGET = 10 << 20
+PROBLEM_KINDS = ("corrupt", "unauthenticated", "foreign-key", "orphaned-tmp", "unknown-layout", "chain-hole")
 OVERSHOOT = 2 << 20  # what the other node stores in the second or two before this one reads its records
 TOKENS = 4
+# A's conversation passes (each a turn order): enough that A still serves when the last fault comes
+SEEDS = (1, 2, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+LAST = len(SEEDS) + 1  # A's last conversation pass (pass 0 starts it, pass 1 stores the hand-off prompts)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +95,31 @@ def walk_bytes(top: Path) -> int | None:
     except OSError:
         return None
     return total
+
+
+def drift_detail(top: Path, wall0: float) -> dict:
+    """Which files the ledger and a walk disagree on, with their mtimes (s since the run began): where the
+    ledger drifted, the fault it drifted at."""
+    from offload.store.cachedir.budget import DirBudget
+    from offload.store.cachedir.paths import LEDGER_DIR, is_tmp_name
+
+    acct = DirBudget(top, read_only=True)
+    acct.ensure_loaded()
+    walked: dict[str, tuple[int, float]] = {}
+    for d, dirs, names in os.walk(top):
+        if d == str(top) and LEDGER_DIR in dirs:
+            dirs.remove(LEDGER_DIR)
+        for n in names:
+            if not is_tmp_name(n):
+                st = os.lstat(os.path.join(d, n))
+                walked[os.path.relpath(os.path.join(d, n), top)] = (st.st_size, st.st_mtime)
+    led = set(acct.index.entries)
+    only_walk = sorted(set(walked) - led)
+    only_ledger = sorted(led - set(walked))
+    return {"only_walk": len(only_walk), "only_walk_bytes": sum(walked[r][0] for r in only_walk),
+            "only_walk_mtime_s": sorted(round(walked[r][1] - wall0, 1) for r in only_walk)[:30],
+            "only_ledger": len(only_ledger), "only_ledger_bytes": sum(acct.index.entries[r].size for r in only_ledger),
+            "only_ledger_t_s": sorted(round(acct.index.entries[r].t - wall0, 1) for r in only_ledger)[:30]}
 
 
 def served(run: EngineRun) -> int:
@@ -136,13 +165,14 @@ def test_two_nodes_share_one_directory_through_brick_volume_disk_and_engine_faul
     top = n1 / LAYOUT_DIR
     shared = kv(n1, max_bytes=BUDGET), kv(n2, max_bytes=BUDGET)
     t0 = time.monotonic()
+    wall0 = time.time()
     ref = start(models_dir, tmp_path, "reference", prompts, [list(range(len(prompts)))], kv(tmp_path / "refcache"),
                 skip_prefix_cache=True)
-    # A: up, then the hand-off prompts, then eight passes of the conversations (vLLM's prefix cache emptied in
+    # A: up, then the hand-off prompts, then twelve passes of the conversations (vLLM's prefix cache emptied in
     # between, so later passes restore from the directory), each ending with the hand-off prompts again (their
     # loads keep them recent: the budget evicts other files first), then a settling prompt. B: up, then one pass.
     a = start(models_dir, tmp_path, "node1-a", prompts,
-              [[], ho, *(turn_order(k) + ho for k in (1, 2, 6, 7, 8, 9, 10, 11)), settle], shared[0], gated=True)
+              [[], ho, *(turn_order(k) + ho for k in SEEDS), settle], shared[0], gated=True)
     b = start(models_dir, tmp_path, "node2-b", prompts, [[], turn_order(3)], shared[1], gated=True, hold=True)
     faults: list[dict] = []
     peak, samples, stop = [0], [0], threading.Event()
@@ -165,14 +195,14 @@ def test_two_nodes_share_one_directory_through_brick_volume_disk_and_engine_faul
         a.wait_pass(1)  # A's hand-off prompts are stored (a gated pass lands its stores)
         b.wait_pass(0)
         sampler.start()
-        for p in range(2, 10):
+        for p in range(2, LAST + 1):
             a.release(p)  # A serves its passes without a stop: the faults below come while it serves
         b.release(1)
 
         def after(n: int, what: str) -> int:
             """Until A has served `n` more requests (or has none left); returns how many it served."""
             base = served(a)
-            wait_until(lambda: served(a) >= base + n or a.passes_done() >= 10 or a.proc.poll() is not None, 600,
+            wait_until(lambda: served(a) >= base + n or a.passes_done() > LAST or a.proc.poll() is not None, 600,
                        what, interval_s=0.2)
             return served(a) - base
 
@@ -196,7 +226,7 @@ def test_two_nodes_share_one_directory_through_brick_volume_disk_and_engine_faul
                        "s": round(time.monotonic() - t, 1), "writable_again_s": round(took, 1)})
         # 3. a brick killed mid-run, restarted, healed
         t = time.monotonic()
-        pid = volume.kill_brick(0)
+        pid = volume.kill_brick(1)  # the second: with client quorum the first must stay for writes
         n = after(3, "A to serve through a dead brick")
         volume.start_force()
         wait_until(lambda: volume.heal_pending() == 0, 120, "self-heal", interval_s=1)
@@ -210,9 +240,9 @@ def test_two_nodes_share_one_directory_through_brick_volume_disk_and_engine_faul
         faults.append({"fault": "volume stopped and started", "at_s": round(t - t0, 1), "served_meanwhile": n,
                        "s": round(time.monotonic() - t, 1)})
         killer.join(900)
-        a.wait_pass(9)
+        a.wait_pass(LAST)
         time.sleep(2.0)  # stores of A's last pass land; the settling pass reports them
-        a.release(10)
+        a.release(LAST + 1)
         ra = a.wait(900)
         rref = ref.wait(900)
     finally:
@@ -270,7 +300,7 @@ def test_two_nodes_share_one_directory_through_brick_volume_disk_and_engine_faul
     evicted = sum(int(n) for run in (ra, rb, rc) for n in re.findall(r"evicted (\d+) files", run.log))
     restored_ho = {i: r.restored_tokens for i, r in rc.by_pass(0).items() if i in ho}
     # After: fsck through node 2 (no engine runs), then the ledger against a walk.
-    fsck1 = cli("fsck", str(n2), "-q")
+    fsck1 = cli("fsck", str(n2))  # every problem on its own line (the report's), then the summary
     fsck2 = cli("fsck", str(n2), "--repair", "-q") if fsck1.returncode != 0 else fsck1
     fsck3 = cli("fsck", str(n2), "-q")
     st = cli("stats", str(n1), "--json")
@@ -288,7 +318,11 @@ def test_two_nodes_share_one_directory_through_brick_volume_disk_and_engine_faul
         "stores_dropped": {"A": dropped(ra), "C": dropped(rc)}, "tokens_wrong": len(wrong),
         "peak_of_budget": round(peak[0] / BUDGET, 3), "samples": samples[0], "over_budget_walks": timeline[:20],
         "fsck": [fsck1.returncode, fsck2.returncode, fsck3.returncode], "fsck_first": fsck1.stdout.strip()[-600:],
+        "fsck_problems": [ln for ln in fsck1.stdout.splitlines() if ln.split(" ")[0] in PROBLEM_KINDS][:20],
         "ledger_bytes": walked + drift, "walk_bytes": walked, "ledger_drift_bytes": drift,
+        "ledger_drift": drift_detail(top, wall0),
+        "ledger_append_failures_logged": {n: run.log.count("cannot append to the ledger") for n, run in
+                                          (("A", ra), ("B", rb), ("C", rc))},
     }
     (tmp_path / "gluster_e2e.json").write_text(json.dumps(report, indent=1))
     print("\nGLUSTER-E2E " + json.dumps(report))
