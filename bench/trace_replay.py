@@ -60,12 +60,17 @@ import numpy as np
 from offload.keys import ChunkKey, chunk_keys, fingerprint, request_root, tail_key
 from offload.plan.policy import prefix_match_unit
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, GroupSpec, HybridOffloadPlanner
-from offload.planner.states import DEFAULT_STATE_POLICY, StatePolicy, admission
+from offload.planner.states import DEFAULT_STATE_POLICY, Admission, StateClass, StatePolicy, admission
 from offload.store.cpu import CpuIndex, CpuLayout
 
 GB = 10**9
-POLICIES = ("all", "by_use", "tails", "attention_only")
+POLICIES = ("all", "by_use", "tails", "attention_only")  # the default set
 ATTENTION_ONLY = "attention_only"
+# A what-if, not a state_policy: states are admitted hot where a later request of the trace reads them
+# with every entry kept (an unlimited replay of `all` tells which), and not stored elsewhere. What
+# admission alone could reach with foresight of the trace (the eviction order stays LRU).
+ORACLE = "oracle"
+CHOICES = (*POLICIES, ORACLE)
 
 
 # ---- model geometry -----------------------------------------------------------------------------
@@ -264,10 +269,18 @@ def unlimited_bytes(trace: Trace, planner: HybridOffloadPlanner) -> int:
     return (entries + 1) * layout.frame_bytes
 
 
-def replay(trace: Trace, planner: HybridOffloadPlanner, policy: str, cpu_bytes: int) -> Result:
-    """Run every request of `trace` through the connector's scheduler-side steps on a `CpuIndex`."""
+def replay(trace: Trace, planner: HybridOffloadPlanner, policy: str, cpu_bytes: int,
+           reads: set[ChunkKey] | None = None, oracle: set[ChunkKey] | None = None) -> Result:
+    """Run every request of `trace` through the connector's scheduler-side steps on a `CpuIndex`.
+    `reads`: filled with the keys of the states loads read. `oracle`: admit a state hot where its key
+    is in it, else not at all (the `oracle` what-if)."""
     t0 = time.perf_counter()
-    pol = StatePolicy.ALL if policy == ATTENTION_ONLY else StatePolicy(policy)
+    pol = StatePolicy.ALL if policy in (ATTENTION_ONLY, ORACLE) else StatePolicy(policy)
+
+    def admit_state(cls: StateClass, key: ChunkKey) -> Admission:
+        if oracle is None:
+            return admission(pol, cls)
+        return Admission.HOT if key in oracle else Admission.SKIP
     index = CpuIndex(planner, CpuLayout.plan(planner, cpu_bytes))
     contains, reserve = index.contains, index.reserve
     C = planner.chunk_size
@@ -301,6 +314,8 @@ def replay(trace: Trace, planner: HybridOffloadPlanner, policy: str, cpu_bytes: 
                     if index.pin(g, key) is None:
                         raise AssertionError(f"group {g} chunk {gc.chunk} left the index between lookup and load")
                     pinned.append((g, key))
+                    if reads is not None and g in mamba:
+                        reads.add(key)
             for g, key in pinned:
                 index.unpin(g, key)
             stored_chunks = max(stored_chunks, n)
@@ -330,16 +345,16 @@ def replay(trace: Trace, planner: HybridOffloadPlanner, policy: str, cpu_bytes: 
                 for b in range(before // C * C + C, after + 1, C):
                     chunk = b // C - 1
                     state = planner.state_class(b, P, branch_at)
-                    admit = admission(pol, state)
+                    admit = admit_state(state, keys[chunk])
                     res.states_stored[state.value, admit.value] += len(mamba)
                     for g in mamba:
                         reserve(g, keys[chunk], keys[chunk - 1] if chunk else None, admit, state)
                 if tail_end and before < tail_end <= after:
                     c = tail_end // C
                     state = planner.state_class(tail_end, P, branch_at)
-                    admit = admission(pol, state)
-                    res.states_stored[state.value, admit.value] += len(mamba)
                     tkey = trace.tail_key(req, tail_end)
+                    admit = admit_state(state, tkey)
+                    res.states_stored[state.value, admit.value] += len(mamba)
                     for g in mamba:
                         reserve(g, tkey, keys[c - 1] if c else None, admit, state)
             before = after
@@ -398,6 +413,12 @@ def run(trace_path: Path, budgets: list[float | None], block_tokens: int = 512, 
     log(f"trace: {td['name']}: {td['requests']} requests, {td['input_tokens']} input tokens "
         f"({td['mean_input_tokens']:.0f} mean), {td['unique_blocks']} distinct {block_tokens}-token blocks "
         f"(keys in {time.perf_counter() - t0:.1f} s)")
+    oracle: set[ChunkKey] | None = None
+    if ORACLE in policies:  # the states a replay that keeps everything reads
+        oracle = set()
+        planner = model.planner("all")
+        replay(trace, planner, "all", unlimited_bytes(trace, planner), reads=oracle)
+        log(f"  oracle: {len(oracle)} distinct states read with every entry kept")
     rows = []
     for b in budgets:
         entry: dict[str, Any] = {"budget_gb": "unlimited" if b is None else b, "hit_rate": {}, "bytes_by_kind": {},
@@ -405,7 +426,7 @@ def run(trace_path: Path, budgets: list[float | None], block_tokens: int = 512, 
         for policy in policies:
             planner = model.planner(policy)
             cpu_bytes = unlimited_bytes(trace, planner) if b is None else int(b * GB)
-            r = replay(trace, planner, policy, cpu_bytes)
+            r = replay(trace, planner, policy, cpu_bytes, oracle=oracle if policy == ORACLE else None)
             s = summarize(model, r)
             entry["policies"][policy] = s
             entry["hit_rate"][policy] = s["hit_rate"]
@@ -469,13 +490,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="a prompt's partial last block: 'own' tokens (as the trace's ids say) or the first "
                          "tokens of the block a later prompt with the same prefix has there")
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
-    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(CHOICES))
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
-    bad = [p for p in policies if p not in POLICIES]
+    bad = [p for p in policies if p not in CHOICES]
     if bad:
-        ap.error(f"unknown policies {bad}; choose from {POLICIES}")
+        ap.error(f"unknown policies {bad}; choose from {CHOICES}")
     doc = run(args.trace, parse_budgets(args.budget_gb), args.block_tokens, args.chunk, args.tail_unit,
               args.limit, policies, args.partial_blocks)
     print()
