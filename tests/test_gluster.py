@@ -36,7 +36,7 @@ from offload.planner import GroupKind
 from offload.store.base import ChunkMiss, MissReason, Placement
 from offload.store.cachedir import hygiene
 from offload.store.cachedir.budget import DirBudget
-from offload.store.cachedir.ledger import Lease
+from offload.store.cachedir.lease import Lease
 from offload.store.cachedir.paths import LAYOUT_DIR, LEDGER_DIR
 from offload.store.files import FileStore
 from offload.store.format import ChunkHeader

@@ -39,10 +39,10 @@ from pathlib import Path
 
 from offload.store.cachedir import compaction, hygiene
 from offload.store.cachedir.compaction import FOLDED_IDLE_S
+from offload.store.cachedir.lease import Lease
 from offload.store.cachedir.ledger import (
     PUT,
     End,
-    Lease,
     LedgerWriter,
     Record,
     Snapshot,

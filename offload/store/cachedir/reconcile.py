@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from offload.store.cachedir.ledger import Lease
+from offload.store.cachedir.lease import Lease
 from offload.store.cachedir.paths import LEDGER_DIR, is_chunk_rel, is_tmp_name, valid_rel
 from offload.store.cachedir.usage_index import IndexEntry, UsageIndex
 from offload.store.format import HEADER_LEN, ChunkHeader
