@@ -98,7 +98,6 @@ class DirBudget:
         self._snap_bytes = 0
         self._snap_sizes: dict[str, int] = {}
         self._walked = 0.0  # start of the walk behind our index (ours, or an adopted snapshot's)
-        self._lost_walked = 0  # the ledger writer's `lost` when our last walk started
         self.unreachable = 0  # passes that could not list the ledger directory
         self._troubles_walked = 0  # `troubles` when our last walk started
         self._reachable = True  # the last pass listed the ledger directory
@@ -447,15 +446,14 @@ class DirBudget:
                     self._sync_locked()
             return
         newest_walk = max(self._walked, self._snap.walked if self._snap is not None else 0.0)
-        # Records dropped, or an outage now over (the directory unreachable, the ledger unwritable): only a
-        # walk accounts what went on meanwhile (a store whose rename took effect though it reported an error;
-        # on a replicated volume, a file a heal brought back after its eviction).
-        lost = self.ledger.lost > self._lost_walked
+        # An outage now over (the directory unreachable, the ledger unwritable; records dropped from a full
+        # backlog come only with one): only a walk accounts what went on meanwhile (a store whose rename
+        # took effect though it reported an error, records the backlog could not keep).
         after_outage = self.troubles > self._troubles_walked and not self.ledger.backlog and self._reachable
-        if (self.reconcile_s > 0 and time.time() - newest_walk > self.reconcile_s) or lost or after_outage:
+        if (self.reconcile_s > 0 and time.time() - newest_walk > self.reconcile_s) or after_outage:
             if self.lease.acquire():
                 self.reconciler.last_drift = {}
-                self._lost_walked, self._troubles_walked = self.ledger.lost, self.troubles
+                self._troubles_walked = self.troubles
                 self._walk = self.reconciler.start()
             return
         due, many = compaction.due(self._logs, self._pending_log_bytes, self._snap_bytes, self._snap is not None,
