@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,9 @@ TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EINTR, errno.ETIMED
                               errno.ENOTCONN, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
                               errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETDOWN, errno.ENETUNREACH})
 _UMASK = hygiene.umask()
+# How often a directory that vanished, or was being made elsewhere, is walked again.
+DIR_RACE_ERRNOS = frozenset({errno.ENOENT, errno.ESTALE})
+DIR_RACE_TRIES = 4
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,20 @@ class FileStore:
         d = final.parent
         if d in self._safe_dirs:
             return
+        for attempt in range(DIR_RACE_TRIES):
+            try:
+                self._make_dirs(d)
+                break
+            except OSError as e:
+                # Another node of a shared volume made the same directory at the same moment
+                # (GlusterFS answers the loser ENOENT or ESTALE): a fresh walk finds it.
+                if e.errno not in DIR_RACE_ERRNOS or attempt == DIR_RACE_TRIES - 1:
+                    raise
+                time.sleep(0.01 * 2 ** attempt)
+        if not self._dir_ok(d) or not self._dir_ok(self.root):
+            raise OSError(errno.ELOOP, "cache subdirectory resolves outside the cache directory", str(d))
+
+    def _make_dirs(self, d: Path) -> None:
         missing = []
         p = d
         while not p.exists() and p != p.parent:
@@ -168,8 +186,6 @@ class FileStore:
                 continue
             if _UMASK is None or self.dir_mode & _UMASK:
                 os.chmod(m, self.dir_mode)
-        if not self._dir_ok(d) or not self._dir_ok(self.root):
-            raise OSError(errno.ELOOP, "cache subdirectory resolves outside the cache directory", str(d))
 
     def tmp_path(self, final: Path) -> Path:
         """`<final name>.tmp.<pid>.<8 hex>.<host tag>` (see offload/store/cachedir/hygiene.py)."""
@@ -252,11 +268,20 @@ class FileStore:
         # its server) is "not there"; the write below then fails alone, as a dropped store
         if os.path.exists(final):
             return False, False  # another request or instance stored it
-        self.prepare_dir(final)  # modes, and no planted symlink leads out of the cache
         raw = frame(header, chunk.payload, self.keyring)
         chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        used = copier.write_file_direct(str(self.tmp_path(final)), str(final), chunk.buf, HEADER_LEN + n,
-                                        self.fsync, self.file_mode, direct=direct)
+        for attempt in range(DIR_RACE_TRIES):
+            self.prepare_dir(final)  # modes, and no planted symlink leads out of the cache
+            try:
+                used = copier.write_file_direct(str(self.tmp_path(final)), str(final), chunk.buf, HEADER_LEN + n,
+                                                self.fsync, self.file_mode, direct=direct)
+                break
+            except OSError as e:
+                # The directory went after it was made or seen (`gc` removes empty ones from a live
+                # cache): make it again.
+                if e.errno not in DIR_RACE_ERRNOS or attempt == DIR_RACE_TRIES - 1:
+                    raise
+                self._safe_dirs.discard(final.parent)
         # A Mamba state stands alone: no parent, whatever its header carries.
         self.written(final, HEADER_LEN + n, None if header.kind is GroupKind.MAMBA else header.parent, cold)
         return True, used
