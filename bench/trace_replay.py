@@ -21,7 +21,8 @@ prefix-closed leaf LRU, cold admission). Per request it does what `offload.conne
    the attention half of the partial tail in the step that computed up to it
    (`_plan_tail_store`), then the states vLLM hands over for the boundaries the step computed
    (`_plan_state_stores`: a state at each chunk boundary, the tail state), each reserved with
-   `admission(policy, planner.state_class(boundary, prompt, branch_at))`.
+   `admission(policy, planner.entry_class(entry, prompt, branch_at))` (the partial tail's
+   attention half is admitted as its state is).
 
 Requests run one after another in trace order (no concurrency, so a pin never blocks an
 eviction), vLLM's own GPU prefix cache is left out (every lookup starts at 0 computed tokens:
@@ -339,7 +340,8 @@ def replay(trace: Trace, planner: HybridOffloadPlanner, policy: str, cpu_bytes: 
                 parent = keys[c - 1] if c else None
                 tkey = trace.tail_key(req, tail_end)
                 for g in storable:
-                    reserve(g, tkey, parent)
+                    cls = planner.entry_class(planner.stored_tail(GroupIndex(g), ChunkIndex(c), tail_end), P, branch_at)
+                    reserve(g, tkey, parent, admit_state(cls, tkey) if cls is not None else Admission.HOT)
             # _plan_state_stores: the states at the boundaries this step computed
             if mamba:
                 for b in range(before // C * C + C, after + 1, C):

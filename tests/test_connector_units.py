@@ -1161,11 +1161,11 @@ def tail_engine(models_dir, tmp_path):
     hash blocks of UNIT tokens, prefills split at each prompt's UNIT-aligned tail."""
     engines: list[Engine] = []
 
-    def _make(store: str = "cpu") -> Engine:
+    def _make(store: str = "cpu", **extra) -> Engine:
         cfg = create_vllm_config(str(models_dir / "qwen3-next-tiny"), block_size=128, max_num_batched_tokens=128,
                                  prefix_cache_retention_interval=128, prefix_match_unit=UNIT)
-        set_connector(cfg, {"store": "cpu", "cpu_bytes": 1 << 24} if store == "cpu"
-                      else {"store": "fs", "path": str(tmp_path / "cache")})
+        set_connector(cfg, ({"store": "cpu", "cpu_bytes": 1 << 24} if store == "cpu"
+                            else {"store": "fs", "path": str(tmp_path / "cache")}) | extra)
         kcc = hybrid_kv_cache_config(["model.layers.0.linear_attn", "model.layers.2.linear_attn"],
                                      ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
                                      block_size=128, mamba_shapes=((3, 192), (1, 64, 64)),
@@ -1251,6 +1251,24 @@ def test_partial_tail_restores_attention_to_the_unit_and_the_state_vllm_material
     eng.run_to_completion()
     assert pinned(eng) == 0
     assert_scheduler_empty(sched)
+
+
+@pytest.mark.parametrize("policy", ["by_use", "all", "tails"])
+def test_both_halves_of_the_partial_tail_enter_cold_under_by_use(tail_engine, policy):
+    """The 250-token prompt stores chunk 0 (attention, and the state at 128:
+    its whole-chunk tail) and the partial tail at 192 (attention page and
+    state). `by_use` admits both halves of the partial tail cold, `all` and
+    `tails` hot; the whole-chunk tail is hot under each."""
+    eng = tail_engine("cpu", state_policy=policy)
+    sched = eng.scheduler
+    idx = sched.connector._sched.indices[0]
+    sched.add_request(create_request("a", prompt(11, 250), max_tokens=2, block_size=UNIT))
+    eng.run_to_completion()
+    wait_for_stored_tokens(eng, 2 * 128 + 2 * 64)
+    cold = policy == "by_use"
+    got = sorted((g, e.state.value if e.state else "-", e.cold) for (g, _), e in idx.entries.items())
+    assert got == sorted([(1, "-", False), (1, "-", cold), (0, "tail", False), (0, "partial", cold)]), got
+    assert pinned(eng) == 0
 
 
 def test_a_request_started_by_vllms_own_sub_block_hit_stores_nothing_from_that_chunk_on(tail_engine):

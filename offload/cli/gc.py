@@ -24,9 +24,10 @@ hit whose load fails. So gc never leaves a hole:
 Before it evicts anything, gc deletes what no lookup can use: quarantined
 files, files whose header does not verify, orphaned temporary files (older
 than --tmp-age) and chunks below a hole (see `kvoffload fsck`). Then, as the
-connector's budget does, the Mamba/GDN states stored cold (`state_policy`
-`by_use`: a prompt's internal boundary, marked so in the directory's ledger)
-and not loaded since, oldest first, each on its own: a missing state only
+connector's budget does, the files stored cold (`state_policy` `by_use`: the
+Mamba/GDN states at a prompt's internal boundaries and both halves of its
+partial tail, marked so in the directory's ledger) and not loaded since,
+oldest first, each on its own: nothing chains from them, so a missing one only
 shortens a hit. Only then whole chunks.
 
 Exit codes: 0 the directory fits; 1 it still does not (what is left is not
@@ -147,20 +148,20 @@ def eviction_queue(dirs: list[FpDir], by_mtime: bool) -> tuple[LeafQueue[Node, N
     return queue, nodes, parents
 
 
-def cold_states(cache: Cache, ledger: DirBudget) -> list[tuple[float, ChunkFile, Chunk]]:
-    """(mtime, file, its chunk) of every Mamba/GDN state of a good chunk that
-    the ledger marks cold and that no load touched since, oldest first."""
+def stored_cold(cache: Cache, ledger: DirBudget) -> list[tuple[float, ChunkFile, Chunk]]:
+    """(mtime, file, its chunk) of every file of a good chunk that the ledger
+    marks cold (a state, or a partial tail's attention page) and that no load
+    touched since, oldest first."""
     if not ledger.ensure_loaded():
         return []
     out = []
     for fp in cache.dirs:
-        kinds = fp.group_kinds()
         for c in chunks(fp).values():
             if c.orphan:
                 continue
             for f in c.files:
                 e = ledger.index.get(rel_of(cache.root, f.path))
-                if kinds.get(f.group) is GroupKind.MAMBA and e is not None and e.cold and f.mtime <= e.t + 1e-3:
+                if e is not None and e.cold and f.mtime <= e.t + 1e-3:
                     out.append((f.mtime, f, c))
     return sorted(out, key=lambda x: (x[0], str(x[1].path)))
 
@@ -209,8 +210,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"gc {root}: {human(start)} in {sum(len(fp.files) for fp in cache.dirs)} chunk files; "
           f"limit {human(args.max_bytes)}; {verb} {human(waste)} of quarantined, corrupt, orphaned "
           f"temporary and unreachable files")
-    # 2. States stored cold and never loaded since, oldest first (the connector's budget order).
-    cold = cold_states(cache, DirBudget(root, read_only=True)) if total > args.max_bytes else []
+    # 2. Files stored cold and never loaded since, oldest first (the connector's budget order).
+    cold = stored_cold(cache, DirBudget(root, read_only=True)) if total > args.max_bytes else []
     cold_files = 0
     for _, f, c in cold:
         if total <= args.max_bytes:
@@ -222,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
             if acct is not None:
                 record_removal(acct, f.path)
     if cold:
-        print(f"{verb} {cold_files} of {len(cold)} states stored cold and not loaded since")
+        print(f"{verb} {cold_files} of {len(cold)} files stored cold and not loaded since")
     # 3. LRU chunks, descendants first, across all fingerprint directories.
     queue, nodes, parents = eviction_queue(cache.dirs, args.lru == "mtime")
     evicted = files = 0

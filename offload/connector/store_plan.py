@@ -27,7 +27,6 @@ from offload.connector.requests import Requests, _Req
 from offload.keys import ChunkKey
 from offload.metrics import Recorder
 from offload.planner import (
-    Admission,
     ChunkIndex,
     GroupChunk,
     GroupIndex,
@@ -214,10 +213,9 @@ class StorePlanner:
             gc = self.planner.stored(GroupIndex(group), ChunkIndex(chunk))
         parent = self.requests.parent_key(st, gc)
         ref = self.requests.ref(gc, self.requests.entry_key(st, gc), parent)
-        state, admit = None, Admission.HOT
-        if gc.state_at is not None:
-            state = self.planner.state_class(gc.state_at, len(st.request.prompt_token_ids or []), st.branch_at)
-            admit = admission(self.policy, state)
+        cls = self.planner.entry_class(gc, len(st.request.prompt_token_ids or []), st.branch_at)
+        admit = admission(self.policy, cls)
+        state = cls if gc.state_at is not None else None  # what the tiers count as a state
         targets = []
         for t, ix in enumerate(self.indices):
             placement = ix.reserve(group, ChunkKey(ref.key), parent, admit, state)

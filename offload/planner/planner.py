@@ -298,13 +298,25 @@ class HybridOffloadPlanner:
 
     def state_class(self, boundary: int, prompt_tokens: int, branch_at: int = 0) -> StateClass:
         """The class of a prompt's recurrent state at `boundary`: its tail (the
-        last whole-chunk boundary inside the prompt, or the partial tail),
+        last whole-chunk boundary inside the prompt), its partial tail,
         where its lookup found a stored or cached prefix ending (`branch_at`,
         0: none), or internal. A repeat and the next turn read only the tail;
         an internal state is read only where another prompt branches there."""
-        if boundary in (prompt_tokens // self.chunk_size * self.chunk_size, self.tail_boundary(prompt_tokens)):
+        if boundary == prompt_tokens // self.chunk_size * self.chunk_size:
             return StateClass.TAIL
+        if boundary == self.tail_boundary(prompt_tokens):
+            return StateClass.PARTIAL
         return StateClass.BRANCH if boundary == branch_at else StateClass.INTERNAL
+
+    def entry_class(self, gc: GroupChunk, prompt_tokens: int, branch_at: int = 0) -> StateClass | None:
+        """The class a stored entry is admitted by: a state's (`state_class`);
+        on a hybrid, the attention half of the partial tail goes with its
+        state (PARTIAL); None for every other entry (always admitted hot)."""
+        if gc.state_at is not None:
+            return self.state_class(gc.state_at, prompt_tokens, branch_at)
+        if gc.tail_end is not None and any(g.kind is GroupKind.MAMBA for g in self.groups):
+            return StateClass.PARTIAL
+        return None
 
     def repeat_hit(self, prompt_tokens: int) -> int:
         """Tokens a repeat of a stored prompt restores: its whole chunks (up

@@ -20,7 +20,13 @@ import enum
 class StateClass(str, enum.Enum):
     """Why a state was stored; the value is the metric label."""
 
-    TAIL = "tail"  # the prompt's last whole-chunk boundary, or its partial tail
+    TAIL = "tail"  # the prompt's last whole-chunk boundary
+    # The prompt's partial tail (a boundary past its last whole chunk): under
+    # `by_use` both its halves, attention page and state, enter cold. They
+    # save at most a chunk's tokens for 53 MB on Qwen3-Next-80B, the least
+    # worth per byte of anything stored; and a repeat or next turn that
+    # misses it still restores up to the whole-chunk tail.
+    PARTIAL = "partial"
     BRANCH = "branch"  # where the prompt's lookup found a stored prefix ending before the prompt does
     INTERNAL = "internal"  # any other chunk boundary inside the prompt
 
@@ -30,10 +36,11 @@ class StatePolicy(str, enum.Enum):
 
     # Every state enters hot, like attention (the behaviour before classes existed).
     ALL = "all"
-    # Every state is stored; internal ones enter at the cold end of the eviction
-    # order (first to go unless a lookup reads them), tails and branch points hot.
+    # Every state is stored; internal ones and the partial tail enter at the cold
+    # end of the eviction order (first to go unless a lookup reads them), the
+    # whole-chunk tail and branch points hot.
     BY_USE = "by_use"
-    # Internal states are not stored at all.
+    # Internal states are not stored at all; the rest enter hot.
     TAILS = "tails"
 
 
@@ -49,7 +56,10 @@ class Admission(enum.Enum):
 
 
 def admission(policy: StatePolicy, cls: StateClass | None) -> Admission:
-    """The admission of an entry of class `cls` (None: not a state) under `policy`."""
-    if cls is None or cls is not StateClass.INTERNAL or policy is StatePolicy.ALL:
+    """The admission of an entry of class `cls` (None: neither a state nor a
+    hybrid's partial tail) under `policy`."""
+    if policy is StatePolicy.ALL or cls in (None, StateClass.TAIL, StateClass.BRANCH):
         return Admission.HOT
+    if cls is StateClass.PARTIAL:
+        return Admission.COLD if policy is StatePolicy.BY_USE else Admission.HOT
     return Admission.COLD if policy is StatePolicy.BY_USE else Admission.SKIP

@@ -68,7 +68,7 @@ class Record(NamedTuple):
     size: int  # 0 for a removal
     parent: int | None  # the parent key's first 8 bytes (chained groups); None: stands alone
     rel: str  # the file, relative to the layout directory (offload.store.cachedir.paths)
-    cold: bool = False  # it entered the eviction order at the cold end (a state admitted cold)
+    cold: bool = False  # it entered the eviction order at the cold end (a state or a partial tail admitted cold)
 
 
 class End(NamedTuple):
