@@ -268,10 +268,11 @@ def test_gc_records_its_deletions_so_a_live_account_follows_without_a_walk(capsy
     assert rep["other_entries"] == [], "ledger-v1/ is not an unknown entry"
 
 
-def test_gc_evicts_states_stored_cold_first_each_on_its_own_then_whole_chunks(capsys, tmp_path):
-    """As the connector's budget does: states the ledger marks cold (and no
-    load touched since) go first, oldest first, and leave their chunks'
-    attention files; a cold state that was loaded since is an ordinary one."""
+def test_gc_evicts_files_stored_cold_first_each_on_its_own_then_whole_chunks(capsys, tmp_path):
+    """As the connector's budget does: files the ledger marks cold (internal
+    states, a partial tail's halves) that no load touched since go first,
+    oldest first, and leave their chunks' attention files; a cold state that
+    was loaded since is an ordinary one."""
     import dataclasses
     import os
     import time
@@ -298,21 +299,29 @@ def test_gc_evicts_states_stored_cold_first_each_on_its_own_then_whole_chunks(ca
                     torch.full((4096,), c, dtype=torch.uint8), cold=c < 3)
         states.append(store.file_path(GDN, k))
         time.sleep(0.01)
+    # The attention half of the prompt's partial tail, stored cold under by_use; nothing chains from it.
+    tk = key("cold-gc-tail", 0, 3)
+    store.write(ChunkHeader(FP, tk, ATTN, GroupKind.FULL_ATTENTION, 3 * 256, 3 * 256 + 64, 1, 32768,
+                            parent=bytes(key("cold-gc", 0, 2))[:8]), torch.full((32768,), 9, dtype=torch.uint8),
+                cold=True)
+    tail = store.file_path(ATTN, tk)
     time.sleep(0.02)
     os.utime(states[1])  # loaded since it was stored: no longer cold
     rc, out = json_cli("stats", str(tmp_path), "--ledger", "--json")
     by_group = {g["group"]: g for g in json.loads(out)["ledger"]["fingerprints"][FP.hex()]}
-    assert (by_group[GDN]["files"], by_group[GDN]["cold_files"], by_group[ATTN]["cold_files"]) == (4, 2, 0)
+    assert (by_group[GDN]["files"], by_group[GDN]["cold_files"], by_group[ATTN]["cold_files"]) == (4, 2, 1)
     assert by_group[GDN]["cold_bytes"] == 2 * states[0].stat().st_size, "the loaded one is no longer cold"
     rc, out = run_cli(capsys, "gc", str(tmp_path), "--max-bytes", str(true_bytes(top) - 1))
-    assert rc == 0 and "deleted 1 of 2 states stored cold" in out, out
+    assert rc == 0 and "deleted 1 of 3 files stored cold" in out, out
     assert [p.exists() for p in states] == [False, True, True, True], "the oldest cold state went, alone"
     rc, out = run_cli(capsys, "gc", str(tmp_path), "--max-bytes", str(true_bytes(top) - 1))
-    assert rc == 0 and "deleted 1 of 1 states stored cold" in out, out
-    assert [p.exists() for p in states] == [False, True, False, True]
+    assert rc == 0 and "deleted 1 of 2 files stored cold" in out, out
+    assert [p.exists() for p in states] == [False, True, False, True] and tail.exists()
+    rc, out = run_cli(capsys, "gc", str(tmp_path), "--max-bytes", str(true_bytes(top) - 1))
+    assert rc == 0 and "deleted 1 of 1 files stored cold" in out and not tail.exists(), out
     assert len(list(top.glob(f"*/g{ATTN}/*/*.kv"))) == 4, "no chunk was touched"
     rc, out = run_cli(capsys, "gc", str(tmp_path), "--max-bytes", str(true_bytes(top) - 1))
-    assert rc == 0 and "states stored cold" not in out and "deleted 1 least recently used chunks" in out, out
+    assert rc == 0 and "stored cold" not in out and "deleted 1 least recently used chunks" in out, out
 
 
 def test_fsck_reports_ledger_drift_and_repair_reconciles_it_for_live_accounts(capsys, tmp_path):
