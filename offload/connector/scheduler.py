@@ -70,7 +70,8 @@ class SchedulerSide:
                 for cls in StateClass:
                     r.declare("kvoffload_state_hits", state_class=cls.value)
                     r.declare("kvoffload_state_evictions", state_class=cls.value, reason="lru")
-                r.declare("kvoffload_state_evictions", state_class=StateClass.INTERNAL.value, reason="cold")
+                for cls in (StateClass.INTERNAL, StateClass.PARTIAL):  # the classes `by_use` admits cold
+                    r.declare("kvoffload_state_evictions", state_class=cls.value, reason="cold")
         self.planner = planner
         self.policy = StatePolicy(cfg.state_policy)
         self.fp = fp
