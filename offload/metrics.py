@@ -100,7 +100,7 @@ METRICS: dict[str, MetricDef] = {
         "gauge", _T, "The byte budget the tier enforces by eviction (a file tier's max_bytes); absent without one."),
     "kvoffload_state_entries": MetricDef(
         "gauge", _TS, "Recurrent (Mamba/GDN) states held by the tier, by the class they were stored under: tail, "
-        "branch, internal (host memory)."),
+        "partial, branch, internal (host memory)."),
     "kvoffload_state_bytes": MetricDef("gauge", _TS, "Bytes of the recurrent states held by the tier, by class."),
     "kvoffload_state_hits": MetricDef(
         "counter", _TS, "Stored states a planned load reads (one per Mamba group at the boundary), by the class "
@@ -109,8 +109,9 @@ METRICS: dict[str, MetricDef] = {
         "counter", _TSR, "States evicted to make room, by class and reason: cold (admitted cold and never read) "
         "or lru (the least recent entry in use)."),
     "kvoffload_states_not_admitted": MetricDef(
-        "counter", _T, "State stores the tier declined under state_policy (tails; by_use: an internal state with no "
-        "free or colder slot; LMCache: every internal state)."),
+        "counter", _T, "Stores the tier declined under state_policy (tails: internal states; by_use: an entry admitted "
+        "cold, an internal state or either half of a partial tail, with no free or colder slot; LMCache: every "
+        "entry admitted cold)."),
     "kvoffload_hit_rate": MetricDef(
         "gauge", _T, "Hit tokens / looked-up tokens since the server started (computed in the API server)."),
 }

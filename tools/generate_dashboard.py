@@ -282,8 +282,9 @@ def rows() -> tuple[Row, ...]:
     states = Row("Recurrent states (hybrid models)", (
         Panel("State bytes by class",
               "Bytes of Mamba/GDN states each tier holds, by the class they were stored under: tail (a prompt's "
-              "last boundary, read by repeats and next turns), branch (where another prompt's stored prefix "
-              "ended), internal (stored cold under state_policy by_use: first to go unless read).", "bytes",
+              "last whole-chunk boundary, read by repeats and next turns), partial (its partial tail), branch "
+              "(where another prompt's stored prefix ended), internal; under state_policy by_use partial and "
+              "internal are stored cold: first to go unless read.", "bytes",
               (Q(f"sum by (tier, state_class) (kvoffload_state_bytes{{{T}}})", "{{tier}} {{state_class}}"),
                Q(f"sum by (tier) (kvoffload_state_entries{{{T}}})", "{{tier}} entries"))),
         Panel("State hits by class",
