@@ -240,6 +240,24 @@ def test_tail_boundary_is_vllms_prompt_checkpoint():
     assert HybridOffloadPlanner(qwen35_like(1152)).tail_boundary(3000) == 0
 
 
+def test_state_classes_follow_what_a_hit_of_the_prompt_can_reach():
+    from offload.planner import StateClass
+
+    p = HybridOffloadPlanner(qwen35_like(1152), tail_unit=64)
+    # 3000 tokens: chunks end at 1152 and 2304 (its tail), the partial tail at 2944.
+    assert [p.state_class(b, 3000) for b in (1152, 2304, 2944)] == [
+        StateClass.INTERNAL, StateClass.TAIL, StateClass.PARTIAL]
+    assert p.state_class(1152, 3000, branch_at=1152) is StateClass.BRANCH
+    # Exactly three chunks: a hit stops before the last token, so the tail is the end of the
+    # second chunk and the partial tail the last unit boundary before the end.
+    assert [p.state_class(b, 3456) for b in (1152, 2304, 3392)] == [
+        StateClass.INTERNAL, StateClass.TAIL, StateClass.PARTIAL]
+    # The attention half of the partial tail is admitted with its state; a chunk's attention is not a state.
+    attn = next(i for i, g in enumerate(p.groups) if g.kind is GroupKind.FULL_ATTENTION)
+    assert p.entry_class(p.stored_tail(attn, 2, 2944), 3000) is StateClass.PARTIAL
+    assert p.entry_class(p.stored(attn, 1), 3000) is None
+
+
 def test_lookup_prefers_the_longest_tail_whose_every_group_is_stored():
     groups = qwen35_like(1152)
     p = HybridOffloadPlanner(groups, tail_unit=64)

@@ -298,11 +298,13 @@ class HybridOffloadPlanner:
 
     def state_class(self, boundary: int, prompt_tokens: int, branch_at: int = 0) -> StateClass:
         """The class of a prompt's recurrent state at `boundary`: its tail (the
-        last whole-chunk boundary inside the prompt), its partial tail,
+        last whole-chunk boundary a hit of the prompt reaches), its partial tail,
         where its lookup found a stored or cached prefix ending (`branch_at`,
         0: none), or internal. A repeat and the next turn read only the tail;
         an internal state is read only where another prompt branches there."""
-        if boundary == prompt_tokens // self.chunk_size * self.chunk_size:
+        # The last whole-chunk boundary a hit can reach: before the last token, so a prompt of
+        # exactly n chunks has its tail at n - 1.
+        if boundary == self.max_hit_chunks(prompt_tokens) * self.chunk_size:
             return StateClass.TAIL
         if boundary == self.tail_boundary(prompt_tokens):
             return StateClass.PARTIAL
