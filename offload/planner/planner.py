@@ -118,6 +118,8 @@ class HybridOffloadPlanner:
         the last token's window; a sliding window is restored for the next
         token's window, which under the wider edge convention misses one token
         the last token sees. With any of them a hit stops at `num_tokens - 1`."""
+        self.has_states = any(g.kind is GroupKind.MAMBA for g in self.groups)
+        """A hybrid: some group holds recurrent states (their classes decide admission)."""
         self.chained_tails = self.tail_unit is not None and self.full_prompt_hits
         """Attention only: the tail behind the last whole chunk is a chain of
         entries of one unit each (the entry ending at boundary b holds the
@@ -316,7 +318,7 @@ class HybridOffloadPlanner:
         state (PARTIAL); None for every other entry (always admitted hot)."""
         if gc.state_at is not None:
             return self.state_class(gc.state_at, prompt_tokens, branch_at)
-        if gc.tail_end is not None and any(g.kind is GroupKind.MAMBA for g in self.groups):
+        if gc.tail_end is not None and self.has_states:
             return StateClass.PARTIAL
         return None
 
