@@ -262,6 +262,7 @@ def test_bench_peer_race_small(prefetched) -> None:
         assert row["restored_at_least_own_cache"]["ours"] is True, (n, row)
 
 
+@pytest.mark.long  # `make test` stays within 12 minutes (docs/development.md)
 def test_prefill_flags_steps_come_from_vllms_scheduler(models_dir) -> None:
     """bench/prefill_flags.py's prefill steps per prompt, from vLLM's Scheduler on the tiny hybrid's
     plan: every step within the configuration's token budget, the prompt whole, and the plan's unit
@@ -621,6 +622,7 @@ def test_multi_turn_client_summary_is_recomputed_from_the_committed_rounds(capsy
         assert "restored tokens" in capsys.readouterr().out
 
 
+@pytest.mark.long  # `make test` stays within 12 minutes (docs/development.md)
 def test_vllm_wait_tail_changes_only_the_tail_condition_in_its_own_process() -> None:
     """bench/vllm_wait_tail.py (peer_race's what-if): applied in a process of its own (never in this
     one, whose vLLM other tests use), once; the patched `_lookup` reads `complete_hit` once less (the

@@ -154,6 +154,9 @@ def _redis(models_dir, tmp_path):
             srv.kill()
 
 
+# `make test` stays within 12 minutes (docs/development.md): engines on a Redis remote stay there in
+# tests/test_e2e_auth.py, a remote killed and restarted in tests/test_lmcache_objects.py.
+@pytest.mark.long
 @pytest.mark.prefetch.with_args(_redis)
 def test_two_engines_share_a_redis_remote_and_survive_its_kill(prefetched):
     r = prefetched(_redis)

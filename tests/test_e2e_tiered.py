@@ -124,6 +124,9 @@ def _llama(models_dir, tmp_path):
     return cold, warm, planner
 
 
+# `make test` stays within 12 minutes (docs/development.md): Llama restarts there in
+# tests/test_e2e_partial_tail.py.
+@pytest.mark.long
 @pytest.mark.prefetch.with_args(_llama)
 def test_llama_restart_restores_from_disk_then_from_promoted_cpu(prefetched):
     """The 768-token prompt is restored whole (vLLM computes its last token
