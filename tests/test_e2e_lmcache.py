@@ -70,6 +70,9 @@ def hybrid(prefetched):
     return prefetched(_hybrid)
 
 
+# `make test` stays within 12 minutes (docs/development.md): the MultiConnector's weights on engines
+# stay there in tests/test_e2e_tiered.py, LMCache's tier on engines in tests/test_e2e_auth.py.
+@pytest.mark.long
 @pytest.mark.prefetch.with_args(_hybrid)
 def test_hybrid_restores_from_lmcache_after_reset_and_from_files_after_restart(hybrid):
     cold, restart = hybrid
@@ -89,6 +92,7 @@ def test_hybrid_restores_from_lmcache_after_reset_and_from_files_after_restart(h
     assert cold.metric("kvoffload_restored_bytes_total", tier="lmcache") > 0
 
 
+@pytest.mark.long
 @pytest.mark.prefetch.with_args(_hybrid)
 def test_hybrid_weights_tie_and_fewer_tokens_times_higher_weight(hybrid):
     cold, restart = hybrid

@@ -2,8 +2,8 @@
 
 Real vLLM config code on this (CPU) platform, no mocks: every model in
 .models is planned through `plan_for_models` (one child process imports
-vLLM once and builds each model on the meta device), and the CLI runs once
-with tensor parallel 2 (two gloo ranks) beside it. Every figure the plan
+vLLM once and builds each model on the meta device), and (`-m long`) the CLI
+runs once with tensor parallel 2 (two gloo ranks). Every figure the plan
 reports is checked against arithmetic on the model's config.json, so a plan
 that drifts from vLLM's layout, or a test that only repeats the plan, fails.
 
@@ -139,24 +139,9 @@ def geometry_models(models_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def planned(geometry_models):
-    """(plans by model, the running TP-2 CLI process): the CLI starts first and runs beside the batch."""
-    cli = subprocess.Popen(
-        [sys.executable, "-m", "offload.cli", "plan", "--model", str(geometry_models / TP2_MODEL),
-         "--tensor-parallel-size", "2", "--max-model-len", "4096", "--json"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        results = plan_for_models([geometry_models / m for m in MODELS] + [geometry_models / "no-such-model"])
-        yield dict(zip([*MODELS, "no-such-model"], results)), cli
-    finally:
-        if cli.poll() is None:
-            cli.kill()
-        cli.communicate()
-
-
-@pytest.fixture(scope="module")
-def plans(planned):
-    return planned[0]
+def plans(geometry_models):
+    results = plan_for_models([geometry_models / m for m in MODELS] + [geometry_models / "no-such-model"])
+    return dict(zip([*MODELS, "no-such-model"], results))
 
 
 def plan_of(plans: dict, name: str) -> ModelPlan:
@@ -316,12 +301,22 @@ def vllm_cpu_facts(env: dict[str, str] | None = None) -> dict[str, bool]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_cli_json_tensor_parallel_2(planned, geometry_models):
+# `make test` stays within 12 minutes (docs/development.md); tests/test_isa.py plans at TP 2 too.
+@pytest.mark.long
+def test_cli_json_tensor_parallel_2(geometry_models):
     """Two ranks on the meta device: per-rank pages are half of TP 1's, the blocks stay; the
     ranks talk over the communicator vLLM-CPU picks here (shared memory where its kernels have it)."""
-    _, cli = planned
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "offload.cli", "plan", "--model", str(geometry_models / TP2_MODEL),
+         "--tensor-parallel-size", "2", "--max-model-len", "4096", "--json"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     facts = vllm_cpu_facts()
-    out, err = cli.communicate(timeout=600)
+    try:
+        out, err = cli.communicate(timeout=600)
+    finally:
+        if cli.poll() is None:
+            cli.kill()
+            cli.communicate()
     assert cli.returncode == 0, err[-3000:]
     doc = json.loads(out)  # stdout is one JSON object, nothing else
     assert "asking vLLM" in err
