@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import threading
+from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -128,9 +129,9 @@ def side_by_side(*calls):
 # Engine work that no other test's work depends on (runs on their own cache directory) can also run
 # ahead, on background lanes (LANES threads, `KVOFFLOAD_TEST_LANES`, default 2) that start with the
 # session: a test marked `@pytest.mark.prefetch.with_args(fn)` takes the result of `fn(models_dir, a
-# fresh directory)` from the `prefetched` fixture. Each lane runs its share of the marked functions
-# of the collected tests one after the other, in the tests' order, while the tests before them run; a
-# function no lane has started when its test asks for it runs then, in the test.
+# fresh directory)` from the `prefetched` fixture. The lanes take the marked functions of the collected
+# tests in the tests' order, each lane the next one as soon as it is free, while the tests before them
+# run; a function no lane has started when its test asks for it runs then, in the test.
 
 
 LANES = int(os.environ.get("KVOFFLOAD_TEST_LANES", "2"))
@@ -150,8 +151,14 @@ class Lane:
             jobs = [(fn, Future()) for fn in fns if fn not in self.futures]
             self.futures.update(jobs)
 
-        def run_all(share):
-            for fn, fut in share:
+        queue, taking = deque(jobs), threading.Lock()  # not self._lock: `get` holds it while it runs a job
+
+        def run_all():
+            while True:
+                with taking:
+                    if not queue:
+                        return
+                    fn, fut = queue.popleft()
                 if not fut.set_running_or_notify_cancel():  # cancelled: a test ran it itself
                     continue
                 try:
@@ -159,10 +166,11 @@ class Lane:
                 except BaseException as e:  # re-raised by the test that asks
                     fut.set_exception(e)
 
-        # LANES threads take the jobs round-robin: an engine start is mostly one core importing
-        # torch and vLLM, so two starts overlap well on two cores.
-        for i in range(LANES):
-            threading.Thread(target=run_all, args=(jobs[i::LANES],), daemon=True).start()
+        # LANES threads, each taking the next job when its last one ends (runs differ in length by
+        # minutes, so a fixed share leaves one lane idle): an engine start is mostly one core
+        # importing torch and vLLM, so two starts overlap well on two cores.
+        for _ in range(LANES):
+            threading.Thread(target=run_all, daemon=True).start()
 
     def get(self, fn):
         with self._lock:
