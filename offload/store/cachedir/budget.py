@@ -533,6 +533,10 @@ class DirBudget:
             if st.st_mtime > e.t + 1e-3:  # loaded since it was indexed: recency moves on
                 index.touch(rel, e, st.st_mtime)
                 continue
+            # The record's time is taken before the unlink: another instance may store the same key
+            # again right after it, and its record must fold in after ours (a time taken once this
+            # thread runs again could pass it, and the new file would go unaccounted).
+            now = time.time()
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -541,7 +545,6 @@ class DirBudget:
             except OSError as err:
                 logger.warning("kvoffload: eviction of %s failed: %s", path, err)
                 continue
-            now = time.time()
             index.remove(rel)
             index.tombs[rel] = now
             self.ledger.drop(rel, now)
