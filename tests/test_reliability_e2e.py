@@ -597,15 +597,17 @@ def _shared_directory(models_dir, tmp_path, repeats: int) -> None:
     assert evicted > 0, "the budget never had to evict: the test proves nothing"
     assert peak[0] <= 1.05 * SHARED_BUDGET, f"directory reached {peak[0] / SHARED_BUDGET:.3f} of its budget"
     assert handoff_restored > 0, "engine B never used a file engine A stored"
-    # Every write and eviction is in the ledger, and every file in the directory is in its account
-    # (a file it missed would let the directory pass its budget unseen). A racing duplicate that an
-    # eviction removed may still be held present: an overestimate, dropped at its next eviction.
-    assert recorded == written and removed >= evicted, (recorded, written, removed, evicted)
+    # The ledger is the count (the engines' counters give files written only to within a file or two:
+    # tokens stored / chunk). Every eviction is a record; every file in the directory is in the account
+    # folded from the records (a file it missed would let the directory pass its budget unseen); and a
+    # file it holds present that is gone can only be a racing duplicate an eviction removed (an
+    # overestimate, dropped at its next eviction): nothing went missing otherwise.
+    assert removed >= evicted, (removed, evicted)
     assert on_disk <= accounted, sorted(on_disk - accounted)[:5]
-    assert unaccounted >= 0, (written, present, evicted)
+    assert len(accounted - on_disk) <= duplicates, (sorted(accounted - on_disk)[:5], duplicates)
     record(f"4 two engines share one directory with a {SHARED_BUDGET >> 20} MiB budget, prefix-heavy load "
            f"({wall:.0f} s)", "concurrent stores, loads and evictions", 1, served, corrupt,
-           f"none beyond {unaccounted} racing duplicates", peak_of_budget=round(peak[0] / SHARED_BUDGET, 3),
+           f"none beyond {duplicates} racing duplicates", peak_of_budget=round(peak[0] / SHARED_BUDGET, 3),
            evicted_files=evicted, cross_instance_tokens_restored=handoff_restored)
 
 
