@@ -151,14 +151,14 @@ class Lane:
             jobs = [(fn, Future()) for fn in fns if fn not in self.futures]
             self.futures.update(jobs)
 
-        queue, taking = deque(jobs), threading.Lock()  # not self._lock: `get` holds it while it runs a job
+        queue = deque(jobs)  # popleft is atomic: each job goes to one lane
 
         def run_all():
             while True:
-                with taking:
-                    if not queue:
-                        return
+                try:
                     fn, fut = queue.popleft()
+                except IndexError:
+                    return
                 if not fut.set_running_or_notify_cancel():  # cancelled: a test ran it itself
                     continue
                 try:

@@ -34,10 +34,11 @@ import pytest
 from conftest import CHUNK, REPO, engine_args, layouts, random_prompt
 from faults.report import record
 from harness.engine import EngineRun, RunResult, RunSpec, start_engine
+from ledger_instance import true_bytes
 from offload.copier import crc32c
 from offload.keys import chunk_keys, request_root
 from offload.store.cachedir.ledger import PUT, Record, parse, read_lines
-from offload.store.cachedir.paths import LAYOUT_DIR, LAYOUT_TMP_RE, LEDGER_DIR, TMP_RE
+from offload.store.cachedir.paths import LAYOUT_DIR, LEDGER_DIR
 from offload.store.format import HEADER_LEN
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]  # `make test` stays within 12 minutes (docs/development.md)
@@ -484,23 +485,6 @@ def test_kill9_real_engine_many_cycles(models_dir, tmp_path, cycles, monkeypatch
 SHARED_BUDGET = 32 << 20
 
 
-def _dir_bytes(top: Path) -> int:
-    """What the byte budget covers: the layout directory without its ledger and the temporary files
-    of writes in flight (docs/format.md, Byte budget)."""
-    total = 0
-    for dirpath, dirs, names in os.walk(top):
-        if dirpath == str(top):
-            dirs[:] = [d for d in dirs if d != LEDGER_DIR]
-        for n in names:
-            if TMP_RE.search(n) or LAYOUT_TMP_RE.match(n):
-                continue
-            try:
-                total += os.lstat(os.path.join(dirpath, n)).st_size
-            except OSError:
-                pass
-    return total
-
-
 def _ledger_account(top: Path) -> tuple[int, int, set[str], int]:
     """What the ledger's records of every instance say of the chunk files, folded in time order as a
     reader folds them (docs/format.md): (writes, removals, files it holds present, writes that landed
@@ -541,7 +525,7 @@ def _shared_directory(models_dir, tmp_path, repeats: int) -> None:
 
     def sample():
         while not stop.is_set():
-            peak[0] = max(peak[0], _dir_bytes(top))
+            peak[0] = max(peak[0], true_bytes(top))
             samples[0] += 1
             time.sleep(0.05)
 
