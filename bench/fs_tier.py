@@ -9,16 +9,18 @@ Per repetition, on the same filesystem:
   moves bytes: these, and vLLM's file I/O below.
 - ours, stores: a gather of scattered block pages into a pooled buffer (on
   the calling thread, as on the forward path), then `FsData.put` (CRC-32C,
-  O_DIRECT write, rename) on 4 I/O threads, as the worker runs them, with at
-  most 8 stores queued; also with buffered writes, and on 16 threads.
+  O_DIRECT write, rename) on the connector's default store threads
+  (`OffloadConfig.store_threads`), with at most twice as many stores queued;
+  also with buffered writes, and on 16 threads.
 - ours, loads, each cold (`drop_caches`) from files stored right before it
   (as vLLM's loads below), the whole cache as ONE request (every
   (chunk, group) file): "sequential" reads,
   verifies and scatters one file after another on one thread (the worker
   before it loaded a request's files in parallel); "ours load" is the
-  connector's load path (`WorkerSide.start_load_kv`, 4 load threads, the
-  request's files read at once); "O_DIRECT" the same with the tier's
-  `direct_reads` option; "MAC" the same with a deployment key (`auth`: every
+  connector's load path with its defaults (`WorkerSide.start_load_kv`,
+  `io_threads` load threads, O_DIRECT reads, the request's files read at
+  once); "buffered" the same with `direct_reads: false` (through the page
+  cache); "MAC" the same with a deployment key (`auth`: every
   file signed with keyed BLAKE3 on store, verified before its scatter on
   load), beside its own "ours store, MAC". Their order rotates between
   repetitions. The MAC and CRC-only rows side by side (CPU seconds per GB,
@@ -385,8 +387,11 @@ def vllm_full_load(kv: HybridKV, vp: VllmPages, root: Path, threads: int, direct
 
 
 # ------------------------------------------------------------------ driver
-def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threads: int = 4,
+def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threads: int | None = None,
         vllm_threads: tuple[int, ...] = (4, 16), out_dir: Path | None = None) -> dict:
+    defaults = parse_config({"store": "fs", "path": "/unused"})
+    threads = threads or defaults.io_threads  # loads: the connector's default
+    store_threads = parse_config({"store": "fs", "path": "/unused", "io_threads": threads}).store_threads
     kv = HybridKV(int(gib * 2**30), TINY if tiny else Shape())
     total = kv.total_bytes
     work = Path(tempfile.mkdtemp(prefix="kvoffload-fsbench-", dir=dir))
@@ -427,7 +432,7 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
             add("raw files read x16", _timed(_raw_files_read, paths, sizes, 16))
             shutil.rmtree(work / f"rawf{r}")
         # ours: store variants without a load after them
-        for v, (variant, direct, nthreads) in enumerate((("ours, buffered writes", False, threads),
+        for v, (variant, direct, nthreads) in enumerate((("ours, buffered writes", False, store_threads),
                                                          ("ours, 16 I/O threads", None, 16))):
             if direct is False and not direct_ok:
                 continue
@@ -438,14 +443,14 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
         # defaults) right before it, from a cold page cache, as every vLLM
         # load below does: the virtual disk's host may cache recent writes,
         # which drop_caches cannot reach. Their order rotates between repetitions.
-        loads = [("ours load, sequential", lambda d: ours_load_sequential(kv, d), False, False),
-                 ("ours load", None, False, False), ("ours load, O_DIRECT", None, True, False),
-                 ("ours load, MAC", None, False, True)]
+        loads = [("ours load, sequential", lambda d: ours_load_sequential(kv, d), True, False),
+                 ("ours load", None, True, False), ("ours load, buffered", None, False, False),
+                 ("ours load, MAC", None, True, True)]
         loads = loads[r % len(loads):] + loads[:r % len(loads)]
         for v, (name, fn, direct_reads, mac) in enumerate(loads):
             path = str(work / f"load{r}.{v}")
             stored = FileStore.open(path, FP, options=FsOptions(path=path, auth=auth if mac else None))
-            add("ours store, MAC" if mac else "ours store", _timed(ours_store, kv, FsData(stored), threads))
+            add("ours store, MAC" if mac else "ours store", _timed(ours_store, kv, FsData(stored), store_threads))
             files = [str(stored.file_path(g.index, kv.keys[c])) for c, g in kv.files()]
             assert sum(os.path.getsize(f) for f in files) == total + HEADER_LEN * len(files)
             if mac:
@@ -501,7 +506,7 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
     raw_r = max(v["gb_s"] for k, v in med.items() if pure_io(k, "read"))
     doc_base = {"device_write": max((k for k in med if pure_io(k, "write")), key=lambda k: med[k]["gb_s"]),
                 "device_read": max((k for k in med if pure_io(k, "read")), key=lambda k: med[k]["gb_s"])}
-    doc = {"bytes": total, "chunks": kv.chunks, "files": 2 * kv.chunks, "reps": reps,
+    doc = {"bytes": total, "chunks": kv.chunks, "files": 2 * kv.chunks, "reps": reps, "store_threads": store_threads,
            "file_bytes": {g.kind.value: g.payload + HEADER_LEN for g in kv.groups}, "filesystem": fs_desc,
            "o_direct": direct_ok, "o_direct_reads_used": direct_read_files == 2 * kv.chunks,
            "cold_cache_method": cache_method, "io_threads": threads, "crc32c": _copier.crc32c_implementation(),

@@ -86,7 +86,10 @@ class OffloadConfig(BaseModel):
         description="tokens per chunk; a multiple of every KV cache group's block size "
         "(default: the smallest such multiple >= 256)",
     )
-    io_threads: int = Field(default=4, ge=1, le=64, description="file I/O threads per worker")
+    io_threads: int = Field(
+        default=8, ge=1, le=64,
+        description="load threads per worker (each reads, verifies and scatters one file at a time, so this "
+        "many reads are in flight); stores get half as many")
     max_pending_store_bytes: ByteCount = Field(
         default=1 << 30, ge=1 << 20,
         description="bytes of gathered pages waiting to be written (an integer or e.g. \"1GiB\"); stores beyond "
@@ -107,6 +110,11 @@ class OffloadConfig(BaseModel):
         description="identity of the model in cache keys (default: the served model path); "
         "set it when one model is served from different paths sharing a cache",
     )
+
+    @property
+    def store_threads(self) -> int:
+        """Threads of the worker's store pool: half the load threads, so reads never queue behind writes."""
+        return max(1, self.io_threads // 2)
 
     @model_validator(mode="after")
     def _distinct(self) -> OffloadConfig:

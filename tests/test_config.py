@@ -107,8 +107,8 @@ def test_good_config_defaults():
     assert tier.path == "/var/cache/kvoffload"
     assert cfg.hybrid_chunk_size is None
     assert tier.fsync is False
-    assert tier.direct_reads is False and tier.options().direct_reads is False
-    assert cfg.io_threads == 4
+    assert tier.direct_reads is True and tier.options().direct_reads is True
+    assert cfg.io_threads == 8
     assert cfg.max_pending_store_bytes == 1 << 30
     assert cfg.shutdown_timeout_s == 60.0
     assert cfg.model_id is None

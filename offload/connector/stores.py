@@ -112,7 +112,7 @@ class StorePath:
         # half as many threads, at idle priority, and overflow is dropped by
         # policy (max_pending_store_bytes) rather than queued without bound.
         self.store_tids: list[int] = []
-        self.pool = ThreadPoolExecutor(max(1, cfg.io_threads // 2), thread_name_prefix="kvoffload-store",
+        self.pool = ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvoffload-store",
                                        initializer=_background_priority, initargs=(self.store_tids,))
         self._lock = threading.Lock()
         self.in_flight: set[Future[None]] = set()

@@ -83,7 +83,7 @@ class FsData(TierData):
     `get` reads into a pooled buffer and verifies it. Both run on the
     worker's I/O threads."""
 
-    def __init__(self, store: FileStore, direct: bool | None = None, direct_reads: bool = False) -> None:
+    def __init__(self, store: FileStore, direct: bool | None = None, direct_reads: bool = True) -> None:
         self.store = store
         # None: probe on the first write. False: buffered writes only.
         self.direct = direct

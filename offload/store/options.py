@@ -257,8 +257,10 @@ class FsOptions(StoreOptions):
         "ledger's usage accounting (60 s to 30 days; default 6 h); between walks usage comes from the "
         "ledger")] = DEFAULT_RECONCILE_S
     direct_reads: Annotated[bool, Strict(), Field(
-        description="store 'fs': read files with O_DIRECT (no page-cache copy: less CPU per load, but no page "
-        "cache either); a filesystem that refuses O_DIRECT gets buffered reads")] = False
+        description="store 'fs': read files with O_DIRECT straight into the load buffer (default: true; a "
+        "filesystem that refuses O_DIRECT gets buffered reads); false reads through the page cache, which "
+        "keeps recently loaded files in memory but costs a copy per load and makes load speed depend on "
+        "the page cache's state")] = True
     auth: Annotated[AuthOption | None, Field(
         description="stores 'fs' and 'lmcache': the deployment key, by reference: {\"key_file\": "
         "\"/etc/kvoffload/key\"} or {\"key_env\": \"KVOFFLOAD_KEY\"}, plus previous_key_files / "
