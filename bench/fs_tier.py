@@ -22,7 +22,7 @@ Per repetition, on the same filesystem:
   once); "buffered" the same with `direct_reads: false` (through the page
   cache); "MAC" the same with a deployment key (`auth`: every
   file signed with keyed BLAKE3 on store, verified before its scatter on
-  load), beside its own "ours store, MAC". Their order rotates between
+  load; AES-256-GMAC, the MAC writers sign with), beside its own "ours store, MAC". Their order rotates between
   repetitions. The MAC and CRC-only rows side by side (CPU seconds per GB,
   GB/s against the device limit) are the `mac` section; `hash_gb_s` gives
   one core's keyed BLAKE3, HMAC-SHA256 and CRC-32C on one buffer, the
@@ -293,7 +293,14 @@ def hash_rates(nbytes: int = 64 << 20, reps: int = 3) -> dict[str, float]:
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     view = buf.numpy()
     key = os.urandom(32)
-    fns = {"keyed BLAKE3 (blake3)": lambda: blake3.blake3(view, key=key).digest(),
+    from offload.store.auth import _GmacMac
+
+    def gmac() -> bytes:  # the v2 MAC as the store computes it: one entry key, then the whole buffer
+        mac = _GmacMac(key, os.urandom(16))
+        mac.update(view)
+        return mac.field()
+    fns = {"AES-256-GMAC, MAC v2 (cryptography)": gmac,
+           "keyed BLAKE3, MAC v1 (blake3)": lambda: blake3.blake3(view, key=key).digest(),
            "HMAC-SHA256 (OpenSSL)": lambda: hmac.new(key, memoryview(view), hashlib.sha256).digest(),
            "CRC-32C (ours)": lambda: copier.crc32c(buf)}
     out = {}

@@ -30,7 +30,7 @@ fi
 # pybind11 builds the extension below (no build isolation); the rest are
 # pyproject.toml's dependencies and its `test` and `bench` extras, named here because the
 # package itself is installed --no-deps (see the end).
-"${PIP[@]}" pybind11 numpy "pydantic>=2" blake3==1.0.11 prometheus-client tqdm transformers pytest pyyaml aiohttp psutil tokenizers ruff mypy matplotlib pandas
+"${PIP[@]}" pybind11 numpy "pydantic>=2" blake3==1.0.11 "cryptography>=42" prometheus-client tqdm transformers pytest pyyaml aiohttp psutil tokenizers ruff mypy matplotlib pandas
 
 # LMCache's storage engine (the "lmcache" tier, docs/lmcache.md), storage engine only.
 # `pip install lmcache==0.5.6` with its dependencies would install cupy-cuda13x,

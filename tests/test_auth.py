@@ -3,8 +3,9 @@ objects: what a MAC binds (header, identity, payload), what a reader does with
 an entry no key of ours vouches for, rotation, key configuration errors, and
 that the key shows up in no repr, error or tool output.
 
-The MAC is checked against the documented construction (docs/format.md) with
-the `blake3` package directly, not through the code under test.
+The MAC is checked against the documented constructions (docs/format.md) with
+the `blake3` and `cryptography` packages directly, not through the code under test:
+v2 (AES-256-GMAC under a one-entry key) signs, v1 (keyed BLAKE3) still verifies.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from pathlib import Path
 import blake3
 import pytest
 import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from offload import cli
 from offload.store.auth import (
+    GMAC_CONTEXT,
+    GMAC_KEY_ID_CONTEXT,
     KEY_ID_CONTEXT,
     MAC_CONTEXT,
     AuthRef,
@@ -103,21 +107,48 @@ def rewrite(path: Path, **fields) -> None:
 # ---- the documented construction ----------------------------------------------------------
 
 
-def test_mac_is_keyed_blake3_over_header_prefix_and_payload_as_documented(tmp_path):
+def gmac_field(secret: bytes, nonce: bytes, covered: bytes) -> bytes:
+    """v2's MAC field, built from the documented construction alone."""
+    gmac_key = blake3.blake3(secret, derive_key_context=GMAC_CONTEXT).digest()
+    entry_key = blake3.blake3(nonce, key=gmac_key).digest()
+    return nonce + AESGCM(entry_key).encrypt(bytes(12), b"", covered)  # no plaintext: the 16-byte tag alone
+
+
+def test_mac_is_gmac_under_a_one_entry_key_over_payload_and_header_prefix_as_documented(tmp_path):
     s = store(tmp_path, K1)
     h, p = header(key=key_of("doc")), payload(1)
     assert s.write(h, p)
     raw = s.file_path(h.group, h.key).read_bytes()
     fields = dict(zip(FIELD_OFFSETS, LAYOUT.unpack(raw[:HEADER_LEN])))
-    mac_key = blake3.blake3(K1, derive_key_context=MAC_CONTEXT).digest()
-    key_id = blake3.blake3(K1, derive_key_context=KEY_ID_CONTEXT).digest(length=8)
+    key_id = blake3.blake3(K1, derive_key_context=GMAC_KEY_ID_CONTEXT).digest(length=8)
     assert fields["key_id"] == key_id != NO_KEY
     assert MAC_OFFSET == FIELD_OFFSETS["mac"][0] == 156
     # The payload first, then the header bytes before the MAC (docs/format.md).
-    assert fields["mac"] == blake3.blake3(raw[HEADER_LEN:] + raw[:156], key=mac_key).digest()
+    nonce = fields["mac"][:16]
+    assert fields["mac"] == gmac_field(K1, nonce, raw[HEADER_LEN:] + raw[:156])
     assert fields["payload_crc"] == crc32c_ref(raw[HEADER_LEN:]), "the CRC stays: damage is told from forgery"
     assert fields["header_crc"] == crc32c_ref(raw[:188])
     assert torch.equal(read(s, h), p)
+    # Every entry gets its own nonce, so the same bytes signed twice carry different MACs.
+    assert frame(h, p, s.keyring)[156:188] != frame(h, p, s.keyring)[156:188]
+
+
+def test_entries_signed_with_v1_keyed_blake3_still_restore_and_a_forged_v1_mac_is_refused(tmp_path):
+    s = store(tmp_path, K1)
+    h, p = header(key=key_of("v1")), payload(4)
+    assert s.write(h, p)
+    path = s.file_path(h.group, h.key)
+    raw = bytearray(path.read_bytes())
+    # Re-sign the file as the version before GMAC did: v1 key id, keyed BLAKE3 over payload + header prefix.
+    rewrite(path, key_id=blake3.blake3(K1, derive_key_context=KEY_ID_CONTEXT).digest(length=8), mac=bytes(32))
+    raw = bytearray(path.read_bytes())
+    mac_key = blake3.blake3(K1, derive_key_context=MAC_CONTEXT).digest()
+    rewrite(path, mac=blake3.blake3(bytes(raw[HEADER_LEN:]) + bytes(raw[:156]), key=mac_key).digest())
+    assert torch.equal(read(s, h), p), "a v1 entry of our key restores"
+    # The same file with a MAC that is not keyed BLAKE3 under our key: a forgery, moved aside.
+    rewrite(path, mac=blake3.blake3(bytes(raw[HEADER_LEN:]) + bytes(raw[:156]), key=bytes(32)).digest())
+    assert miss(s, h).reason is MissReason.UNAUTHENTICATED
+    assert len(quarantined(s)) == 1
 
 
 def test_without_a_key_mac_fields_are_zero_and_keyless_readers_accept_signed_files(tmp_path):
@@ -239,7 +270,7 @@ def test_rotation_previous_keys_read_current_key_writes(tmp_path):
     assert torch.equal(read(rotated, h_old), payload(12)), "what the old key wrote still restores"
     rotated.write(h_new, payload(13))
     raw = rotated.file_path(h_new.group, h_new.key).read_bytes()
-    assert raw[124:132] == blake3.blake3(K2, derive_key_context=KEY_ID_CONTEXT).digest(length=8)
+    assert raw[124:132] == blake3.blake3(K2, derive_key_context=GMAC_KEY_ID_CONTEXT).digest(length=8)
     assert torch.equal(read(rotated, h_new), payload(13))
     # After the old key is retired, its files are another key's: misses, left alone.
     retired = store(tmp_path, K2)
@@ -343,7 +374,7 @@ def test_the_key_is_in_no_repr_pickle_or_output(tmp_path, capsys):
     for obj in (ring, ring.current):
         with pytest.raises(TypeError):
             pickle.dumps(obj)
-    derived = [blake3.blake3(k, derive_key_context=MAC_CONTEXT).digest() for k in (K1, K2)]
+    derived = [blake3.blake3(k, derive_key_context=c).digest() for k in (K1, K2) for c in (MAC_CONTEXT, GMAC_CONTEXT)]
     for t in texts:
         assert_no_key(t, K1, K2, *derived)
     # fsck's output with the key.

@@ -36,7 +36,7 @@ from harness.client import wait_until
 from harness.engine import EngineRun, RunSpec, start_engine
 from offload.keys import chunk_keys, request_root
 from offload.planner import GroupKind, GroupSpec, HybridOffloadPlanner
-from offload.store.auth import KEY_ID_CONTEXT, MAC_CONTEXT, Keyring, frame
+from offload.store.auth import GMAC_CONTEXT, GMAC_KEY_ID_CONTEXT, MAC_CONTEXT, Keyring, frame
 from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.format import HEADER_LEN, NO_KEY, ChunkHeader
 
@@ -51,16 +51,17 @@ def new_secret() -> str:
 
 
 def key_id(secret: bytes) -> bytes:
-    return blake3.blake3(secret, derive_key_context=KEY_ID_CONTEXT).digest(length=8)
+    return blake3.blake3(secret, derive_key_context=GMAC_KEY_ID_CONTEXT).digest(length=8)
 
 
 def leaks(text: str, secrets: list[bytes]) -> list[str]:
     """Which forms of which key occur in `text`: raw, hex, base64 of the secret and the derived MAC key."""
     found = []
     for i, s in enumerate(secrets):
-        derived = blake3.blake3(s, derive_key_context=MAC_CONTEXT).digest()
+        v1, v2 = (blake3.blake3(s, derive_key_context=c).digest() for c in (MAC_CONTEXT, GMAC_CONTEXT))
         for what, form in (("raw", s), ("hex", s.hex().encode()), ("base64", base64.b64encode(s)),
-                           ("derived hex", derived.hex().encode()), ("derived base64", base64.b64encode(derived))):
+                           ("derived hex", v1.hex().encode()), ("derived base64", base64.b64encode(v1)),
+                           ("derived v2 hex", v2.hex().encode()), ("derived v2 base64", base64.b64encode(v2))):
             if form.decode("latin-1") in text:
                 found.append(f"key {i} ({what})")
     return found

@@ -290,7 +290,7 @@ def _check(fp: FpDir, cf: ChunkFile, verify: bool, kinds: dict[int, GroupKind],
                     cf.problem = ("no MAC (written without a key)" if h.key_id == NO_KEY
                                   else f"key id {h.key_id.hex()} is not one of the given keys")
                 else:
-                    hasher = key.hasher()
+                    hasher = key.start(h.mac)
             if verify:
                 from offload.copier import crc32c
 
@@ -302,10 +302,8 @@ def _check(fp: FpDir, cf: ChunkFile, verify: bool, kinds: dict[int, GroupKind],
                 if crc != h.payload_crc:
                     raise FormatError("payload checksum mismatch")
                 if hasher is not None:
-                    import hmac
-
                     hasher.update(raw[:MAC_OFFSET])
-                    mac_ok = hmac.compare_digest(hasher.digest(), h.mac)
+                    mac_ok = hasher.verify(h.mac)
                     if not mac_ok:
                         cf.problem_kind = "unauthenticated"
                         cf.problem = f"MAC mismatch under key id {h.key_id.hex()}"
