@@ -62,7 +62,7 @@ def test_crc32c_hardware_and_software_agree():
     assert copier.crc32c(chunk) == crc32c_ref(chunk)
 
 
-@pytest.mark.parametrize("variant", ["crc32", "clmul"])
+@pytest.mark.parametrize("variant", ["crc32", "clmul", "vpclmul"])
 def test_crc32c_variants_agree_with_the_table_path(variant):
     """Each CPU path against slice-by-8 at every alignment, around the folding
     path's thresholds (256 bytes, 64-byte steps, 16-byte tail) and at file sizes."""
@@ -73,14 +73,15 @@ def test_crc32c_variants_agree_with_the_table_path(variant):
     rng = random.Random(7)
     big = torch.randint(0, 256, (7 << 20,), dtype=torch.uint8)
     base = big.data_ptr()
-    sizes = [*range(240, 340), 1023, 1024, 1025, 4096 + 128, 65536 + 17, 4194304, 6946816, 7 << 20]
+    sizes = [*range(240, 340), *range(1000, 1350, 7), 1023, 1024, 1025, 1279, 1280, 1281, 4096 + 128,
+             65536 + 17, 4194304, 6946816, 7 << 20]
     for size in sizes:
         start = rng.randrange(0, 64) if size < (7 << 20) else 0
         size = min(size, big.numel() - start)
         seed = rng.getrandbits(32)
         want = _copier.crc32c_variant(base + start, size, seed, "table")
         assert _copier.crc32c_variant(base + start, size, seed, variant) == want, (variant, start, size)
-    assert _copier.crc32c_implementation() in ("clmul", "crc32", "table")
+    assert _copier.crc32c_implementation() in ("vpclmul", "clmul", "crc32", "table")
 
 
 def test_crc32c_seed_chaining():
