@@ -9,8 +9,13 @@ torn down; `make setup` installs GlusterFS. On each of the two directories, per 
   `dd bs=4M iflag=direct` of it back (after dropping the page cache): what the filesystem moves with no
   checksum, no file per chunk and no rename;
 - ours, stores: `FsData.put` of one file per (chunk, group) (CRC-32C, O_DIRECT where the filesystem
-  takes it, rename into place) on 4 I/O threads, at most 8 queued, as the worker runs them; then a sync;
-- ours, loads: the same files cold (page cache dropped), `FsData.get` (read, verify) on 4 threads.
+  takes it, rename into place) on the connector's default store threads, at most twice as many queued, as
+  the worker runs them; then a sync;
+- ours, loads: the same files cold (page cache dropped), `FsData.get` (read with the tier's defaults,
+  verify) on the connector's default load threads (`io_threads`);
+- vLLM x16: `vllm.v1.kv_offload.tiering.fs.io.batch_store_block` / `batch_load_block` of the same
+  file count and size from / into one host buffer, 16 threads (its default), O_DIRECT where its own
+  probe allows: its file tier's I/O with nothing else.
 
 CPU per GB counts this process and, on the mount, the GlusterFS processes (the FUSE client and both
 brick servers, from /proc/<pid>/stat): the work a FUSE filesystem does in its own daemons is part of
@@ -26,6 +31,7 @@ Writes bench/results/gluster_fs.json.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import re
 import shutil
@@ -38,19 +44,22 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.common import GB, REPO, cpu_seconds, drop_page_cache, filesystem_of, median, table, write_results
+from offload.config import parse_config
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind
 from offload.store.base import HostChunk, Placement
 from offload.store.buffers import BufferPool
 from offload.store.files import FileStore
-from offload.store.format import ChunkHeader
+from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.store.fs import FsData
 
 sys.path.insert(0, str(REPO / "tests"))
 import gluster  # tests/gluster.py: the volume
 
 FP = Fingerprint(bytes(range(32)))
-THREADS = 4
+_DEFAULTS = parse_config({"store": "fs", "path": "/unused"})
+LOAD_THREADS, STORE_THREADS = _DEFAULTS.io_threads, _DEFAULTS.store_threads  # the connector's defaults
+VLLM_THREADS = 16
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -85,7 +94,7 @@ def headers(n: int, payload: int) -> list[ChunkHeader]:
 
 
 def store_all(data: FsData, hs: list[ChunkHeader], pool: BufferPool) -> None:
-    slots = threading.BoundedSemaphore(2 * THREADS)
+    slots = threading.BoundedSemaphore(2 * STORE_THREADS)
 
     def commit(h: ChunkHeader, staged: HostChunk) -> bool:
         try:
@@ -94,7 +103,7 @@ def store_all(data: FsData, hs: list[ChunkHeader], pool: BufferPool) -> None:
             staged.release()
             slots.release()
 
-    with ThreadPoolExecutor(THREADS) as ex:
+    with ThreadPoolExecutor(STORE_THREADS) as ex:
         futs = []
         for h in hs:
             slots.acquire()
@@ -110,8 +119,25 @@ def load_all(data: FsData, hs: list[ChunkHeader], pool: BufferPool) -> None:
     def one(h: ChunkHeader) -> None:
         data.get(h, Placement(), pool).release()
 
-    with ThreadPoolExecutor(THREADS) as ex:
+    with ThreadPoolExecutor(LOAD_THREADS) as ex:
         list(ex.map(one, hs))
+
+
+def vllm_io(where: Path, n: int, file_bytes: int, buf: mmap.mmap, store: bool) -> None:
+    """vLLM's file tier I/O: one file per entry, from / into `buf` (its CPU tier's layout)."""
+    from vllm.v1.kv_offload.tiering.fs import io as vio
+
+    where.mkdir(parents=True, exist_ok=True)  # its probe writes a file there
+    direct = vio.probe_o_direct(str(where))
+    view = memoryview(buf)
+    op = vio.batch_store_block if store else vio.batch_load_block
+
+    def one(i: int) -> None:
+        op([str(where / f"{i % 256:02x}" / f"{i}.bin")], view, [i * file_bytes], file_bytes, direct)
+    with ThreadPoolExecutor(VLLM_THREADS) as ex:
+        list(ex.map(one, range(n)))
+    if store:
+        os.sync()
 
 
 def dd(args: list[str]) -> float:
@@ -122,7 +148,8 @@ def dd(args: list[str]) -> float:
     return float(m.group(1))
 
 
-def measure(where: Path, nbytes: int, file_bytes: int, pids: list[int]) -> dict[str, tuple[float, float, float]]:
+def measure(where: Path, nbytes: int, file_bytes: int, pids: list[int],
+            vllm_buf: mmap.mmap | None) -> dict[str, tuple[float, float, float]]:
     """{op: (wall s, CPU s in all, CPU s of the GlusterFS processes)} for dd write/read and our stores/loads in
     `where`."""
     out = {}
@@ -142,6 +169,12 @@ def measure(where: Path, nbytes: int, file_bytes: int, pids: list[int]) -> dict[
     shutil.rmtree(cache, ignore_errors=True)
     hs = headers(nbytes // file_bytes, file_bytes)
     pool = BufferPool(max_free_bytes=1 << 30)
+    # Faulted in once, as a running worker's pool is: fresh pages would put page faults into the figures.
+    warm = [pool.get(HEADER_LEN + file_bytes) for _ in range(LOAD_THREADS + 2 * STORE_THREADS)]
+    for b in warm:
+        b.fill_(0)
+    for b in warm:
+        pool.put(b)
     store = FileStore.open(str(cache), FP)
     data = FsData(store)
     c0, d0, t0 = cpu_seconds(), daemon_cpu(pids), time.perf_counter()
@@ -157,6 +190,18 @@ def measure(where: Path, nbytes: int, file_bytes: int, pids: list[int]) -> dict[
     out["_direct"] = (float(bool(data.direct)), 0.0, 0.0)
     store.close()
     shutil.rmtree(cache, ignore_errors=True)
+    if vllm_buf is not None:
+        vdir = where / "vllm"
+        c0, d0, t0 = cpu_seconds(), daemon_cpu(pids), time.perf_counter()
+        vllm_io(vdir, len(hs), file_bytes, vllm_buf, store=True)
+        d = daemon_cpu(pids) - d0
+        out["vLLM x16 store"] = (time.perf_counter() - t0, cpu_seconds() - c0 + d, d)
+        drop_page_cache([str(p) for p in vdir.rglob("*.bin")])
+        c0, d0, t0 = cpu_seconds(), daemon_cpu(pids), time.perf_counter()
+        vllm_io(vdir, len(hs), file_bytes, vllm_buf, store=False)
+        d = daemon_cpu(pids) - d0
+        out["vLLM x16 load"] = (time.perf_counter() - t0, cpu_seconds() - c0 + d, d)
+        shutil.rmtree(vdir, ignore_errors=True)
     return out
 
 
@@ -182,14 +227,23 @@ def main(argv: list[str] | None = None) -> int:
         mount = volume.mounts[0] / "bench"
         mount.mkdir()
         pids = gluster_pids(volume)
+        try:
+            import vllm.v1.kv_offload.tiering.fs.io  # noqa: F401
+
+            vllm_buf: mmap.mmap | None = mmap.mmap(-1, (nbytes // file_bytes) * file_bytes)  # page aligned
+            vllm_buf.write(os.urandom(1 << 20) * (len(vllm_buf) >> 20))  # faulted in, as a running tier's
+        except ImportError:
+            vllm_buf = None
         runs: dict[str, dict[str, list[tuple[float, float, float]]]] = {"local": {}, "gluster": {}}
         for _ in range(a.reps):
             for name, where, watch in (("local", local, []), ("gluster", mount, pids)):
-                for op, v in measure(where, nbytes, file_bytes, watch).items():
+                for op, v in measure(where, nbytes, file_bytes, watch, vllm_buf).items():
                     runs[name].setdefault(op, []).append(v)
         rows, doc_rows = [], []
         for name, ops in runs.items():
-            for op in ("dd write", "dd read", "ours store", "ours load"):
+            for op in ("dd write", "dd read", "ours store", "ours load", "vLLM x16 store", "vLLM x16 load"):
+                if op not in ops:
+                    continue
                 walls = [w for w, _, _ in ops[op]]
                 cpus = [c for _, c, _ in ops[op]]
                 daemons = [d for _, _, d in ops[op]]
@@ -202,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "cpu_s_per_gb": cpu_gb, "gluster_cpu_s_per_gb": daemon_gb, "cpu_s_all": cpus})
         print(table(["where", "op", "GB/s (median)", "range", "CPU s/GB", "of it GlusterFS"], rows))
         path = write_results("gluster_fs", {
-            "bytes_per_op": nbytes, "file_bytes": file_bytes, "reps": a.reps, "io_threads": THREADS,
+            "bytes_per_op": nbytes, "file_bytes": file_bytes, "reps": a.reps, "io_threads": LOAD_THREADS,
+            "store_threads": STORE_THREADS, "vllm_threads": VLLM_THREADS,
             "local_fs": filesystem_of(local), "mount_fs": filesystem_of(mount),
             "volume": "GlusterFS replica 2, both bricks in directories on the local filesystem, one FUSE mount",
             "gluster_version": subprocess.run(["glusterfs", "--version"], capture_output=True,

@@ -87,7 +87,7 @@ class OffloadConfig(BaseModel):
         "(default: the smallest such multiple >= 256)",
     )
     io_threads: int = Field(
-        default=8, ge=1, le=64,
+        default=16, ge=1, le=64,
         description="load threads per worker (each reads, verifies and scatters one file at a time, so this "
         "many reads are in flight); stores get half as many")
     max_pending_store_bytes: ByteCount = Field(

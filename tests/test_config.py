@@ -108,7 +108,7 @@ def test_good_config_defaults():
     assert cfg.hybrid_chunk_size is None
     assert tier.fsync is False
     assert tier.direct_reads is True and tier.options().direct_reads is True
-    assert cfg.io_threads == 8
+    assert cfg.io_threads == 16
     assert cfg.max_pending_store_bytes == 1 << 30
     assert cfg.shutdown_timeout_s == 60.0
     assert cfg.model_id is None

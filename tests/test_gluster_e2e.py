@@ -354,7 +354,8 @@ def test_the_gluster_bench_measures_both_directories_at_small_size(tmp_path):
     doc = json.loads((tmp_path / "out" / "gluster_fs.json").read_text())
     rows = {(r["fs"], r["op"]): r for r in doc["rows"]}
     assert set(rows) == {(f, o) for f in ("local", "gluster") for o in ("dd write", "dd read", "ours store",
-                                                                         "ours load")}
+                                                                         "ours load", "vLLM x16 store",
+                                                                         "vLLM x16 load")}
     assert all(r["gb_s"] > 0 for r in rows.values())
     # On the mount the GlusterFS processes work for every byte; locally there are none.
     assert rows[("gluster", "ours store")]["gluster_cpu_s_per_gb"] > 0
