@@ -88,8 +88,8 @@ class OffloadConfig(BaseModel):
     )
     io_threads: int = Field(
         default=16, ge=1, le=64,
-        description="load threads per worker (each reads, verifies and scatters one file at a time, so this "
-        "many reads are in flight); stores get half as many")
+        description="file I/O threads per worker for loads (each reads, verifies and scatters one file at a "
+        "time, so this many reads are in flight); stores get half as many")
     max_pending_store_bytes: ByteCount = Field(
         default=1 << 30, ge=1 << 20,
         description="bytes of gathered pages waiting to be written (an integer or e.g. \"1GiB\"); stores beyond "

@@ -288,3 +288,52 @@ def test_promotion_fills_the_reserved_slots_of_every_verified_file(kv, tmp_path)
             assert got[g][offset:offset + n].equal(want[g][offset:offset + n]), f"file {i}"
     finally:
         worker.shutdown()
+
+
+def _ramfs(path: Path) -> str | None:
+    """Mount a ramfs (a filesystem that refuses O_DIRECT) at `path`; why not, where it cannot be."""
+    import subprocess
+
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(path)], capture_output=True, text=True)
+    return None if r.returncode == 0 else f"cannot mount a ramfs here: {r.stderr.strip() or r.returncode}"
+
+
+def test_the_default_reads_with_o_direct_where_the_filesystem_takes_it_and_buffered_where_it_refuses(kv, tmp_path):
+    """No `direct_reads` key: every load is an O_DIRECT read where the filesystem takes one
+    (the disk under tmp_path), and where it refuses (ramfs) the first read falls back and every
+    later one is buffered; the restored bytes are exact either way."""
+    from offload.store.buffers import probe_o_direct
+
+    places = {"disk": tmp_path / "disk"}
+    ram = tmp_path / "ram"
+    why = _ramfs(ram)
+    if why is None:
+        places["ramfs"] = ram
+    try:
+        for name, where in places.items():
+            worker, _ = build(kv, [{"store": "fs", "path": str(where / "c")}], 4)
+            try:
+                store(kv, worker, 0)
+                want = kv.snapshot()
+                kv.zero()
+                assert load(kv, worker, job_from(kv, 0, req=f"{name}-1"))
+                assert load(kv, worker, job_from(kv, 0, req=f"{name}-2"))
+                assert all(a.equal(b) for a, b in zip(kv.snapshot(), want)), f"{name}: restored bytes differ"
+                data = worker.tiers[0]
+                takes_direct = probe_o_direct(where / "probe")
+                assert not (name == "ramfs" and takes_direct), "ramfs has no O_DIRECT"
+                if takes_direct:
+                    assert (data.direct_read_count, data.buffered_read_count) == (2 * FILES, 0), name
+                else:
+                    assert data.direct_read_count == 0 and data.buffered_read_count == 2 * FILES, name
+                    assert data.direct_reads is False, "a refusal switches the tier to buffered reads"
+            finally:
+                worker.shutdown()
+    finally:
+        if why is None:
+            import subprocess
+
+            subprocess.run(["umount", str(ram)], check=False)
+    if why is not None:
+        pytest.skip(f"the disk half ran; {why}")
