@@ -506,6 +506,26 @@ class PageTable {
                const std::vector<std::pair<int64_t, int64_t>>& pairs) const {
     kvoffload::check_scatter_args(src_bytes, n_src, pairs, page_bytes_);
     py::gil_scoped_release nogil;
+    run_scatter(src_ptr, n_src, pairs, nullptr, 0);
+  }
+
+  // The scatter, and the CRC-32C (seeded as crc32c's `seed`) of the whole source buffer. Where the
+  // copies read the buffer front to back with no gap (every page once, in order: a whole chunk's
+  // load), the CRC is taken in the same pass, piece by piece from cache right after each piece is
+  // copied; otherwise the buffer is CRC'd first and then scattered.
+  uint32_t scatter_crc(uint64_t src_ptr, int64_t src_bytes, int64_t n_src,
+                       const std::vector<std::pair<int64_t, int64_t>>& pairs, uint32_t seed) const {
+    kvoffload::check_scatter_args(src_bytes, n_src, pairs, page_bytes_);
+    py::gil_scoped_release nogil;
+    uint32_t raw = ~seed;
+    run_scatter(src_ptr, n_src, pairs, &raw, static_cast<size_t>(src_bytes));
+    return ~raw;
+  }
+
+ private:
+  // `crc` non-null: the raw CRC register over the `src_bytes` of the source, updated (see scatter_crc).
+  void run_scatter(uint64_t src_ptr, int64_t n_src, const std::vector<std::pair<int64_t, int64_t>>& pairs,
+                   uint32_t* crc, size_t src_bytes) const {
     std::vector<Copy> copies;
     const auto* src = reinterpret_cast<const uint8_t*>(src_ptr);
     for (const Layer& L : layers_) {
@@ -540,10 +560,44 @@ class PageTable {
       std::sort(dsts.begin(), dsts.end());
       dup = std::adjacent_find(dsts.begin(), dsts.end()) != dsts.end();
     }
-    run_copies(copies, dup ? 1 : num_threads_);
+    if (crc == nullptr) {
+      run_copies(copies, dup ? 1 : num_threads_);
+      return;
+    }
+    const auto* base = reinterpret_cast<const uint8_t*>(src_ptr);
+    const uint8_t* next = base;
+    for (const Copy& c : copies) {
+      if (c.src != next) break;
+      next += c.len;
+    }
+    if (next != base + src_bytes || dup) {
+      *crc = crc_raw(*crc, base, src_bytes);
+      run_copies(copies, dup ? 1 : num_threads_);
+      return;
+    }
+    bool stream = false;
+#if defined(__x86_64__)
+    stream = src_bytes >= kStreamMin && have_avx2();
+#endif
+    for (const Copy& c : copies) {
+      for (size_t off = 0; off < c.len; off += kFusedPiece) {
+        const size_t n = std::min(kFusedPiece, c.len - off);
+#if defined(__x86_64__)
+        if (stream && n >= kStreamSeg)
+          stream_copy_avx2(c.dst + off, c.src + off, n);
+        else
+#endif
+          std::memcpy(c.dst + off, c.src + off, n);
+        *crc = crc_raw(*crc, c.src + off, n);  // the piece just read: from L1/L2
+      }
+    }
+#if defined(__x86_64__)
+    if (stream) _mm_sfence();
+#endif
   }
 
- private:
+  static constexpr size_t kFusedPiece = size_t(16) << 10;
+
   std::vector<Layer> layers_;
   int64_t page_bytes_ = 0;
   int num_threads_ = 1;
@@ -1048,7 +1102,11 @@ PYBIND11_MODULE(_copier, m) {
       .def("gather", &PageTable::gather, py::arg("block_ids"), py::arg("dst_ptr"),
            py::arg("dst_bytes"))
       .def("scatter", &PageTable::scatter, py::arg("src_ptr"), py::arg("src_bytes"),
-           py::arg("n_src_blocks"), py::arg("pairs"));
+           py::arg("n_src_blocks"), py::arg("pairs"))
+      .def("scatter_crc", &PageTable::scatter_crc, py::arg("src_ptr"), py::arg("src_bytes"),
+           py::arg("n_src_blocks"), py::arg("pairs"), py::arg("seed") = 0,
+           "scatter, returning the CRC-32C of the whole source buffer (computed in the copy's pass "
+           "where the copies read it front to back)");
 
   m.def("write_file", &write_file, py::arg("tmp_path"), py::arg("final_path"),
         py::arg("header"), py::arg("payload_ptr"), py::arg("payload_len"), py::arg("fsync"),

@@ -161,16 +161,30 @@ class GroupPages:
             self._torch_gather(ids, out)
         return out
 
-    def scatter(self, buf: torch.Tensor, n_buf_blocks: int, pairs: Sequence[tuple[int, int]]) -> None:
-        """Copy page ``src`` of ``buf`` (layer-major, ``n_buf_blocks`` pages) into block ``dst``."""
+    def scatter(self, buf: torch.Tensor, n_buf_blocks: int, pairs: Sequence[tuple[int, int]],
+                crc: bool = False) -> int | None:
+        """Copy page ``src`` of ``buf`` (layer-major, ``n_buf_blocks`` pages) into block ``dst``.
+
+        With ``crc``, also return the CRC-32C of the whole of ``buf`` (a CPU buffer): on CPU it is
+        taken in the copy's own pass over ``buf`` where the pairs read it front to back (every page
+        once, in order); elsewhere before the copy.
+        """
         pairs = [(int(s), int(d)) for s, d in pairs]
         self._check_ids([d for _, d in pairs])
         if buf.dtype != torch.uint8 or not buf.is_contiguous():
             raise ValueError("buf must be a contiguous uint8 tensor")
         if not self._cuda:
             _check_cpu_u8(buf, "buf")
+            if crc:
+                return self._table.scatter_crc(buf.data_ptr(), buf.numel(), n_buf_blocks, pairs)
             self._table.scatter(buf.data_ptr(), buf.numel(), n_buf_blocks, pairs)
-        elif self._cuda_table is not None:
+            return None
+        value = crc32c(buf) if crc else None  # a host buffer: its CRC on the CPU, before the copy
+        self._scatter_device(buf, n_buf_blocks, pairs)
+        return value
+
+    def _scatter_device(self, buf: torch.Tensor, n_buf_blocks: int, pairs: list[tuple[int, int]]) -> None:
+        if self._cuda_table is not None:
             # The kernel can read pinned host or device memory, not pageable.
             if buf.device.type == "cpu" and not buf.is_pinned():
                 buf = buf.to(self.device)

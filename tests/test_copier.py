@@ -406,3 +406,26 @@ def test_scatter_duplicate_destination_last_wins():
     pairs = [(i, i) for i in range(40)] + [(7, 3)]
     GroupPages([LayerPages.from_tensor(out, nb)], nb, torch.device("cpu"), num_threads=2).scatter(buf, 40, pairs)
     assert torch.equal(out[3], t[7]) and torch.equal(out[4:40], t[4:40])
+
+
+@pytest.mark.parametrize("pairs", [
+    [(0, 40), (1, 41), (2, 42), (3, 10), (4, 11)],  # every page once, in order: CRC in the copy's pass
+    [(0, 40), (2, 42)],  # a subset: the buffer is CRC'd first, then scattered
+    [(1, 41), (0, 40), (2, 42), (3, 10), (4, 11)],  # out of order
+    [(0, 40), (1, 40), (2, 42), (3, 10), (4, 11)],  # a duplicate destination: the last pair wins
+], ids=["in-order", "subset", "reordered", "duplicate-dst"])
+def test_scatter_with_crc_returns_the_buffers_crc_and_moves_the_same_bytes(pairs):
+    """GroupPages.scatter(crc=True): the CRC-32C of the whole source buffer, whichever way the pairs
+    read it, and exactly the pages a plain scatter writes."""
+    nb = 64
+    kv = torch.randint(0, 256, (2, nb, 16, 2, 64), dtype=torch.uint8)  # K and V segments (>= 4 KiB each)
+    state = torch.randint(0, 256, (nb, 3000), dtype=torch.uint8)  # a state page, not 4 KiB-sized
+
+    def pages(k, m):
+        return GroupPages([LayerPages.from_tensor(k, nb), LayerPages.from_tensor(m, nb)], nb, torch.device("cpu"))
+    buf = pages(kv, state).gather([5, 6, 7, 20, 3])
+    k1, m1, k2, m2 = kv.clone(), state.clone(), kv.clone(), state.clone()
+    assert pages(k1, m1).scatter(buf, 5, pairs, crc=True) == crc32c_ref(bytes(buf.tolist()))
+    assert pages(k2, m2).scatter(buf, 5, pairs) is None
+    assert torch.equal(k1, k2) and torch.equal(m1, m2)
+    assert not torch.equal(k1, kv), "the scatter wrote nothing"

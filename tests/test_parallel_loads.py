@@ -206,7 +206,9 @@ def test_two_corrupt_files_of_one_request_are_both_quarantined_in_one_pass(kv, t
         assert misses(worker) == {"corrupt": 2}  # nothing new
         data = worker.tiers[0]
         if direct_reads:  # this filesystem (ext4, tmpfs refuses) decides which path ran
-            assert data.direct_read_count + data.buffered_read_count == 2 * FILES - 2
+            # The truncated file fails its size check before a read; the flipped one is read whole,
+            # its CRC left to the scatter's pass where the read was O_DIRECT.
+            assert data.direct_read_count + data.buffered_read_count == 2 * FILES - 2 + (data.direct_read_count > 0)
     finally:
         worker.shutdown()
 
@@ -312,7 +314,7 @@ def test_the_default_reads_with_o_direct_where_the_filesystem_takes_it_and_buffe
         places["ramfs"] = ram
     try:
         for name, where in places.items():
-            worker, _ = build(kv, [{"store": "fs", "path": str(where / "c")}], 4)
+            worker, indices = build(kv, [{"store": "fs", "path": str(where / "c")}], 4)
             try:
                 store(kv, worker, 0)
                 want = kv.snapshot()
@@ -330,10 +332,12 @@ def test_the_default_reads_with_o_direct_where_the_filesystem_takes_it_and_buffe
                     assert data.direct_reads is False, "a refusal switches the tier to buffered reads"
             finally:
                 worker.shutdown()
+                for ix in indices:
+                    ix.close()
     finally:
         if why is None:
             import subprocess
 
-            subprocess.run(["umount", str(ram)], check=False)
+            subprocess.run(["umount", "-l", str(ram)], check=False)  # lazily: a ledger log may close late
     if why is not None:
         pytest.skip(f"the disk half ran; {why}")

@@ -80,9 +80,9 @@ class GatedPages:
         with self._gate.hold():  # open: the pages are there
             return cast(GroupPages, self._pages).gather(*args, **kwargs)
 
-    def scatter(self, *args: Any, **kwargs: Any) -> None:
+    def scatter(self, *args: Any, **kwargs: Any) -> int | None:
         with self._gate.hold():
-            cast(GroupPages, self._pages).scatter(*args, **kwargs)
+            return cast(GroupPages, self._pages).scatter(*args, **kwargs)
 
     def drop(self) -> None:
         self._pages = None

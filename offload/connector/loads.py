@@ -9,7 +9,9 @@ the tier, and scattered into the KV cache; the bytes read from a slower tier
 are put into the faster tiers the scheduler reserved (promotion), from the
 same read. A request is a hit only if every file was restored; all its files
 are read regardless, so every bad one is found (and quarantined) in the same
-pass, and a failed request is reported with the gravest of its reasons.
+pass, and a failed request is reported with the gravest of its reasons. A
+file tier's payload CRC (O_DIRECT reads, no key) is checked in the scatter's
+own pass over the bytes (`TierData.get_to_scatter`); a MAC is checked before.
 `results()` hands back the requests finished since the last call.
 
 Loads get their own pool (`io_threads` threads, made here): a load blocks a
@@ -123,32 +125,46 @@ class LoadPipeline:
         kind = ref.kind.value
         t0 = time.perf_counter()
         try:
-            chunk = self.stores.queued_copy(src.tier, header) or self.kv.tiers[src.tier].get(
+            chunk = self.stores.queued_copy(src.tier, header) or self.kv.tiers[src.tier].get_to_scatter(
                 header, Placement(src.slot), self.kv.buffers)
         except ChunkMiss as e:
-            self.recorders[src.tier].inc("kvoffload_chunk_misses", reason=e.reason.value)
-            if e.reason is MissReason.CORRUPT:
-                self.recorders[src.tier].inc("kvoffload_checksum_failures", group_kind=ref.kind.value)
-            logger.warning("kvoffload: load of request %s is a miss (%s); it will be recomputed", job.req_id, e)
-            return src.tier, e.reason
+            return self._missed(job.req_id, src.tier, ref.kind.value, e)
         try:
             # Once another file of the request failed, the request is
-            # recomputed: its pages are not worth a copy. The verified bytes
-            # still fill the slots reserved for them in faster tiers.
+            # recomputed: its pages are not worth a copy, but every file is
+            # still verified (each bad one is found in this pass), and the
+            # verified bytes still fill the slots reserved for them in faster tiers.
+            # A CRC the tier left to us (`crc_due`) is taken in the scatter's own
+            # pass over the bytes: a mismatch fails the request, whose blocks
+            # vLLM then frees uncached and recomputes.
             if not run.failures:
                 t1 = time.perf_counter()
-                self.kv.pages[ref.group].scatter(chunk.payload, ref.num_pages, pairs)
+                crc = self.kv.pages[ref.group].scatter(chunk.payload, ref.num_pages, pairs,
+                                                       crc=chunk.crc_due is not None)
+                chunk.check(crc)
                 t2 = time.perf_counter()
                 # Where a restore's time goes, per group kind (read vs scatter; promotion is neither).
                 self.recorders[src.tier].inc("kvoffload_load_read_seconds", t1 - t0, group_kind=kind)
                 self.recorders[src.tier].inc("kvoffload_load_scatter_seconds", t2 - t1, group_kind=kind)
                 with run.lock:
                     run.moved.append((src.tier, ref.kind.value, len(pairs) * self.kv.pages[ref.group].page_bytes))
+            else:
+                chunk.check()
             for up in entry.promote:
                 self._promote(up, header, chunk)
+        except ChunkMiss as e:
+            return self._missed(job.req_id, src.tier, ref.kind.value, e)
         finally:
             chunk.release()
         return None
+
+    def _missed(self, req_id: str, tier: int, kind: str, e: ChunkMiss) -> tuple[int, MissReason]:
+        """Count and log one file's miss; the request fails with its reason."""
+        self.recorders[tier].inc("kvoffload_chunk_misses", reason=e.reason.value)
+        if e.reason is MissReason.CORRUPT:
+            self.recorders[tier].inc("kvoffload_checksum_failures", group_kind=kind)
+        logger.warning("kvoffload: load of request %s is a miss (%s); it will be recomputed", req_id, e)
+        return tier, e.reason
 
     def _finish(self, run: _LoadRun) -> None:
         """A request's load is done: a hit only if every file was restored."""

@@ -223,7 +223,7 @@ def frame(header: ChunkHeader, payload, keyring: Keyring | None) -> bytes:
 
 
 def check_entry(raw: bytes, crc: int | None, expected: ChunkHeader, payload,
-                keyring: Keyring | None) -> ChunkHeader:
+                keyring: Keyring | None, crc_later: bool = False) -> ChunkHeader:
     """Verify an entry read as header bytes `raw` and `payload` (whose CRC-32C
     is `crc`, or None: computed here when needed) against the chunk asked for.
     Raises FormatError (damage: an accident) or Unauthenticated (no key of
@@ -234,12 +234,15 @@ def check_entry(raw: bytes, crc: int | None, expected: ChunkHeader, payload,
     unauthenticated); without one, identity and CRC as always. A valid MAC
     implies the CRC: the signer wrote the CRC of the bytes it signed, and the
     MAC covers both, so the CRC is not computed then (a load with a key reads
-    with `with_crc=False`)."""
+    with `with_crc=False`). `crc_later` (no keyring only): everything but the payload CRC,
+    which the caller compares with the returned header's `payload_crc` in its own pass."""
     from offload.copier import crc32c
 
     header = ChunkHeader.unpack(raw)
     if keyring is None:
         header.check_matches(expected)
+        if crc_later:
+            return header
         if header.payload_crc != (crc32c(payload) if crc is None else crc):
             raise FormatError("payload checksum mismatch")
         return header

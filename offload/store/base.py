@@ -28,6 +28,7 @@ from typing import ClassVar, Generic, TypeVar
 
 import torch
 
+from offload.copier import crc32c
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import HybridOffloadPlanner
 from offload.planner.states import Admission, StateClass
@@ -100,6 +101,11 @@ class HostChunk:
     buf: torch.Tensor | None = None
     pool: BufferPool | None = None
     refs: int = 1  # holders; the buffer goes back to the pool when the last one releases
+    # Left by `TierData.get_to_scatter`: the CRC-32C the payload must have, checked by the caller's
+    # own pass over the bytes (`check`); `corrupt` is the tier's answer to a mismatch (the file goes
+    # to quarantine) and gives the miss to report.
+    crc_due: int | None = None
+    corrupt: Callable[[], ChunkMiss] | None = field(default=None, repr=False, compare=False)
     # Holders of one chunk release it on different threads (forward path, store threads).
     _refs_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -107,6 +113,17 @@ class HostChunk:
     def pooled(cls, pool: BufferPool, payload_len: int) -> HostChunk:
         buf = pool.get(HEADER_LEN + payload_len)
         return cls(buf[HEADER_LEN:HEADER_LEN + payload_len], buf, pool)
+
+    def check(self, crc: int | None = None) -> None:
+        """Settle a CRC left to the caller (`crc_due`; nothing to do without one): `crc` is the
+        payload's CRC-32C as the caller's pass computed it, or None to compute it here. Raises
+        the tier's ChunkMiss on a mismatch."""
+        due, self.crc_due = self.crc_due, None
+        if due is None:
+            return
+        if (crc32c(self.payload) if crc is None else crc) != due:
+            assert self.corrupt is not None
+            raise self.corrupt()
 
     def hold(self) -> HostChunk:
         with self._refs_lock:
@@ -222,6 +239,13 @@ class TierData(ABC):
         """The verified payload in host memory (a pooled buffer from `pool`,
         or a view of the tier's own memory); the caller releases it. Raises
         ChunkMiss when the entry cannot be restored."""
+
+    def get_to_scatter(self, header: ChunkHeader, placement: Placement, pool: BufferPool) -> HostChunk:
+        """As `get`, for a caller that copies the payload into pages it can give up (a load
+        into blocks that vLLM frees, uncached, when the load fails): the tier may leave the
+        payload's CRC to that copy's pass (`HostChunk.crc_due`), which must settle it with
+        `HostChunk.check` before the load counts or the bytes go anywhere else."""
+        return self.get(header, placement, pool)
 
     def close(self) -> None:
         return None

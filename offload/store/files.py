@@ -301,23 +301,37 @@ class FileStore:
         crc = self.keyring is None  # with a key the MAC is checked instead (check_entry)
         self._read(expected, lambda path: copier.read_file(path, HEADER_LEN, out, crc), out)
 
-    def read_framed(self, expected: ChunkHeader, chunk: HostChunk) -> bool:
+    def read_framed(self, expected: ChunkHeader, chunk: HostChunk, crc_later: bool = False) -> bool:
         """Read the whole file into `chunk` (a pooled buffer: header room, then
         the payload), with O_DIRECT where the filesystem allows it, and verify
-        it as `read_into` does. Returns whether O_DIRECT was used."""
+        it as `read_into` does. Returns whether O_DIRECT was used. `crc_later`
+        (without a key): the payload CRC is not computed here but left on the
+        chunk (`HostChunk.crc_due`) for the caller's pass over the payload; a
+        mismatch found there quarantines the file as a failed check here does."""
         buf = chunk.buf
         if buf is None or chunk.payload.numel() != expected.payload_len:
             raise ValueError(f"chunk must be a pooled buffer with a payload of {expected.payload_len} bytes")
         used = [False]
+        later = crc_later and self.keyring is None
+        with_crc = self.keyring is None and not later
 
         def direct(path: str) -> tuple[bytes, int]:
-            raw, crc, used[0] = copier.read_file_direct(path, HEADER_LEN, buf, expected.payload_len,
-                                                        self.keyring is None)
+            raw, crc, used[0] = copier.read_file_direct(path, HEADER_LEN, buf, expected.payload_len, with_crc)
             return raw, crc
-        self._read(expected, direct, chunk.payload)
+        header = self._read(expected, direct, chunk.payload, later)
+        if later:
+            path = self.file_path(expected.group, expected.key)
+            chunk.crc_due = header.payload_crc
+            chunk.corrupt = lambda: self._corrupt_after_read(path)
         return used[0]
 
-    def _read(self, expected: ChunkHeader, read: Callable[[str], tuple[bytes, int]], payload: torch.Tensor) -> None:
+    def _corrupt_after_read(self, path: Path) -> ChunkMiss:
+        """A payload CRC mismatch found by the caller's pass after a `crc_later` read."""
+        self.quarantine(path)
+        return ChunkMiss(MissReason.CORRUPT, f"{path}: payload checksum mismatch")
+
+    def _read(self, expected: ChunkHeader, read: Callable[[str], tuple[bytes, int]], payload: torch.Tensor,
+              crc_later: bool = False) -> ChunkHeader:
         """Run `read(path)` -> (header bytes, payload CRC) on the chunk's file
         (the payload lands in `payload`) and verify the result; every way it
         can fail is a ChunkMiss, and a file that is bad for good goes to
@@ -343,7 +357,8 @@ class FileStore:
             self.quarantine(path)
             raise ChunkMiss(MissReason.CORRUPT, f"{path}: {e}") from None
         try:
-            check_entry(raw, None if self.keyring is not None else crc, expected, payload, self.keyring)
+            header = check_entry(raw, None if self.keyring is not None else crc, expected, payload, self.keyring,
+                                 crc_later)
         except FormatError as e:
             self.quarantine(path)
             raise ChunkMiss(MissReason.CORRUPT, f"{path}: {e}") from None
@@ -356,6 +371,7 @@ class FileStore:
                 os.utime(path)  # recency for LRU eviction, visible to every instance
             except OSError:
                 pass
+        return header
 
     def remove(self, path: Path) -> None:
         """Delete a file this process wrote, and say so in the ledger."""
