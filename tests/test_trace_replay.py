@@ -14,7 +14,7 @@ if str(REPO) not in sys.path:  # bench/ is not installed; it runs from the check
     sys.path.insert(0, str(REPO))
 
 from bench import trace_replay  # noqa: E402
-from bench.traces import make_agent_trace  # noqa: E402
+from bench.traces import make_agent_trace, make_branching_trace  # noqa: E402
 from offload.planner.states import DEFAULT_STATE_POLICY  # noqa: E402
 
 TRACES = REPO / "bench" / "traces"
@@ -85,6 +85,32 @@ def test_agent_trace_is_what_the_generator_writes(tmp_path: Path) -> None:
     assert [json.loads(line) for line in committed[:200]] == rows[:200]
     for r in rows[:500]:
         assert -(-r["input_length"] // 512) == len(r["hash_ids"])
+
+
+def test_branching_trace_is_what_the_generator_writes_and_siblings_branch_near_their_end() -> None:
+    rows = make_branching_trace.generate()
+    committed = (TRACES / "branching_trace.jsonl").read_text().splitlines()
+    assert len(rows) == len(committed)
+    assert [json.loads(line) for line in committed[:200]] == rows[:200]
+    for r in rows[:500]:
+        assert -(-r["input_length"] // 512) == len(r["hash_ids"])
+    # What the trace is for: most prompts are siblings of an earlier one (another question, an edit,
+    # another final example): they share its first blocks and part from it within its last two
+    # blocks (the conversation trace: 27% of its prompts).
+    seen: dict[tuple[int, ...], int] = {}
+    near = far = 0
+    for r in rows:
+        ids = r["hash_ids"]
+        k = 0
+        while k < len(ids) and tuple(ids[:k + 1]) in seen:
+            k += 1
+        earlier = seen.get(tuple(ids[:k]), 0) if k else 0
+        if k >= 4 and k < len(ids) and earlier > k:  # a branch off an earlier prompt, not its extension
+            near += earlier - k <= 2
+            far += earlier - k > 2
+        for j in range(1, len(ids) + 1):
+            seen[tuple(ids[:j])] = max(seen.get(tuple(ids[:j]), 0), len(ids))
+    assert near > len(rows) / 2 and near > 3 * far, (near, far, len(rows))
 
 
 def test_chart_of_the_committed_results(tmp_path: Path) -> None:
