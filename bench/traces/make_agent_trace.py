@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 MAX_PROMPT = 131_072
 
 Segment = tuple[str, int]  # (content id, tokens)
+Event = tuple[float, int, list[Segment], int]  # (time s, order, segments, output tokens)
 
 
 class Ids:
@@ -76,7 +77,7 @@ def generate(seed: int = 7, sessions: int = 450, apps: int = 6, hour_s: float = 
         tools = rng.randint(3_000, 15_000)
         app_prefix.append([(f"app{a}/system", system), (f"app{a}/tools", tools)])
     app_weight = [1 / (a + 1) for a in range(apps)]  # a few popular applications, a tail of others
-    events: list[tuple[float, int, list[Segment], int]] = []  # (time s, order, segments, output tokens)
+    events: list[Event] = []
     order = 0
 
     def emit(t: float, segs: list[Segment], out: int) -> None:
@@ -114,7 +115,12 @@ def generate(seed: int = 7, sessions: int = 450, apps: int = 6, hour_s: float = 
         ctx = app_prefix[app] + [(f"s{s}/user", rng.randint(30, 1_500))]
         run_agent(f"s{s}", start, ctx, rng.randint(3, 12), 0)
 
-    events.sort(key=lambda e: (e[0], e[1]))
+    return rows_of(events)
+
+
+def rows_of(events: list[Event]) -> list[dict]:
+    """The trace's rows, in time order (then in the order the events were made)."""
+    events = sorted(events, key=lambda e: (e[0], e[1]))
     ids = Ids()
     t0 = events[0][0] if events else 0.0
     rows = []
@@ -125,19 +131,24 @@ def generate(seed: int = 7, sessions: int = 450, apps: int = 6, hour_s: float = 
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=HERE / "agent_trace.jsonl")
-    ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--sessions", type=int, default=450)
+def write_trace(generate_rows, doc: str, out: Path, seed: int, sessions: int, argv: list[str] | None) -> int:
+    """A trace generator's command line: `--out`, `--seed`, `--sessions`, then the JSONL file."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--seed", type=int, default=seed)
+    ap.add_argument("--sessions", type=int, default=sessions)
     args = ap.parse_args(argv)
-    rows = generate(args.seed, args.sessions)
+    rows = generate_rows(args.seed, args.sessions)
     with args.out.open("w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
     tokens = sum(r["input_length"] for r in rows)
     print(f"wrote {args.out}: {len(rows)} requests, {tokens} input tokens ({tokens / max(1, len(rows)):.0f} mean)")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return write_trace(generate, __doc__, HERE / "agent_trace.jsonl", 7, 450, argv)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,10 @@ prefix, and a partial last block has an id of its own.
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 from pathlib import Path
 
-from bench.traces.make_agent_trace import MAX_PROMPT, Ids, Segment
+from bench.traces.make_agent_trace import MAX_PROMPT, Event, Segment, rows_of, write_trace
 
 HERE = Path(__file__).resolve().parent
 
@@ -46,7 +44,7 @@ def generate(seed: int = 11, sessions: int = 1500, apps: int = 4, documents: int
     doc_len = [min(64_000, max(1_500, int(rng.lognormvariate(9.1, 0.8)))) for _ in range(documents)]
     doc_weight = [1 / (d + 1) ** 0.6 for d in range(documents)]
     app_weight = [1 / (a + 1) for a in range(apps)]
-    events: list[tuple[float, int, list[Segment], int]] = []  # (time s, order, segments, output tokens)
+    events: list[Event] = []
     order = 0
 
     def emit(t: float, segs: list[Segment]) -> None:
@@ -85,30 +83,11 @@ def generate(seed: int = 11, sessions: int = 1500, apps: int = 4, documents: int
                 emit(t, [system[app], fewshot[app], (f"s{s}/x{q}", rng.randint(100, 600))])
                 t += rng.uniform(30.0, 600.0)  # reading the answer, then the next question
 
-    events.sort(key=lambda e: (e[0], e[1]))
-    ids = Ids()
-    t0 = events[0][0] if events else 0.0
-    rows = []
-    for t, _, segs, out in events:
-        n, hids = ids(segs)
-        rows.append({"timestamp": round((t - t0) * 1000), "input_length": n, "output_length": out,
-                     "hash_ids": hids})
-    return rows
+    return rows_of(events)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=HERE / "branching_trace.jsonl")
-    ap.add_argument("--seed", type=int, default=11)
-    ap.add_argument("--sessions", type=int, default=1500)
-    args = ap.parse_args(argv)
-    rows = generate(args.seed, args.sessions)
-    with args.out.open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    tokens = sum(r["input_length"] for r in rows)
-    print(f"wrote {args.out}: {len(rows)} requests, {tokens} input tokens ({tokens / max(1, len(rows)):.0f} mean)")
-    return 0
+    return write_trace(generate, __doc__, HERE / "branching_trace.jsonl", 11, 1500, argv)
 
 
 if __name__ == "__main__":
