@@ -185,3 +185,36 @@ def test_no_citation_of_notes_outside_the_repository():
                  for p in (REPO / d).rglob("*") if p.suffix in (".py", ".md") and p.name != Path(__file__).name
                  and "../shared/" in p.read_text(errors="replace")]
     assert offenders == []
+
+
+NAMED_LINK = re.compile(r"\[([^\]]+)\]\(([^)#\s]+)(?:#[^)]*)?\)")
+FILE_NAME = re.compile(r"[\w./-]+\.(?:md|json|py|png)")
+# A checkout's place on the machine an example ran on: docs show a stand-in instead.
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|root|home)/[\w.-]+")
+
+
+def misnamed_links(files: list[Path]) -> list[str]:
+    """Links whose text names a file other than the one they lead to."""
+    out = []
+    for f in files:
+        text = f.read_text()
+        for m in NAMED_LINK.finditer(text):
+            names, target = FILE_NAME.findall(m.group(1)), m.group(2)
+            if names and not target.startswith("http") and Path(target).name not in {Path(n).name for n in names}:
+                out.append(f"{f.name}:{text[:m.start()].count(chr(10)) + 1}: [{m.group(1)}]({target})")
+    return out
+
+
+def test_every_link_text_that_names_a_file_names_its_target():
+    assert misnamed_links(doc_files()) == []
+
+
+def test_a_misnamed_link_is_found(tmp_path):
+    (tmp_path / "a.md").write_text("see [operations.md](cli-reference.md) and [cli-reference.md](cli-reference.md)\n")
+    assert misnamed_links([tmp_path / "a.md"]) == ["a.md:1: [operations.md](cli-reference.md)"]
+
+
+def test_no_doc_prints_the_path_of_the_machine_it_ran_on():
+    found = [f"{f.name}:{f.read_text()[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
+             for f in doc_files() for m in MACHINE_PATH.finditer(f.read_text())]
+    assert found == []
