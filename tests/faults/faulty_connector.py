@@ -14,7 +14,7 @@ unchanged; only file-system calls of our store misbehave:
   lookup and load.
 - "enospc_while": a path; while it exists every file write fails with ENOSPC
   before writing (a full disk, where no small filesystem can be mounted).
-- "eio_read_keys": [hex, ...]: reads of these files fail with EIO.
+- "eio_read_keys": [hex, ...]: reads of these files fail with EIO (buffered and O_DIRECT reads).
 """
 
 from __future__ import annotations
@@ -81,7 +81,15 @@ def _install() -> None:
                 raise OSError(errno.EIO, "Input/output error (injected)", str(path))
             return read_file(path, header_len, out, *args, **kwargs)
 
+        read_file_direct = copier.read_file_direct
+
+        def faulty_read_direct(path, *args, **kwargs):
+            if os.path.basename(str(path)).removesuffix(".kv") in eio:
+                raise OSError(errno.EIO, "Input/output error (injected)", str(path))
+            return read_file_direct(path, *args, **kwargs)
+
         copier.read_file = faulty_read
+        copier.read_file_direct = faulty_read_direct  # the default (O_DIRECT) reads
 
 
 _install()
