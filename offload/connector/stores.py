@@ -109,7 +109,7 @@ class StorePath:
         self.kv = kv
         self.recorders = recorders
         # Reads before writes: loads have their own pool (loads.py); stores get
-        # half as many threads, at idle priority, and overflow is dropped by
+        # fewer threads (`store_threads`), at idle priority, and overflow is dropped by
         # policy (max_pending_store_bytes) rather than queued without bound.
         self.store_tids: list[int] = []
         self.pool = ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvoffload-store",
