@@ -89,7 +89,7 @@ class OffloadConfig(BaseModel):
     io_threads: int = Field(
         default=16, ge=1, le=64,
         description="file I/O threads per worker for loads (each reads, verifies and scatters one file at a "
-        "time, so this many reads are in flight); stores get an eighth as many")
+        "time, so this many reads are in flight); stores get half as many")
     max_pending_store_bytes: ByteCount = Field(
         default=1 << 30, ge=1 << 20,
         description="bytes of gathered pages waiting to be written (an integer or e.g. \"1GiB\"); stores beyond "
@@ -113,11 +113,10 @@ class OffloadConfig(BaseModel):
 
     @property
     def store_threads(self) -> int:
-        """Threads of the worker's store pool: an eighth of the load threads (2 at the default). A
-        file is in a directory's byte budget only once written, so every write in flight can take
-        the directory past it; 8 store threads per engine took two engines sharing a directory to
-        1.17x their budget where 2 keep them within 1.05x."""
-        return max(1, self.io_threads // 8)
+        """Threads of the worker's store pool: half the load threads (8 at the default), so writes
+        fill the device too while a load never queues behind them. A shared directory's budget
+        counts every write in flight before it lands (`offload.store.cachedir.inflight`)."""
+        return max(1, self.io_threads // 2)
 
     @model_validator(mode="after")
     def _distinct(self) -> OffloadConfig:

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from conftest import REPO
 from ledger_instance import ATTN, FP, GDN, key, true_bytes, write_prompt
 from offload.planner import GroupKind
 from offload.store.cachedir import ledger as lg
-from offload.store.cachedir.budget import DirBudget
+from offload.store.cachedir.budget import IN_FLIGHT_SHARE, DirBudget
 from offload.store.cachedir.housekeeper import Housekeeper
 from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.files import FileStore
@@ -388,6 +389,38 @@ def test_eviction_prefers_a_file_loaded_since_it_was_indexed(tmp_path):
     assert paths[0].exists() and not paths[1].exists() and all(p.exists() for p in paths[2:])
     a.sync()
     assert a.usage == b.usage == true_bytes(top)
+
+
+def test_a_write_in_flight_counts_against_the_budget_before_it_lands(tmp_path):
+    """Eviction makes room for a write before it starts, and one instance's writes in flight are
+    capped at IN_FLIGHT_SHARE of the budget (what another instance cannot see of them)."""
+    top = tmp_path / LAYOUT_DIR
+    acct = DirBudget(top, max_bytes=1 << 20)
+    store = instance(tmp_path, acct)
+    acct.ensure_loaded()
+    for p in range(6):
+        write_prompt(store, "w", p)  # ~0.8 MB: under the budget, nothing evicted
+    assert acct.evicted_files == 0
+    incoming = (1 << 20) - acct.usage + 64 * 1024  # lands 64 KiB over the budget
+    with acct.reserving(incoming):
+        assert acct.evicted_files > 0  # before a byte of it is written
+        assert true_bytes(top) + incoming <= acct.target  # down to the low-water mark, the write counted
+        assert acct.usage + acct.in_flight.bytes <= acct.target
+    assert acct.in_flight.bytes == 0
+    cap = int(acct.max_bytes * IN_FLIGHT_SHARE)
+    entered = threading.Event()
+
+    def second() -> None:
+        with acct.reserving(cap // 2):
+            entered.set()
+
+    with acct.reserving(cap):  # a write larger than the cap goes alone
+        t = threading.Thread(target=second)
+        t.start()
+        assert not entered.wait(0.3), "a second write passed the cap of bytes in flight"
+    assert entered.wait(10)
+    t.join()
+    assert acct.in_flight.bytes == 0
 
 
 def test_cold_states_are_evicted_first_until_loaded_and_stay_cold_across_a_restart(tmp_path):

@@ -27,6 +27,7 @@ import os
 import stat
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -270,18 +271,19 @@ class FileStore:
             return False, False  # another request or instance stored it
         raw = frame(header, chunk.payload, self.keyring)
         chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        for attempt in range(DIR_RACE_TRIES):
-            self.prepare_dir(final)  # modes, and no planted symlink leads out of the cache
-            try:
-                used = copier.write_file_direct(str(self.tmp_path(final)), str(final), chunk.buf, HEADER_LEN + n,
-                                                self.fsync, self.file_mode, direct=direct)
-                break
-            except OSError as e:
-                # The directory went after it was made or seen (`gc` removes empty ones from a live
-                # cache): make it again.
-                if e.errno not in DIR_RACE_ERRNOS or attempt == DIR_RACE_TRIES - 1:
-                    raise
-                self._safe_dirs.discard(final.parent)
+        with self.account.reserving(HEADER_LEN + n) if self.account is not None else nullcontext():
+            for attempt in range(DIR_RACE_TRIES):
+                self.prepare_dir(final)  # modes, and no planted symlink leads out of the cache
+                try:
+                    used = copier.write_file_direct(str(self.tmp_path(final)), str(final), chunk.buf,
+                                                    HEADER_LEN + n, self.fsync, self.file_mode, direct=direct)
+                    break
+                except OSError as e:
+                    # The directory went after it was made or seen (`gc` removes empty ones from a live
+                    # cache): make it again.
+                    if e.errno not in DIR_RACE_ERRNOS or attempt == DIR_RACE_TRIES - 1:
+                        raise
+                    self._safe_dirs.discard(final.parent)
         # A Mamba state stands alone: no parent, whatever its header carries.
         self.written(final, HEADER_LEN + n, None if header.kind is GroupKind.MAMBA else header.parent, cold)
         return True, used

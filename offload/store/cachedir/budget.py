@@ -25,6 +25,10 @@ so it is shared between processes. Loads are not recorded; an eviction
 candidate's mtime is checked with one stat before it goes, and a file
 touched since it was indexed goes back in the queue.
 
+A write holds its bytes in the budget from before it starts
+(`offload.store.cachedir.inflight`): eviction makes room for it ahead, and
+what another instance cannot see of ours is bounded by `IN_FLIGHT_SHARE`.
+
 This class ties the parts together: it tails the logs, holds the lock, and
 decides when each part runs.
 """
@@ -35,10 +39,13 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from offload.store.cachedir import compaction, hygiene
 from offload.store.cachedir.compaction import FOLDED_IDLE_S
+from offload.store.cachedir.inflight import InFlight
 from offload.store.cachedir.lease import Lease
 from offload.store.cachedir.ledger import (
     PUT,
@@ -58,6 +65,9 @@ from offload.store.options import DEFAULT_RECONCILE_S
 
 logger = logging.getLogger(__name__)
 
+# Bytes one instance may have in flight, as a share of the budget: the most by which another instance's
+# view of the directory can fall short (the low-water mark leaves 20% for its own writes to land in).
+IN_FLIGHT_SHARE = 0.025
 TOMB_S = 600.0  # how long a removal overrides older additions that arrive late (NFS lag, slow tails)
 
 
@@ -106,6 +116,7 @@ class DirBudget:
         self._tombs_pruned_at = 0.0
         self._real_top = os.path.realpath(self.top)
         self._safe_dirs: set[str] = set()
+        self.in_flight = InFlight()
         self.evicted_files = 0
         self.evicted_bytes = 0
         self.bad_lines = 0
@@ -197,16 +208,33 @@ class DirBudget:
             return  # the next sync reads the record back
         try:
             self.index.put(rel, t, size, parent, cold)
-            if self.max_bytes:
-                # Near the budget, every write first reads the other instances'
-                # new records (one listing and a read per log): they may have
-                # filled or freed the room since the last pass.
-                if self.usage > 0.9 * self.max_bytes or time.monotonic() - self._synced_at > self.rescan_s:
-                    self._sync_locked()
-                if self.usage > self.max_bytes:
-                    self._evict_locked()
+            self._make_room_locked()
         finally:
             self._lock.release()
+
+    def _make_room_locked(self) -> None:
+        """Evict if this process's writes, landed and in flight, take the directory over its budget."""
+        if not self.max_bytes:
+            return
+        # Near the budget, every write first reads the other instances' new records (one listing and a
+        # read per log): they may have filled or freed the room since the last pass.
+        used = self.usage + self.in_flight.bytes
+        if used > 0.9 * self.max_bytes or time.monotonic() - self._synced_at > self.rescan_s:
+            self._sync_locked()
+        if self.usage + self.in_flight.bytes > self.max_bytes:
+            self._evict_locked()
+
+    @contextmanager
+    def reserving(self, nbytes: int) -> Iterator[None]:
+        """Around one write (any thread): its bytes count as used until the
+        block ends (the writer notes the file after it), so a process whose
+        index is loaded evicts for them before they land."""
+        cap = int(self.max_bytes * IN_FLIGHT_SHARE) if self.max_bytes else None
+        with self.in_flight.hold(nbytes, cap):
+            if cap and self.loaded:
+                with self._lock:  # the write waits for its room (a store thread, never the forward step)
+                    self._make_room_locked()
+            yield
 
     def note_remove(self, rel: str) -> None:
         """A file went away other than by eviction (moved to quarantine, deleted by a tool)."""
@@ -471,7 +499,7 @@ class DirBudget:
         self.ensure_loaded()
         with self._lock:
             self._sync_locked()
-            if self.max_bytes and self.usage > self.max_bytes:
+            if self.max_bytes and self.usage + self.in_flight.bytes > self.max_bytes:
                 self._evict_locked()
             return self.usage
 
@@ -503,12 +531,12 @@ class DirBudget:
         return None if e is None else e.rank
 
     def _evict_locked(self) -> None:
-        """Evict the oldest leaves (`offload.store.evictor`) down to the low-water mark."""
+        """Evict the oldest leaves (`offload.store.evictor`) down to the low-water mark (writes in flight count)."""
         freed = files = 0
         rebuilt = False
         top = str(self.top)
         index = self.index
-        while self.usage > self.target:
+        while self.usage + self.in_flight.bytes > self.target:
             rel = index.queue.pop(self._current, index.link_of)
             if rel is None:
                 if rebuilt or not len(index):
