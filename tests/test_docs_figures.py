@@ -218,3 +218,51 @@ def test_no_doc_prints_the_path_of_the_machine_it_ran_on():
     found = [f"{f.name}:{f.read_text()[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
              for f in doc_files() for m in MACHINE_PATH.finditer(f.read_text())]
     assert found == []
+
+
+# A page named in prose or in a comment (not only in a link) must exist, and an anchor named with
+# it must be one of its headings: a section moved to a page of its own leaves no stale pointer.
+NAMED_PAGE = re.compile(r"(?<![\w/.-])(docs/)?([\w-]+\.md)(?:#([\w-]+))?")
+
+
+def stale_page_names(files: list[Path], repo: Path = REPO) -> list[str]:
+    """Mentions of `docs/<page>.md` (anywhere) or `<page>.md` (in docs/ and the README) naming no
+    page of docs/ or the repository's top, or an anchor that page lacks."""
+    out = []
+    for f in files:
+        text = f.read_text(errors="replace")
+        in_docs = f.suffix == ".md" and (f.parent == repo / "docs" or f.parent == repo)
+        for m in NAMED_PAGE.finditer(text):
+            prefix, name, anchor = m.groups()
+            if not prefix and not in_docs:
+                continue
+            page = repo / "docs" / name if prefix or (repo / "docs" / name).exists() else repo / name
+            where = f"{f.relative_to(repo)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
+            if not page.exists():
+                out.append(f"{where}: no such page")
+            elif anchor and anchor not in anchors(page.read_text()):
+                out.append(f"{where}: no heading with that anchor")
+    return out
+
+
+def source_files() -> list[Path]:
+    out = [*doc_files(), REPO / "pyproject.toml", REPO / "Makefile"]
+    for d in ("offload", "tests", "bench", "tools", "harness", "scripts"):
+        out += [p for p in sorted((REPO / d).rglob("*")) if p.suffix in (".py", ".sh") and "results" not in p.parts
+                and p != Path(__file__)]  # this file's own cases name pages that do not exist
+    return out
+
+
+def test_every_page_named_in_prose_or_code_exists():
+    assert stale_page_names(source_files()) == []
+
+
+def test_a_stale_page_name_is_found(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A\n\n## Known limits\n\nsee b.md and a.md#known-limits, a.md#gone\n")
+    (tmp_path / "x.py").write_text("# docs/a.md#known-limits says why; docs/c.md too; a.md is not a docs/ path here\n")
+    assert stale_page_names([tmp_path / "docs" / "a.md", tmp_path / "x.py"], tmp_path) == [
+        "docs/a.md:5: b.md: no such page",
+        "docs/a.md:5: a.md#gone: no heading with that anchor",
+        "x.py:1: docs/c.md: no such page",
+    ]
