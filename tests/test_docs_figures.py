@@ -266,3 +266,35 @@ def test_a_stale_page_name_is_found(tmp_path):
         "docs/a.md:5: a.md#gone: no heading with that anchor",
         "x.py:1: docs/c.md: no such page",
     ]
+
+
+# A page other than history.md says what holds now: the day a figure was taken and the commit it
+# ran at belong to history.md (each JSON under bench/results/ records its own day and machine).
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b")
+THIS_MACHINE = re.compile(r"\bthis \d+-core machine\b")
+
+
+def dated_statements(files: list[Path]) -> list[str]:
+    """Dates, commit-like hashes and "this N-core machine" in prose (code and link targets
+    aside) of pages other than history.md."""
+    out = []
+    for f in files:
+        if f.name == "history.md":
+            continue
+        text = re.sub(r"\]\([^)]*\)", "]()", _strip_code(f.read_text()))
+        for rx in (DATE, COMMIT, THIS_MACHINE):
+            out += [f"{f.name}: {m.group(0)}" for m in rx.finditer(text)]
+    return out
+
+
+def test_only_the_history_page_dates_its_figures():
+    assert dated_statements(doc_files()) == []
+
+
+def test_a_dated_statement_is_found(tmp_path):
+    (tmp_path / "a.md").write_text("Measured on 2026-11-22 at 71f80e0 on this 2-core machine; 1000000 files, "
+                                   "`516f7d7c` and [h](history.md#runs-2026-11-28) are not dates.\n")
+    (tmp_path / "history.md").write_text("2026-11-22 at 71f80e0\n")
+    assert dated_statements([tmp_path / "a.md", tmp_path / "history.md"]) == [
+        "a.md: 2026-11-22", "a.md: 71f80e0", "a.md: this 2-core machine"]
