@@ -115,7 +115,7 @@ def kv_config(name: str, path: Path) -> dict | None:
                                          "cpu_bytes_to_use": HOST_BYTES,
                                          "secondary_tiers": [{"type": "fs", "root_dir": str(path)}]}}
     if name == WAIT_TAIL:
-        from bench.vllm_wait_tail import wait_tail_kv_config
+        from bench.vllm_offloading_cpu import wait_tail_kv_config
 
         return wait_tail_kv_config(cfg)
     return cfg

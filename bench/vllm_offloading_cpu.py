@@ -234,6 +234,21 @@ def vllm_tiered_kv_config(root_dir: str | os.PathLike, cpu_bytes: int = DEFAULT_
                                           **extra}}
 
 
+# The what-if of bench/vllm_wait_tail.py, named here by module path as vLLM loads it: that module
+# imports this one for the spec it subclasses, so this one never imports it back.
+WAIT_TAIL_MODULE = "bench.vllm_wait_tail"
+WAIT_TAIL_SPEC = "CPUHostTieringWaitTailSpec"
+
+
+def wait_tail_kv_config(vllm_config: dict) -> dict:
+    """A vLLM-tiering kv-transfer-config (`CPUHostTieringOffloadingSpec`'s) turned into the what-if's."""
+    extra = dict(vllm_config["kv_connector_extra_config"])
+    if extra.get("spec_name") != "CPUHostTieringOffloadingSpec":
+        raise ValueError(f"not a CPUHostTieringOffloadingSpec config: {extra.get('spec_name')!r}")
+    extra.update(spec_name=WAIT_TAIL_SPEC, spec_module_path=WAIT_TAIL_MODULE)
+    return {**vllm_config, "kv_connector_extra_config": extra}
+
+
 def ours_fs_kv_config(path: str | os.PathLike, repo: Path | None = None) -> dict:
     """configs/fs.json with its path replaced."""
     repo = repo or Path(__file__).resolve().parents[1]
@@ -354,8 +369,6 @@ def main(argv: list[str] | None = None) -> int:
     if a.kv_config:
         kv = json.loads(Path(a.kv_config).read_text())
     else:
-        from bench.vllm_wait_tail import wait_tail_kv_config
-
         kv = {"none": None, "vllm-cpu": vllm_cpu_kv_config(), "vllm-tiered": vllm_tiered_kv_config(d),
               "vllm-tiered-wait-tail": wait_tail_kv_config(vllm_tiered_kv_config(d)),
               "ours-fs": ours_fs_kv_config(d)}[a.connector]

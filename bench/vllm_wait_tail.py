@@ -15,8 +15,8 @@ tail's files are there. This module changes that one condition to `if pending:` 
 waits for its pending lookup, whole-block hit or not) and nothing else, inside the process that
 loads it: `CPUHostTieringWaitTailSpec` is bench/vllm_offloading_cpu.py's
 `CPUHostTieringOffloadingSpec` that applies the patch when vLLM builds it, so only an engine whose
-kv-transfer-config names this spec (`wait_tail_kv_config`, the `vllm-wait-tail` contender of
-bench/peer_race.py) runs the what-if. The product (offload/) never loads it.
+kv-transfer-config names this spec (bench/vllm_offloading_cpu.py's `wait_tail_kv_config`, the
+`vllm-wait-tail` contender of bench/peer_race.py) runs the what-if. The product (offload/) never loads it.
 
 The patch recompiles `_lookup` from vLLM's own source with that one line replaced, in the
 scheduler module's namespace; it refuses to apply (RuntimeError) where the source does not hold
@@ -33,8 +33,6 @@ from bench.vllm_offloading_cpu import CPUHostTieringOffloadingSpec
 
 ORIGINAL = "if pending and complete_hit == 0:"
 WAIT_TAIL = "if pending:"
-SPEC_NAME = "CPUHostTieringWaitTailSpec"
-MODULE = "bench.vllm_wait_tail"
 
 
 def patch_wait_tail() -> bool:
@@ -64,12 +62,3 @@ class CPUHostTieringWaitTailSpec(CPUHostTieringOffloadingSpec):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         patch_wait_tail()
         super().__init__(*args, **kwargs)
-
-
-def wait_tail_kv_config(vllm_config: dict) -> dict:
-    """A vLLM-tiering kv-transfer-config (`CPUHostTieringOffloadingSpec`'s) turned into the what-if's."""
-    extra = dict(vllm_config["kv_connector_extra_config"])
-    if extra.get("spec_name") != "CPUHostTieringOffloadingSpec":
-        raise ValueError(f"not a CPUHostTieringOffloadingSpec config: {extra.get('spec_name')!r}")
-    extra.update(spec_name=SPEC_NAME, spec_module_path=MODULE)
-    return {**vllm_config, "kv_connector_extra_config": extra}

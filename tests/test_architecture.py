@@ -284,3 +284,115 @@ def test_the_circle_checker_catches_circles_within_and_across_packages(tmp_path)
     (pkg / "sub" / "c.py").write_text("VALUE = 1\n")
     (pkg / "sub" / "e.py").write_text("E = 1\n")
     assert circles(import_graph(pkg, tmp_path)) == []
+
+
+# ---- through a package's face ------------------------------------------------------------------
+# A package whose __init__.py re-exports names of its modules has a public face: another package
+# imports those names from the face, never from the modules behind it, so that the package may
+# move them. No module imports a private name (a leading underscore) of another package.
+
+
+def import_froms(path: Path, root: Path = REPO) -> list[tuple[str, str]]:
+    """(module, name) of each `from module import name` in `path` (at any depth), relative
+    imports resolved to dotted names."""
+    package = dotted(path, root) if path.name == "__init__.py" else dotted(path, root).rpartition(".")[0]
+    return [(absolute(node, package), a.name) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) for a in node.names]
+
+
+def absolute(node: ast.ImportFrom, package: str) -> str:
+    """The dotted module `node` imports from, in a module of `package`."""
+    base = node.module or ""
+    if node.level:
+        up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+        base = ".".join([*up, base] if base else up)
+    return base
+
+
+def package_of(module: str, root: Path = REPO) -> str:
+    """The package holding `module` (itself where it is a package)."""
+    return module if (root / Path(*module.split(".")) / "__init__.py").exists() else module.rpartition(".")[0]
+
+
+def has_face(package: str, root: Path = REPO) -> bool:
+    """Whether `package`'s __init__.py re-exports a name from one of its own modules (at its top
+    level: an import under TYPE_CHECKING or in a function exports nothing)."""
+    init = root / Path(*package.split(".")) / "__init__.py"
+    return any(isinstance(node, ast.ImportFrom) and absolute(node, package).startswith(package + ".")
+               for node in ast.parse(init.read_text()).body)
+
+
+def inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def face_problems(pkg: Path, root: Path = REPO) -> list[str]:
+    """Each import, by a module under `pkg`, of a module behind another package's face or of
+    another package's private name."""
+    problems = []
+    top = pkg.name
+    for path in sorted(pkg.rglob("*.py")):
+        me = dotted(path, root)
+        own = package_of(me, root)
+        for target in sorted(imports(path, root)):
+            if not inside(target, top):
+                continue
+            parts = target.split(".")
+            for i in range(2, len(parts)):  # every package above the target, the target's own included
+                p = ".".join(parts[:i])
+                if not inside(own, p) and has_face(p, root):
+                    problems.append(f"{me} imports {target}, behind {p}'s face")
+                    break
+        for module, name in import_froms(path, root):
+            if inside(module, top) and name.startswith("_") and name != "__future__":
+                home = package_of(f"{module}.{name}", root) if package_of(module, root) == module else \
+                    package_of(module, root)
+                if own != home:
+                    problems.append(f"{me} imports {module}.{name}, private to {home}")
+    return problems
+
+
+def test_other_packages_import_through_a_face_and_no_private_name():
+    assert face_problems(PKG) == []
+
+
+def test_the_face_checker_catches_a_reach_behind_a_face_and_a_private_name(tmp_path):
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/_ext.py": "",  # a private module of the top package, for its own wrapper
+        "pkg/wrap.py": "from pkg import _ext\n",
+        "pkg/face/__init__.py": "from .impl import Thing\n",
+        "pkg/face/impl.py": "class Thing: ...\nclass _Hidden: ...\n",
+        "pkg/face/user.py": "from pkg.face.impl import _Hidden\n",  # inside the package: allowed
+        "pkg/bare/__init__.py": "",  # no face: its modules are what other packages import
+        "pkg/bare/mod.py": "X = 1\n_y = 2\n",
+        "pkg/other/__init__.py": "",
+        "pkg/other/good.py": "from pkg.face import Thing\nfrom pkg.bare.mod import X\n",
+        "pkg/other/bad.py": "def late():\n    from pkg.face.impl import Thing\n    from pkg.bare.mod import _y\n",
+        "pkg/other/rel.py": "from ..face import impl\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert face_problems(tmp_path / "pkg", tmp_path) == [
+        "pkg.other.bad imports pkg.face.impl, behind pkg.face's face",
+        "pkg.other.bad imports pkg.bare.mod._y, private to pkg.bare",
+        "pkg.other.rel imports pkg.face.impl, behind pkg.face's face",
+    ]
+
+
+def test_no_import_circle_in_bench():
+    # Benchmarks share code through one module that imports the other, never both ways.
+    found = circles(import_graph(REPO / "bench"))
+    assert found == [], "import circles: " + "; ".join(" → ".join(c) for c in found)
+
+
+def test_the_wait_tail_spec_named_by_the_cpu_harness_is_defined_where_it_points():
+    # bench/vllm_offloading_cpu.py names bench/vllm_wait_tail.py's spec by module path (vLLM loads
+    # it from there) instead of importing it, so the name must be kept true by hand.
+    consts = {t.id: node.value.value for node in ast.parse((REPO / "bench" / "vllm_offloading_cpu.py").read_text()).body
+              if isinstance(node, ast.Assign) for t in node.targets
+              if isinstance(t, ast.Name) and isinstance(node.value, ast.Constant)}
+    module = REPO / Path(*consts["WAIT_TAIL_MODULE"].split(".")).with_suffix(".py")
+    classes = {n.name for n in ast.parse(module.read_text()).body if isinstance(n, ast.ClassDef)}
+    assert consts["WAIT_TAIL_SPEC"] in classes

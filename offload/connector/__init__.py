@@ -1,8 +1,10 @@
 """The OffloadConnector package, loaded by vLLM through
 `kv_connector_module_path: "offload.connector"` in the API server, the engine
-core and every worker: vLLM takes `OffloadConnector` from this module, so it
-re-exports the class and nothing else. Importing it defines classes and
-registers the connector's name with vLLM's factory; it starts nothing.
+core and every worker: vLLM takes `OffloadConnector` from this module. It also
+exports the two names a MultiConnector of several of ours needs (the step's
+`OffloadMetadata` and the `SharedGathers` seam), so that no other package
+reaches into the modules below. Importing it defines classes and registers the
+connector's name with vLLM's factory; it starts nothing.
 
 - connector.py: the vLLM hooks, forwarding to the two halves;
 - scheduler.py / worker.py: the scheduler half (lookup, planning) and the
@@ -15,5 +17,7 @@ registers the connector's name with vLLM's factory; it starts nothing.
 """
 
 from offload.connector.connector import OffloadConnector
+from offload.connector.metadata import OffloadMetadata
+from offload.connector.stores import SharedGathers
 
-__all__ = ["OffloadConnector"]
+__all__ = ["OffloadConnector", "OffloadMetadata", "SharedGathers"]

@@ -2,7 +2,7 @@
 
 One instance runs in the scheduler (lookup, planning: connector/scheduler.py)
 and one per worker (bytes: connector/worker.py); they agree on keys because
-both derive them from the same KVCacheConfig. See docs/architecture.md.
+both derive them from the same KVCacheConfig. See docs/data-path.md.
 """
 
 from __future__ import annotations

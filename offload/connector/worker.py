@@ -38,7 +38,7 @@ from offload.planner import HybridOffloadPlanner
 from offload.store.base import MissReason, TierData
 from offload.store.buffers import BufferPool
 
-__all__ = ["SharedGathers", "WorkerSide", "worker_figures"]
+__all__ = ["WorkerSide", "worker_figures"]
 
 logger = init_logger(__name__)
 

@@ -29,8 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 from vllm.logger import init_logger
 
 from offload.config import EXTRA_CONFIG, ConfigError
-from offload.connector import OffloadConnector
-from offload.connector.metadata import OffloadMetadata
+from offload.connector import OffloadConnector, OffloadMetadata
 from offload.multi_connector.config import CHILDREN, Child, parse_children
 from offload.store.cachedir.owners import CacheDirs
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from offload.connector.worker import SharedGathers
+from offload.connector import SharedGathers
 from offload.store.base import HostChunk
 
 __all__ = ["GatherShare"]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from offload.plan.policy import check_chunk_size, cli_args, prefix_match_unit, serve_flags
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, GroupSpec, HybridOffloadPlanner
-from offload.store.format import HEADER_LEN
+from offload.store.format import file_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -31,8 +31,8 @@ class GroupPlan:
     (Mamba pages are padded up to the attention page). Per chunk the group
     stores `pages_per_chunk` pages: full attention every block of the chunk,
     windowed groups the blocks a later boundary still sees, Mamba one state.
-    `file_bytes` is one (chunk, group) file: the `HEADER_LEN`-byte header plus
-    `bytes_per_chunk`.
+    `file_bytes` is one (chunk, group) file: the header plus `bytes_per_chunk`
+    (`offload.store.format.file_bytes`).
     """
 
     kind: str
@@ -215,7 +215,7 @@ def plan_from_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
             kind=spec.kind.value, block_size=spec.block_size, num_layers=spec.num_layers,
             page_bytes_per_layer=g.kv_cache_spec.real_page_size_bytes, page_bytes=spec.page_bytes,
             vllm_page_bytes_per_layer=g.kv_cache_spec.page_size_bytes, pages_per_chunk=pages,
-            bytes_per_chunk=pages * spec.page_bytes, file_bytes=HEADER_LEN + pages * spec.page_bytes,
+            bytes_per_chunk=pages * spec.page_bytes, file_bytes=file_bytes(pages * spec.page_bytes),
             dtype=_dtype_name(g.kv_cache_spec), window=spec.window,
         ))
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config

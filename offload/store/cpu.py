@@ -32,8 +32,7 @@ from fractions import Fraction
 import torch
 
 from offload.keys import ChunkKey
-from offload.planner import ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner
-from offload.planner.states import Admission, StateClass
+from offload.planner import Admission, ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner, StateClass
 from offload.store.base import (
     Backed,
     ChunkMiss,

@@ -55,7 +55,14 @@ from offload.store.cachedir.paths import (
     top_dir,
 )
 from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
-from offload.store.options import DEFAULT_ORPHAN_AGE_S, DEFAULT_RECONCILE_S, DIR_MODE, FILE_MODE, FsOptions
+from offload.store.options import (
+    DEFAULT_ORPHAN_AGE_S,
+    DEFAULT_RECONCILE_S,
+    DIR_MODE,
+    FILE_MODE,
+    FsOptions,
+    not_a_directory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -442,7 +449,7 @@ def check_directory(path: str, mode: int) -> None:
     """The cache directory exists (created with `mode` if missing), is a
     directory, and this user can write it; OptionError naming `path` otherwise."""
     p = Path(path)
-    problem = hygiene.not_a_directory(path)  # checked again here: the config may have been validated elsewhere
+    problem = not_a_directory(path)  # checked again here: the config may have been validated elsewhere
     if problem:
         raise OptionError(f"path={path!r}: {problem}")
     try:

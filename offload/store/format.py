@@ -8,7 +8,7 @@ field against what it asked for, the header's own CRC, the payload length and
 the payload CRC, and, with a deployment key, the MAC (offload/store/auth.py).
 
 `HEADER_LEN` is the only place the header's size lives; everything else
-(plans, tools, buffers, tests) derives from it.
+(buffers, tools, tests) derives from it, and a plan asks `file_bytes`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,12 @@ NO_KEY = bytes(KEY_ID_LEN)  # key_id of a file written without a deployment key 
 _RESERVED = bytes(24)
 KIND_CODES = {GroupKind.FULL_ATTENTION: 1, GroupKind.SLIDING_WINDOW: 2, GroupKind.CHUNKED_LOCAL: 3, GroupKind.MAMBA: 4}
 
+
+
+def file_bytes(payload_len: int) -> int:
+    """The size of a chunk file (or object) whose payload is `payload_len` bytes: what a plan
+    or a tool outside the stores asks, rather than adding `HEADER_LEN` itself."""
+    return HEADER_LEN + payload_len
 
 class FormatError(ValueError):
     """A file that is not exactly the chunk that was asked for."""

@@ -17,7 +17,7 @@ from concurrent.futures import wait
 import torch
 
 from offload.keys import ChunkKey
-from offload.planner.states import Admission, StateClass
+from offload.planner import Admission, StateClass
 from offload.store.auth import open_keyring
 from offload.store.base import (
     Backed,

@@ -37,7 +37,7 @@ from dataclasses import replace
 import torch
 
 from offload.keys import ChunkKey
-from offload.planner.states import Admission, StateClass
+from offload.planner import Admission, StateClass
 from offload.store.auth import Keyring, Unauthenticated, check_entry, frame, open_keyring
 from offload.store.base import (
     Backed,

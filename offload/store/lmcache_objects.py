@@ -6,7 +6,7 @@ engine, driven standalone on CPU: a `StorageManager` built from an
 `LMCacheEngineConfig` (LMCache's own settings: local CPU size, optional remote URL)
 holding a `LocalCPUBackend` (an LRU pool of `MemoryObj`s) and, with a remote URL,
 a `RemoteBackend` (write-behind, read-through). No vLLM connector, no GPU
-connector, no LMCache cache engine. See docs/architecture.md ("The LMCache tier").
+connector, no LMCache cache engine. See docs/lmcache.md.
 
 Guarantees: `put` copies the payload's bytes exactly (a uint8 `MemoryObj` of
 shape [1, 1, n, 1] in `MemoryFormat.KV_2LTD` from the local pool: 1 byte per

@@ -9,9 +9,10 @@ and a key of another store is refused naming the store it belongs to
 Byte sizes (`ByteCount`) take an integer or a string with a unit, the same
 way in the JSON config and on the command line (`parse_bytes`).
 
-Only pydantic and the standard library are imported (and the stdlib-only
-`hygiene` for the cache-directory check), so `kvoffload check-config` and the
-connector config load without torch.
+Only pydantic and the standard library are imported, so `kvoffload
+check-config` and the connector config load without torch, and the
+cache-directory machinery (offload/store/cachedir/) may import the defaults
+without importing back into its own package.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -38,8 +40,6 @@ from pydantic import (
     model_validator,
 )
 from pydantic.dataclasses import dataclass
-
-from offload.store.cachedir.hygiene import not_a_directory
 
 # ---- defaults (the stores and the CLI use these) ------------------------------------------
 
@@ -182,6 +182,34 @@ AuthOption = Annotated[AuthRef, GetPydanticSchema(
     lambda _src, handler: handler.generate_schema(Annotated[AuthConfig, WrapValidator(_auth_ref)]))]
 
 # ---- the stores' options ------------------------------------------------------------------
+
+
+def _kind(p: Path) -> str:
+    st = p.stat()
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(st.st_mode):
+            return name
+    return "not a directory"
+
+
+def not_a_directory(path: str) -> str | None:
+    """Why `path` cannot be the cache directory because it, or the nearest
+    of its ancestors that exists, is not a directory; None if it can be."""
+    p = Path(path)
+    try:
+        for q in (p, *p.parents):
+            if q.exists():
+                if q.is_dir():
+                    return None
+                if q == p:
+                    return (f"exists and is {_kind(q)}, not a directory; choose a directory, or a path that "
+                            "does not exist yet (it is created)")
+                return (f"{q} is {_kind(q)}, so no directory can be created under it; choose a directory, or "
+                        "a path that does not exist yet under one")
+    except OSError:  # unreadable: the start-up check reports what it can
+        return None
+    return None
 
 
 def _cache_dir(v: str) -> str:

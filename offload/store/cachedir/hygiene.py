@@ -218,31 +218,3 @@ def move_symlinks_aside(root: Path, qdir: Path) -> int:
                 if err.errno != errno.ENOENT:
                     logger.warning("kvoffload: cannot move symlink %s aside: %s", p, err)
     return moved
-
-
-def _kind(p: Path) -> str:
-    st = p.stat()
-    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
-        if test(st.st_mode):
-            return name
-    return "not a directory"
-
-
-def not_a_directory(path: str) -> str | None:
-    """Why `path` cannot be the cache directory because it, or the nearest
-    of its ancestors that exists, is not a directory; None if it can be."""
-    p = Path(path)
-    try:
-        for q in (p, *p.parents):
-            if q.exists():
-                if q.is_dir():
-                    return None
-                if q == p:
-                    return (f"exists and is {_kind(q)}, not a directory; choose a directory, or a path that "
-                            "does not exist yet (it is created)")
-                return (f"{q} is {_kind(q)}, so no directory can be created under it; choose a directory, or "
-                        "a path that does not exist yet under one")
-    except OSError:  # unreadable: the start-up check reports what it can
-        return None
-    return None
