@@ -5,7 +5,7 @@
 
 What runs is the project's own code, not a model of it: `HybridOffloadPlanner` (lookup, what a
 hit needs, what a chunk or tail entry holds, a state's class), `offload.keys` (chained chunk keys
-and tail keys of deterministic token ids), `offload.planner.states.admission`, and the host-memory
+and tail keys of deterministic token ids), `offload.planner.worth.admission`, and the host-memory
 tier's scheduler-side index and evictor (`CpuLayout.plan` + `CpuIndex`: one arena of frames,
 prefix-closed leaf LRU, cold admission). Per request it does what `offload.connector.scheduler`
 (and its store planning, `offload.connector.store_plan`) does, in its order:
@@ -61,7 +61,7 @@ import numpy as np
 from offload.keys import ChunkKey, chunk_keys, fingerprint, request_root, tail_key
 from offload.plan.policy import prefix_match_unit
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, GroupSpec, HybridOffloadPlanner
-from offload.planner.states import DEFAULT_STATE_POLICY, Admission, StateClass, StatePolicy, admission
+from offload.planner.worth import DEFAULT_STATE_POLICY, Admission, StateClass, StatePolicy, admission
 from offload.store.cpu import CpuIndex, CpuLayout
 
 GB = 10**9

@@ -3,7 +3,7 @@ lookup may report as a hit. Pure logic: imports nothing from vLLM."""
 
 from offload.planner.planner import ChunkSizeError, GroupChunk, HybridOffloadPlanner, Lookup, TailProbe
 from offload.planner.spec import ChunkIndex, GroupIndex, GroupKind, GroupSpec
-from offload.planner.states import DEFAULT_STATE_POLICY, Admission, StateClass, StatePolicy, admission
+from offload.planner.worth import DEFAULT_STATE_POLICY, Admission, StateClass, StatePolicy, admission
 
 __all__ = [
     "DEFAULT_STATE_POLICY",

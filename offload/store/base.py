@@ -31,7 +31,7 @@ import torch
 from offload.copier import crc32c
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import HybridOffloadPlanner
-from offload.planner.states import Admission, StateClass
+from offload.planner.worth import Admission, StateClass
 from offload.store.buffers import BufferPool
 from offload.store.cachedir.owners import CacheDirs
 from offload.store.format import HEADER_LEN, ChunkHeader
