@@ -122,6 +122,11 @@ def enters_cold(admission: Admission) -> bool:
     return admission is Admission.COLD
 
 
+def marked_admission(cold_mark: bool) -> Admission:
+    """The admission a stored entry's cold mark (the file ledger's) stands for."""
+    return Admission.COLD if cold_mark else Admission.HOT
+
+
 def is_cold(admitted_cold: bool, read_since: bool) -> bool:
     """Cold: admitted cold and not read since. (`kvoffload gc` asks this of
     a file from its ledger mark and its mtime; the tiers keep the answer on

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from offload.planner.worth import Admission, cold_after, refreshes, time_rank
+from offload.planner.worth import cold_after, marked_admission, refreshes, time_rank
 from offload.store.cachedir.ledger import PUT, Entry, Record
 from offload.store.cachedir.paths import CHUNK_SUFFIX, group_dir_of, is_evictable_rel, parse_chunk_rel, parse_group_dir
 from offload.store.evictor import LeafQueue
@@ -161,7 +161,7 @@ class UsageIndex:
             if cur.t >= t:
                 return  # known (our own record read back, or an older duplicate write)
             if cur.size == size and cur.parent == parent:
-                if refreshes(Admission.COLD if cold else Admission.HOT):  # the record's mark: its admission
+                if refreshes(marked_admission(cold)):
                     self.touch(rel, cur, t)
                 else:  # written again, cold: recency moves on (the file's mtime), its class stays
                     cur.t = t
