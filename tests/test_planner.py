@@ -258,6 +258,39 @@ def test_state_classes_follow_what_a_hit_of_the_prompt_can_reach():
     assert p.entry_class(p.stored(attn, 1), 3000) is None
 
 
+def test_the_worth_model_orders_cold_below_hot_and_a_hit_refreshes_it():
+    from offload.planner.worth import (
+        Admission,
+        StatePolicy,
+        cold_after,
+        cold_classes,
+        is_cold,
+        may_displace,
+        refreshes,
+        tick_rank,
+        time_rank,
+    )
+
+    # Every cold rank below every hot one, oldest cold first, on both clocks.
+    assert tick_rank(10**9, True) < tick_rank(0, False) and tick_rank(1, True) < tick_rank(2, True)
+    now = 1.75e9  # seconds since the epoch: the file tier's recencies
+    assert time_rank(now + 10**6, True) < time_rank(0.0, False)
+    # The ledger keeps milliseconds; cold files a millisecond apart keep their order.
+    assert time_rank(now, True) < time_rank(now + 0.001, True)
+    # A cold entry takes only a free slot or another cold one's; a hot one takes any.
+    assert not may_displace(Admission.COLD, False) and may_displace(Admission.COLD, True)
+    assert may_displace(Admission.HOT, False)
+    # A hit makes anything hot; stored again, only a hot admission does.
+    assert refreshes() and not cold_after(True)
+    assert cold_after(True, Admission.COLD) and cold_after(True, Admission.SKIP) and not cold_after(True, Admission.HOT)
+    assert not cold_after(False, Admission.COLD)
+    assert is_cold(True, read_since=False) and not is_cold(True, read_since=True) and not is_cold(False, False)
+    # Cold evictions happen only under by_use.
+    assert cold_classes(StatePolicy.ALL) == () and cold_classes(StatePolicy.TAILS) == ()
+    assert {c.value for c in cold_classes()} == {c.value for c in cold_classes(StatePolicy.BY_USE)} == {
+        "internal", "partial"}
+
+
 def test_lookup_prefers_the_longest_tail_whose_every_group_is_stored():
     groups = qwen35_like(1152)
     p = HybridOffloadPlanner(groups, tail_unit=64)
