@@ -291,6 +291,21 @@ def test_the_worth_model_orders_cold_below_hot_and_a_hit_refreshes_it():
         "internal", "partial"}
 
 
+def test_the_pre_tail_what_if_moves_the_hot_state_one_chunk_back_only_near_the_end():
+    from offload.planner import StateClass
+
+    p = HybridOffloadPlanner(qwen35_like(1152), tail_unit=64)
+    # 2340 tokens: the tail at 2304 lies 36 tokens before the end, within one 64-token unit.
+    assert [p.state_class(b, 2340, pre_tail_within=64) for b in (1152, 2304)] == [
+        StateClass.TAIL, StateClass.INTERNAL]
+    assert [p.state_class(b, 2340) for b in (1152, 2304)] == [StateClass.INTERNAL, StateClass.TAIL]
+    # 3000 tokens: the tail lies 696 tokens before the end; the rule keeps it, and the partial tail.
+    assert [p.state_class(b, 3000, pre_tail_within=64) for b in (1152, 2304, 2944)] == [
+        StateClass.INTERNAL, StateClass.TAIL, StateClass.PARTIAL]
+    # A tail one chunk in has no boundary before it to move to.
+    assert p.state_class(1152, 1170, pre_tail_within=64) is StateClass.TAIL
+
+
 def test_lookup_prefers_the_longest_tail_whose_every_group_is_stored():
     groups = qwen35_like(1152)
     p = HybridOffloadPlanner(groups, tail_unit=64)

@@ -77,18 +77,29 @@ class EvictionReason(str, enum.Enum):
 
 # ---- the class and its admission ----------------------------------------------------------------
 
-def state_class(boundary: int, tail: int, partial: int, branch_at: int = 0) -> StateClass:
+def state_class(boundary: int, tail: int, partial: int, branch_at: int = 0, hot_at: int | None = None) -> StateClass:
     """The class of a prompt's recurrent state at `boundary`, given the
     prompt's tail (the last whole-chunk boundary a hit of it reaches), its
     partial-tail boundary (0: none) and where its lookup found a stored or
     cached prefix ending (`branch_at`, 0: none). A repeat and the next turn
     read only the tail; an internal state is read only where another prompt
-    branches there."""
-    if boundary == tail:
+    branches there. `hot_at`: the whole-chunk boundary classed TAIL instead
+    of the tail (`pre_tail`), the tail then internal."""
+    if boundary == (tail if hot_at is None else hot_at):
         return StateClass.TAIL
     if boundary == partial:
         return StateClass.PARTIAL
     return StateClass.BRANCH if boundary == branch_at else StateClass.INTERNAL
+
+
+def pre_tail(tail: int, prompt_tokens: int, chunk: int, within: int) -> int | None:
+    """The pre-tail rule, a what-if (`bench.trace_replay`'s `pre_tail`): where
+    the tail lies within `within` tokens of the prompt's end, the boundary one
+    chunk before it is the prompt's one hot state (a sibling that differs in
+    its last tokens branches before the tail); None where the rule keeps the tail."""
+    if within and tail > chunk and prompt_tokens - tail <= within:
+        return tail - chunk
+    return None
 
 
 def attention_class(partial_tail: bool, hybrid: bool) -> StateClass | None:
