@@ -5,7 +5,7 @@
 
 What runs is the project's own code, not a model of it: `HybridOffloadPlanner` (lookup, what a
 hit needs, what a chunk or tail entry holds, a state's class), `offload.keys` (chained chunk keys
-and tail keys of deterministic token ids), `offload.planner.states.admission`, and the host-memory
+and tail keys of deterministic token ids), `offload.planner.worth.admission`, and the host-memory
 tier's scheduler-side index and evictor (`CpuLayout.plan` + `CpuIndex`: one arena of frames,
 prefix-closed leaf LRU, cold admission). Per request it does what `offload.connector.scheduler`
 (and its store planning, `offload.connector.store_plan`) does, in its order:
@@ -39,7 +39,8 @@ attention block until its page holds a state), chunk = block = 544 tokens, prefi
 
 Policies: `all`, `by_use` (also reported as `default`, the value of `DEFAULT_STATE_POLICY`),
 `tails`, and `attention_only`: the attention group alone (same block, chunk and bytes, no states;
-its planner takes no 34-token tail unit, as an attention-only model hits at whole blocks).
+its planner takes no 34-token tail unit, as an attention-only model hits at whole blocks). What-ifs,
+not policies: `oracle` and `pre_tail` (see their constants below).
 Token hit rate = restored tokens / input tokens. Budgets are in GB (10^9 bytes) of host memory;
 `unlimited` holds every entry the trace stores.
 """
@@ -61,7 +62,7 @@ import numpy as np
 from offload.keys import ChunkKey, chunk_keys, fingerprint, request_root, tail_key
 from offload.plan.policy import prefix_match_unit
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, GroupSpec, HybridOffloadPlanner
-from offload.planner.states import DEFAULT_STATE_POLICY, Admission, StateClass, StatePolicy, admission
+from offload.planner.worth import DEFAULT_STATE_POLICY, Admission, StateClass, StatePolicy, admission
 from offload.store.cpu import CpuIndex, CpuLayout
 
 GB = 10**9
@@ -71,7 +72,11 @@ ATTENTION_ONLY = "attention_only"
 # with every entry kept (an unlimited replay of `all` tells which), and not stored elsewhere. What
 # admission alone could reach with foresight of the trace (the eviction order stays LRU).
 ORACLE = "oracle"
-CHOICES = (*POLICIES, ORACLE)
+# A what-if, not a state_policy: `by_use` with the pre-tail rule (`offload.planner.worth.pre_tail`):
+# where the tail lies within `--pre-tail-within` tokens of the prompt's end (default: the plan's
+# partial-tail unit), the state one chunk before it is the prompt's hot state and the tail is cold.
+PRE_TAIL = "pre_tail"
+CHOICES = (*POLICIES, ORACLE, PRE_TAIL)
 
 
 # ---- model geometry -----------------------------------------------------------------------------
@@ -271,12 +276,16 @@ def unlimited_bytes(trace: Trace, planner: HybridOffloadPlanner) -> int:
 
 
 def replay(trace: Trace, planner: HybridOffloadPlanner, policy: str, cpu_bytes: int,
-           reads: set[ChunkKey] | None = None, oracle: set[ChunkKey] | None = None) -> Result:
+           reads: set[ChunkKey] | None = None, oracle: set[ChunkKey] | None = None,
+           pre_tail_within: int = 0) -> Result:
     """Run every request of `trace` through the connector's scheduler-side steps on a `CpuIndex`.
     `reads`: filled with the keys of the states loads read. `oracle`: admit a state hot where its key
-    is in it, else not at all (the `oracle` what-if)."""
+    is in it, else not at all (the `oracle` what-if). `pre_tail_within`: the pre-tail rule's reach
+    (0: off)."""
     t0 = time.perf_counter()
-    pol = StatePolicy.ALL if policy in (ATTENTION_ONLY, ORACLE) else StatePolicy(policy)
+    pol = StatePolicy.ALL if policy in (ATTENTION_ONLY, ORACLE) else \
+        StatePolicy.BY_USE if policy == PRE_TAIL else StatePolicy(policy)
+    within = pre_tail_within if policy == PRE_TAIL else 0
 
     def admit_state(cls: StateClass, key: ChunkKey) -> Admission:
         if oracle is None:
@@ -340,20 +349,21 @@ def replay(trace: Trace, planner: HybridOffloadPlanner, policy: str, cpu_bytes: 
                 parent = keys[c - 1] if c else None
                 tkey = trace.tail_key(req, tail_end)
                 for g in storable:
-                    cls = planner.entry_class(planner.stored_tail(GroupIndex(g), ChunkIndex(c), tail_end), P, branch_at)
+                    cls = planner.entry_class(planner.stored_tail(GroupIndex(g), ChunkIndex(c), tail_end), P, branch_at,
+                                              within)
                     reserve(g, tkey, parent, admit_state(cls, tkey) if cls is not None else Admission.HOT)
             # _plan_state_stores: the states at the boundaries this step computed
             if mamba:
                 for b in range(before // C * C + C, after + 1, C):
                     chunk = b // C - 1
-                    state = planner.state_class(b, P, branch_at)
+                    state = planner.state_class(b, P, branch_at, within)
                     admit = admit_state(state, keys[chunk])
                     res.states_stored[state.value, admit.value] += len(mamba)
                     for g in mamba:
                         reserve(g, keys[chunk], keys[chunk - 1] if chunk else None, admit, state)
                 if tail_end and before < tail_end <= after:
                     c = tail_end // C
-                    state = planner.state_class(tail_end, P, branch_at)
+                    state = planner.state_class(tail_end, P, branch_at, within)
                     tkey = trace.tail_key(req, tail_end)
                     admit = admit_state(state, tkey)
                     res.states_stored[state.value, admit.value] += len(mamba)
@@ -400,7 +410,7 @@ def parse_budgets(text: str) -> list[float | None]:
 
 def run(trace_path: Path, budgets: list[float | None], block_tokens: int = 512, chunk: int | None = None,
         tail_unit: int | None = -1, limit: int | None = None, policies: tuple[str, ...] = POLICIES,
-        partial: str = "own", log=print) -> dict[str, Any]:
+        partial: str = "own", log=print, pre_tail_within: int | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     model = Model.build(QWEN3_NEXT_80B, chunk, tail_unit)
     trace = Trace(trace_path, model.chunk, block_tokens, limit, partial)
@@ -421,6 +431,9 @@ def run(trace_path: Path, budgets: list[float | None], block_tokens: int = 512, 
         planner = model.planner("all")
         replay(trace, planner, "all", unlimited_bytes(trace, planner), reads=oracle)
         log(f"  oracle: {len(oracle)} distinct states read with every entry kept")
+    within = (model.tail_unit or 0) if pre_tail_within is None else pre_tail_within
+    if PRE_TAIL in policies:
+        log(f"  pre_tail: the state one chunk before the tail hot where the tail is within {within} tokens of the end")
     rows = []
     for b in budgets:
         entry: dict[str, Any] = {"budget_gb": "unlimited" if b is None else b, "hit_rate": {}, "bytes_by_kind": {},
@@ -428,7 +441,8 @@ def run(trace_path: Path, budgets: list[float | None], block_tokens: int = 512, 
         for policy in policies:
             planner = model.planner(policy)
             cpu_bytes = unlimited_bytes(trace, planner) if b is None else int(b * GB)
-            r = replay(trace, planner, policy, cpu_bytes, oracle=oracle if policy == ORACLE else None)
+            r = replay(trace, planner, policy, cpu_bytes, oracle=oracle if policy == ORACLE else None,
+                       pre_tail_within=within)
             s = summarize(model, r)
             entry["policies"][policy] = s
             entry["hit_rate"][policy] = s["hit_rate"]
@@ -443,7 +457,8 @@ def run(trace_path: Path, budgets: list[float | None], block_tokens: int = 512, 
         rows.append(entry)
     doc = {"model": desc, "trace": td, "policies": list(policies), "default_policy": DEFAULT_STATE_POLICY.value,
            "budget_unit": "GB = 1e9 bytes of host memory (CpuLayout.plan)", "budgets": rows,
-           "replay": {"computed_tokens": 0, "order": "trace timestamp, one request at a time",
+           "replay": {"computed_tokens": 0, "pre_tail_within": within if PRE_TAIL in policies else None,
+                      "order": "trace timestamp, one request at a time",
                       "token_ids": f"block_id * {block_tokens} + position in block",
                       "partial_blocks": partial, "partial_blocks_continued": len(trace.alias)},
            "code": _code_state(),
@@ -493,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
                          "tokens of the block a later prompt with the same prefix has there")
     ap.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of " + ",".join(CHOICES))
+    ap.add_argument("--pre-tail-within", type=int, default=None,
+                    help="the pre_tail what-if's reach in tokens (default: the plan's partial-tail unit)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
@@ -500,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown policies {bad}; choose from {CHOICES}")
     doc = run(args.trace, parse_budgets(args.budget_gb), args.block_tokens, args.chunk, args.tail_unit,
-              args.limit, policies, args.partial_blocks)
+              args.limit, policies, args.partial_blocks, pre_tail_within=args.pre_tail_within)
     print()
     print(table(doc))
     print(f"\n{doc['trace']['requests']} requests replayed at {len(doc['budgets'])} budgets x "

@@ -396,3 +396,86 @@ def test_the_wait_tail_spec_named_by_the_cpu_harness_is_defined_where_it_points(
     module = REPO / Path(*consts["WAIT_TAIL_MODULE"].split(".")).with_suffix(".py")
     classes = {n.name for n in ast.parse(module.read_text()).body if isinstance(n, ast.ClassDef)}
     assert consts["WAIT_TAIL_SPEC"] in classes
+# ---- one module decides worth --------------------------------------------------------------------
+# offload/planner/worth.py alone says what a stored entry is worth: its class and admission, what
+# cold is, where cold ranks, what a hit refreshes. Every tier, gc and the replay ask it; a second
+# cold constant or class rule elsewhere is how "still cold?" came to have several answers.
+
+WORTH = PKG / "planner" / "worth.py"
+COLDISH = re.compile("cold", re.IGNORECASE)
+CLASS_MEMBERS = {"StateClass": {"TAIL", "PARTIAL", "BRANCH", "INTERNAL"}, "Admission": {"COLD"}}
+
+
+def _numeric(v: ast.expr) -> bool:
+    """A number the module computes from literals alone: 3, 1 << 52, float(1 << 40), -2 ** 10."""
+    if isinstance(v, ast.Constant):
+        return isinstance(v.value, (int, float)) and not isinstance(v.value, bool)
+    if isinstance(v, ast.UnaryOp):
+        return _numeric(v.operand)
+    if isinstance(v, ast.BinOp):
+        return _numeric(v.left) and _numeric(v.right)
+    if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id in {"int", "float"}:
+        return len(v.args) == 1 and not v.keywords and _numeric(v.args[0])
+    return False
+
+
+def _mentions_cold(node: ast.AST) -> bool:
+    return any((isinstance(n, ast.Name) and COLDISH.search(n.id)) or
+               (isinstance(n, ast.Attribute) and COLDISH.search(n.attr)) for n in ast.walk(node))
+
+
+def worth_rules(source: str) -> list[str]:
+    """What in `source` decides worth: a module- or class-level name with "cold" in it bound
+    to a number (a cold offset or constant), a rank that a cold flag shifts (`t - K if cold else
+    t`), a state class or the cold admission named (`StateClass.INTERNAL`, `Admission.COLD`:
+    a class rule)."""
+    tree = ast.parse(source)
+    problems: list[str] = []
+    scopes: list[list[ast.stmt]] = [tree.body]
+    while scopes:
+        for node in scopes.pop():
+            if isinstance(node, ast.ClassDef):
+                scopes.append(node.body)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and _numeric(node.value):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                problems.extend(f"line {node.lineno}: cold constant {t.id}" for t in targets
+                                if isinstance(t, ast.Name) and COLDISH.search(t.id))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.IfExp) and _mentions_cold(node.test) and (
+                isinstance(node.body, ast.BinOp) or isinstance(node.orelse, ast.BinOp)):
+            problems.append(f"line {node.lineno}: cold rank {ast.unparse(node)}")
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                node.attr in CLASS_MEMBERS.get(node.value.id, ()):
+            problems.append(f"line {node.lineno}: class rule on {node.value.id}.{node.attr}")
+    return sorted(problems, key=lambda p: int(p.split()[1].rstrip(":")))
+
+
+def test_only_the_worth_model_decides_worth():
+    sources = sorted([*PKG.rglob("*.py"), *(REPO / "bench").rglob("*.py")])
+    problems = [f"{p.relative_to(REPO)} {msg}" for p in sources if p != WORTH for msg in worth_rules(p.read_text())]
+    assert problems == []
+    # The check looks for what the worth model really holds.
+    found = worth_rules(WORTH.read_text())
+    assert any("cold constant _COLD_TICKS" in f for f in found) and any("StateClass.INTERNAL" in f for f in found)
+
+
+def test_the_worth_checker_catches_a_cold_constant_a_cold_rank_and_a_class_rule():
+    found = worth_rules(
+        "_COLD = 1 << 52\n"
+        "COLD_S = float(1 << 40)\n"
+        "class Index:\n"
+        "    cold_offset: int = -2 ** 40\n"
+        "def rank(e):\n"
+        "    return e.t - OFFSET if e.cold else e.t\n"
+        "def admit(c):\n"
+        "    return Admission.COLD if c is StateClass.INTERNAL else Admission.HOT\n")
+    assert found == ["line 1: cold constant _COLD", "line 2: cold constant COLD_S",
+                     "line 4: cold constant cold_offset", "line 6: cold rank e.t - OFFSET if e.cold else e.t",
+                     "line 8: class rule on Admission.COLD", "line 8: class rule on StateClass.INTERNAL"]
+    # What stays: a file format's token, a flag, a counter in a function, the worth model's answers.
+    assert worth_rules("COLD_MARK = ' cold'\n"
+                       "cold: bool = False\n"
+                       "def f(e, admission):\n"
+                       "    cold_files = 0\n"
+                       "    n = 1 if enters_cold(admission) else 0\n"
+                       "    return tick_rank(e.t, e.cold), cold_files + n, Admission.HOT\n") == []

@@ -420,7 +420,7 @@ def test_default_policy_classes_states_and_restores_them_with_the_reference_toke
     under the default `by_use`), B restores A's first chunk (an internal state, admitted cold too);
     both still in host memory; the state metrics report them by class; greedy tokens equal the
     reference's."""
-    from offload.planner.states import DEFAULT_STATE_POLICY
+    from offload.planner.worth import DEFAULT_STATE_POLICY
 
     runs = prefetched(_small_runs)
     plan, prompts, ours, ref = runs["plan"], runs["prompts"], runs["ours"], runs["ref"]

@@ -258,6 +258,54 @@ def test_state_classes_follow_what_a_hit_of_the_prompt_can_reach():
     assert p.entry_class(p.stored(attn, 1), 3000) is None
 
 
+def test_the_worth_model_orders_cold_below_hot_and_a_hit_refreshes_it():
+    from offload.planner.worth import (
+        Admission,
+        StatePolicy,
+        cold_after,
+        cold_classes,
+        is_cold,
+        may_displace,
+        refreshes,
+        tick_rank,
+        time_rank,
+    )
+
+    # Every cold rank below every hot one, oldest cold first, on both clocks.
+    assert tick_rank(10**9, True) < tick_rank(0, False) and tick_rank(1, True) < tick_rank(2, True)
+    now = 1.75e9  # seconds since the epoch: the file tier's recencies
+    assert time_rank(now + 10**6, True) < time_rank(0.0, False)
+    # The ledger keeps milliseconds; cold files a millisecond apart keep their order.
+    assert time_rank(now, True) < time_rank(now + 0.001, True)
+    # A cold entry takes only a free slot or another cold one's; a hot one takes any.
+    assert not may_displace(Admission.COLD, False) and may_displace(Admission.COLD, True)
+    assert may_displace(Admission.HOT, False)
+    # A hit makes anything hot; stored again, only a hot admission does.
+    assert refreshes() and not cold_after(True)
+    assert cold_after(True, Admission.COLD) and cold_after(True, Admission.SKIP) and not cold_after(True, Admission.HOT)
+    assert not cold_after(False, Admission.COLD)
+    assert is_cold(True, read_since=False) and not is_cold(True, read_since=True) and not is_cold(False, False)
+    # Cold evictions happen only under by_use.
+    assert cold_classes(StatePolicy.ALL) == () and cold_classes(StatePolicy.TAILS) == ()
+    assert {c.value for c in cold_classes()} == {c.value for c in cold_classes(StatePolicy.BY_USE)} == {
+        "internal", "partial"}
+
+
+def test_the_pre_tail_what_if_moves_the_hot_state_one_chunk_back_only_near_the_end():
+    from offload.planner import StateClass
+
+    p = HybridOffloadPlanner(qwen35_like(1152), tail_unit=64)
+    # 2340 tokens: the tail at 2304 lies 36 tokens before the end, within one 64-token unit.
+    assert [p.state_class(b, 2340, pre_tail_within=64) for b in (1152, 2304)] == [
+        StateClass.TAIL, StateClass.INTERNAL]
+    assert [p.state_class(b, 2340) for b in (1152, 2304)] == [StateClass.INTERNAL, StateClass.TAIL]
+    # 3000 tokens: the tail lies 696 tokens before the end; the rule keeps it, and the partial tail.
+    assert [p.state_class(b, 3000, pre_tail_within=64) for b in (1152, 2304, 2944)] == [
+        StateClass.INTERNAL, StateClass.TAIL, StateClass.PARTIAL]
+    # A tail one chunk in has no boundary before it to move to.
+    assert p.state_class(1152, 1170, pre_tail_within=64) is StateClass.TAIL
+
+
 def test_lookup_prefers_the_longest_tail_whose_every_group_is_stored():
     groups = qwen35_like(1152)
     p = HybridOffloadPlanner(groups, tail_unit=64)

@@ -15,7 +15,7 @@ if str(REPO) not in sys.path:  # bench/ is not installed; it runs from the check
 
 from bench import trace_replay  # noqa: E402
 from bench.traces import make_agent_trace, make_branching_trace  # noqa: E402
-from offload.planner.states import DEFAULT_STATE_POLICY  # noqa: E402
+from offload.planner.worth import DEFAULT_STATE_POLICY  # noqa: E402
 
 TRACES = REPO / "bench" / "traces"
 POLICIES = ("all", "default", "by_use", "tails", "attention_only")

@@ -67,7 +67,7 @@ from offload.cli.cache import (
     scan,
     unlink,
 )
-from offload.planner import GroupKind
+from offload.planner import GroupKind, is_cold
 from offload.store.cachedir.budget import DirBudget
 from offload.store.cachedir.paths import LAYOUT_DIR, rel_of
 from offload.store.evictor import LeafQueue
@@ -149,9 +149,10 @@ def eviction_queue(dirs: list[FpDir], by_mtime: bool) -> tuple[LeafQueue[Node, N
 
 
 def stored_cold(cache: Cache, ledger: DirBudget) -> list[tuple[float, ChunkFile, Chunk]]:
-    """(mtime, file, its chunk) of every file of a good chunk that the ledger
-    marks cold (a state, or a partial tail's attention page) and that no load
-    touched since, oldest first."""
+    """(mtime, file, its chunk) of every file of a good chunk that is cold by
+    the worth model (`offload.planner.worth.is_cold`: the ledger marks it
+    admitted cold, a state or a partial tail's attention page, and no load
+    touched it since), oldest first: where every eviction order starts."""
     if not ledger.ensure_loaded():
         return []
     out = []
@@ -161,7 +162,7 @@ def stored_cold(cache: Cache, ledger: DirBudget) -> list[tuple[float, ChunkFile,
                 continue
             for f in c.files:
                 e = ledger.index.get(rel_of(cache.root, f.path))
-                if e is not None and e.cold and f.mtime <= e.t + 1e-3:
+                if e is not None and is_cold(e.cold, e.read_since(f.mtime)):
                     out.append((f.mtime, f, c))
     return sorted(out, key=lambda x: (x[0], str(x[1].path)))
 
@@ -210,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"gc {root}: {human(start)} in {sum(len(fp.files) for fp in cache.dirs)} chunk files; "
           f"limit {human(args.max_bytes)}; {verb} {human(waste)} of quarantined, corrupt, orphaned "
           f"temporary and unreachable files")
-    # 2. Files stored cold and never loaded since, oldest first (the connector's budget order).
+    # 2. Files stored cold and never loaded since, oldest first (the worth model's order, as the
+    #    connector's budget follows it: every cold entry below every other).
     cold = stored_cold(cache, DirBudget(root, read_only=True)) if total > args.max_bytes else []
     cold_files = 0
     for _, f, c in cold:

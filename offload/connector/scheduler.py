@@ -29,7 +29,15 @@ from offload.connector.requests import Requests, _Req
 from offload.connector.store_plan import NULL_BLOCK, StorePlanner
 from offload.keys import ChunkKey, Fingerprint
 from offload.metrics import Recorder
-from offload.planner import GroupIndex, GroupKind, HybridOffloadPlanner, StateClass, StatePolicy
+from offload.planner import (
+    EvictionReason,
+    GroupIndex,
+    GroupKind,
+    HybridOffloadPlanner,
+    StateClass,
+    StatePolicy,
+    cold_classes,
+)
 from offload.store.base import MissReason, TierIndex
 
 if TYPE_CHECKING:
@@ -69,9 +77,9 @@ class SchedulerSide:
                 r.declare("kvoffload_states_not_admitted")
                 for cls in StateClass:
                     r.declare("kvoffload_state_hits", state_class=cls.value)
-                    r.declare("kvoffload_state_evictions", state_class=cls.value, reason="lru")
-                for cls in (StateClass.INTERNAL, StateClass.PARTIAL):  # the classes `by_use` admits cold
-                    r.declare("kvoffload_state_evictions", state_class=cls.value, reason="cold")
+                    r.declare("kvoffload_state_evictions", state_class=cls.value, reason=EvictionReason.LRU.value)
+                for cls in cold_classes():  # the classes a policy admits cold
+                    r.declare("kvoffload_state_evictions", state_class=cls.value, reason=EvictionReason.COLD.value)
         self.planner = planner
         self.policy = StatePolicy(cfg.state_policy)
         self.fp = fp

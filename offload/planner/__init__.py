@@ -3,13 +3,32 @@ lookup may report as a hit. Pure logic: imports nothing from vLLM."""
 
 from offload.planner.planner import ChunkSizeError, GroupChunk, HybridOffloadPlanner, Lookup, TailProbe
 from offload.planner.spec import ChunkIndex, GroupIndex, GroupKind, GroupSpec
-from offload.planner.states import DEFAULT_STATE_POLICY, Admission, StateClass, StatePolicy, admission
+from offload.planner.worth import (
+    DEFAULT_STATE_POLICY,
+    Admission,
+    EvictionReason,
+    StateClass,
+    StatePolicy,
+    admission,
+    cold_after,
+    cold_classes,
+    enters_cold,
+    eviction_reason,
+    is_cold,
+    marked_admission,
+    may_displace,
+    own_lru_admits,
+    refreshes,
+    tick_rank,
+    time_rank,
+)
 
 __all__ = [
     "DEFAULT_STATE_POLICY",
     "Admission",
     "ChunkIndex",
     "ChunkSizeError",
+    "EvictionReason",
     "GroupChunk",
     "GroupIndex",
     "GroupKind",
@@ -20,4 +39,15 @@ __all__ = [
     "StatePolicy",
     "TailProbe",
     "admission",
+    "cold_after",
+    "cold_classes",
+    "enters_cold",
+    "eviction_reason",
+    "is_cold",
+    "marked_admission",
+    "may_displace",
+    "own_lru_admits",
+    "refreshes",
+    "tick_rank",
+    "time_rank",
 ]

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from offload.planner.spec import ChunkIndex, GroupIndex, GroupKind, GroupSpec
-from offload.planner.states import StateClass
+from offload.planner.worth import StateClass, attention_class, pre_tail
+from offload.planner.worth import state_class as classify_state
 
 DEFAULT_MIN_CHUNK_TOKENS = 256
 
@@ -298,29 +299,25 @@ class HybridOffloadPlanner:
             return 0
         return t
 
-    def state_class(self, boundary: int, prompt_tokens: int, branch_at: int = 0) -> StateClass:
-        """The class of a prompt's recurrent state at `boundary`: its tail (the
-        last whole-chunk boundary a hit of the prompt reaches), its partial tail,
-        where its lookup found a stored or cached prefix ending (`branch_at`,
-        0: none), or internal. A repeat and the next turn read only the tail;
-        an internal state is read only where another prompt branches there."""
+    def state_class(self, boundary: int, prompt_tokens: int, branch_at: int = 0,
+                    pre_tail_within: int = 0) -> StateClass:
+        """The class of a prompt's recurrent state at `boundary`, by the worth
+        model's rule (`offload.planner.worth.state_class`) from this plan's
+        tail and partial tail of the prompt; `pre_tail_within` > 0 applies the
+        pre-tail what-if (`offload.planner.worth.pre_tail`)."""
         # The last whole-chunk boundary a hit can reach: before the last token, so a prompt of
         # exactly n chunks has its tail at n - 1.
-        if boundary == self.max_hit_chunks(prompt_tokens) * self.chunk_size:
-            return StateClass.TAIL
-        if boundary == self.tail_boundary(prompt_tokens):
-            return StateClass.PARTIAL
-        return StateClass.BRANCH if boundary == branch_at else StateClass.INTERNAL
+        tail = self.max_hit_chunks(prompt_tokens) * self.chunk_size
+        return classify_state(boundary, tail, self.tail_boundary(prompt_tokens), branch_at,
+                              pre_tail(tail, prompt_tokens, self.chunk_size, pre_tail_within))
 
-    def entry_class(self, gc: GroupChunk, prompt_tokens: int, branch_at: int = 0) -> StateClass | None:
-        """The class a stored entry is admitted by: a state's (`state_class`);
-        on a hybrid, the attention half of the partial tail goes with its
-        state (PARTIAL); None for every other entry (always admitted hot)."""
+    def entry_class(self, gc: GroupChunk, prompt_tokens: int, branch_at: int = 0,
+                    pre_tail_within: int = 0) -> StateClass | None:
+        """The class a stored entry is admitted by: a state's (`state_class`),
+        an attention entry's (`offload.planner.worth.attention_class`)."""
         if gc.state_at is not None:
-            return self.state_class(gc.state_at, prompt_tokens, branch_at)
-        if gc.tail_end is not None and self.has_states:
-            return StateClass.PARTIAL
-        return None
+            return self.state_class(gc.state_at, prompt_tokens, branch_at, pre_tail_within)
+        return attention_class(gc.tail_end is not None, self.has_states)
 
     def repeat_hit(self, prompt_tokens: int) -> int:
         """Tokens a repeat of a stored prompt restores: its whole chunks (up

@@ -13,11 +13,12 @@ least recent leaf first. Presence stays prefix-closed, so the lookup's binary
 search stays exact: an attention or windowed entry is a leaf only once no
 entry of its group chains from it and no state at its own boundary is held;
 a state is a leaf of its own and may go while the attention KV of its chunk
-stays. Where a new entry enters that order is its admission
-(`offload.planner.states`): hot at the recent end; cold (a state at a
-prompt's internal boundary, under the `by_use` policy) below every hot entry,
-first to go unless a load reads it, and stored only in a free slot or one a
-colder entry leaves (it never displaces an entry in use). Entries pinned by a load in flight are
+stays. Where a new entry enters that order, what it may displace and what a
+hit refreshes is the worth model's (`offload.planner.worth`): hot at the
+recent end; cold (a state at a prompt's internal boundary, under the `by_use`
+policy) below every hot entry, first to go unless a load reads it, and stored
+only in a free slot or one a colder entry leaves (it never displaces an entry
+in use). Entries pinned by a load in flight are
 never evicted, and in a stack with a tier below, neither is an entry whose
 only copy is here (`backed` says whether the tier below holds it) while its
 write there may still land.
@@ -32,7 +33,20 @@ from fractions import Fraction
 import torch
 
 from offload.keys import ChunkKey
-from offload.planner import Admission, ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner, StateClass
+from offload.planner import (
+    Admission,
+    ChunkIndex,
+    GroupIndex,
+    GroupKind,
+    HybridOffloadPlanner,
+    StateClass,
+    cold_after,
+    enters_cold,
+    eviction_reason,
+    may_displace,
+    refreshes,
+    tick_rank,
+)
 from offload.store.base import (
     Backed,
     ChunkMiss,
@@ -49,9 +63,6 @@ from offload.store.buffers import BufferPool
 from offload.store.evictor import LeafQueue
 from offload.store.format import ChunkHeader
 from offload.store.options import CpuOptions
-
-# Cold entries rank below every hot one, oldest cold first.
-_COLD = 1 << 52
 
 
 @dataclass(frozen=True)
@@ -176,7 +187,7 @@ class CpuIndex(TierIndex):
 
     def _touch(self, node: Node, e: _Entry, cold: bool = False) -> None:
         self._tick += 1
-        e.recency = self._tick - _COLD if cold else self._tick
+        e.recency = tick_rank(self._tick, cold)
         e.cold = cold
         self.queue.push(e.recency, node)
         if len(self.queue) > 2 * len(self.entries) + 4096:  # superseded recencies pile up where nothing is evicted
@@ -198,14 +209,14 @@ class CpuIndex(TierIndex):
     def _evictable(self, node: Node, e: _Entry) -> bool:
         return not (e.pins or e.pending or (self.backed is not None and not e.sole and not self.backed(*node)))
 
-    def _evict_one(self, cold_only: bool = False) -> bool:
-        """Evict the oldest evictable leaf; with `cold_only`, only an entry
-        still cold (cold ones rank first, so the first hot leaf ends the search)."""
+    def _evict_one(self, admission: Admission = Admission.HOT) -> bool:
+        """Evict the oldest evictable leaf that a new entry admitted so may
+        displace (cold ones rank first, so the first it may not ends the search)."""
         held = []
         try:
             while (node := self.queue.pop(self._current, self._link_of)) is not None:
                 e = self.entries[node]
-                if cold_only and not e.cold:
+                if not may_displace(admission, e.cold):
                     held.append((e.recency, node))
                     return False
                 if not self._evictable(node, e):
@@ -220,7 +231,7 @@ class CpuIndex(TierIndex):
 
     def _evict(self, node: Node, e: _Entry) -> None:
         if e.state is not None:
-            self.state_evictions[e.state.value, "cold" if e.cold else "lru"] += 1
+            self.state_evictions[e.state.value, eviction_reason(e.cold).value] += 1
         self.evictions[node[0]] += 1
         self._remove(node)
 
@@ -271,8 +282,8 @@ class CpuIndex(TierIndex):
         node = (group, key)
         e = self.entries.get(node)
         if e is not None:
-            if admission is Admission.HOT and not e.gone:
-                self._touch(node, e)  # another prompt stored it again: in use
+            if refreshes(admission) and not e.gone:
+                self._touch(node, e)  # another prompt stored it again, hot: in use
             return None
         if admission is Admission.SKIP:
             self.skipped += 1
@@ -286,9 +297,8 @@ class CpuIndex(TierIndex):
         if link is not None:
             self.queue.link(link)  # from now on: the evictions below must not take what it chains from
         while (slot := self._take_slot(group)) is None:
-            # A cold entry never displaces one in use: it takes a free slot or another cold entry's.
-            if not self._evict_one(cold_only=admission is Admission.COLD):
-                if admission is Admission.COLD:
+            if not self._evict_one(admission):
+                if enters_cold(admission):
                     self.skipped += 1  # the policy's choice, not a lack of room
                 else:
                     self.no_room += 1
@@ -297,7 +307,7 @@ class CpuIndex(TierIndex):
         e.slot = slot
         self.entries[node] = e
         self._count_entry(node, e, 1)
-        self._touch(node, e, cold=admission is Admission.COLD)
+        self._touch(node, e, cold=enters_cold(admission))
         if link is not None and chained:
             self.entries[link].children.add(key)
         return slot
@@ -329,7 +339,7 @@ class CpuIndex(TierIndex):
         if e.state is not None:
             self.state_hits[e.state.value] += 1
         e.pins += 1
-        self._touch(node, e)
+        self._touch(node, e, cold_after(e.cold))  # a hit: hot
         return Placement(e.slot)
 
     def unpin(self, group: int, key: ChunkKey) -> None:

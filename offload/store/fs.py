@@ -17,7 +17,7 @@ from concurrent.futures import wait
 import torch
 
 from offload.keys import ChunkKey
-from offload.planner import Admission, StateClass
+from offload.planner import Admission, StateClass, enters_cold
 from offload.store.auth import open_keyring
 from offload.store.base import (
     Backed,
@@ -71,7 +71,7 @@ class FsIndex(TierIndex):
                 admission: Admission = Admission.HOT, state: StateClass | None = None) -> Placement | None:
         if admission is Admission.SKIP:
             return None
-        return Placement(cold=admission is Admission.COLD)
+        return Placement(cold=enters_cold(admission))
 
     def pin(self, group: int, key: ChunkKey) -> Placement | None:
         return Placement()

@@ -37,7 +37,7 @@ from dataclasses import replace
 import torch
 
 from offload.keys import ChunkKey
-from offload.planner import Admission, StateClass
+from offload.planner import Admission, StateClass, own_lru_admits
 from offload.store.auth import Keyring, Unauthenticated, check_entry, frame, open_keyring
 from offload.store.base import (
     Backed,
@@ -121,7 +121,7 @@ class LMCacheIndex(TierIndex):
 
     def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None,
                 admission: Admission = Admission.HOT, state: StateClass | None = None) -> Placement | None:
-        if admission is not Admission.HOT:
+        if not own_lru_admits(admission):
             # LMCache orders its own pool and remote: a state that would enter
             # our tiers cold is not given to it at all.
             self._skipped += 1

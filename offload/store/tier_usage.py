@@ -18,7 +18,7 @@ class TierUsage:
     no_room: int = 0  # cumulative stores skipped for lack of room
     capacity_bytes: int | None = None
     budget_bytes: int | None = None  # what eviction keeps the tier within, where it has a budget
-    # Recurrent states by the class they were admitted under (offload.planner.states):
+    # Recurrent states by the class they were admitted under (offload.planner.worth):
     states: tuple[tuple[str, int, int], ...] = ()  # (class, entries, bytes) held now
     state_hits: tuple[tuple[str, int], ...] = ()  # (class, loads planned from such a state), cumulative
     state_evictions: tuple[tuple[str, str, int], ...] = ()  # (class, "cold" | "lru", count), cumulative

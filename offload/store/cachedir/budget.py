@@ -558,7 +558,7 @@ class DirBudget:
                 continue
             except OSError:
                 continue
-            if st.st_mtime > e.t + 1e-3:  # loaded since it was indexed: recency moves on
+            if e.read_since(st.st_mtime):  # loaded since it was indexed: recency moves on
                 index.touch(rel, e, st.st_mtime)
                 continue
             # The record's time is taken before the unlink: another instance may store the same key

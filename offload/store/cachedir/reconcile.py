@@ -131,7 +131,7 @@ class Reconciler:
                         if e.size != size:
                             index.add(rel, IndexEntry(size, max(e.t, mtime), e.parent, walk.epoch))
                             self._drift("resized", 1)
-                        elif mtime > e.t + 1e-3:  # a load touched it (records keep 3 decimals)
+                        elif e.read_since(mtime):
                             index.touch(rel, e, mtime)
                         continue
                     tomb = index.tombs.get(rel)

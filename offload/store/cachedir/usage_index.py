@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from offload.planner import cold_after, marked_admission, refreshes, time_rank
 from offload.store.cachedir.ledger import PUT, Entry, Record
 from offload.store.cachedir.paths import CHUNK_SUFFIX, group_dir_of, is_evictable_rel, parse_chunk_rel, parse_group_dir
 from offload.store.evictor import LeafQueue
 
-# How far below every other entry a cold one ranks (seconds of recency).
-COLD_S = float(1 << 40)
 # An eviction link: (group directory, key prefix), as a child's header names its parent.
 Link = tuple[str, int]
 
@@ -36,10 +35,14 @@ class IndexEntry:
         self.fig: list[int] | None = None
         self.gdir = ""
 
+    def read_since(self, mtime: float) -> bool:
+        """Whether a load touched the file (`mtime`) after its record (records keep 3 decimals)."""
+        return mtime > self.t + 1e-3
+
     @property
     def rank(self) -> float:
-        """Its place in the eviction order (lowest first)."""
-        return self.t - COLD_S if self.cold else self.t
+        """Its place in the eviction order (lowest first): the worth model's, in seconds."""
+        return time_rank(self.t, self.cold)
 
 
 class UsageIndex:
@@ -124,9 +127,10 @@ class UsageIndex:
         return e
 
     def touch(self, rel: str, e: IndexEntry, t: float) -> None:
-        """`rel` was used at `t` (newer than its recency): requeue it."""
+        """`rel` was used at `t` (newer than its recency: loaded, or written again hot): requeue
+        it, refreshed as the worth model says."""
         e.t = t
-        e.cold = False
+        e.cold = cold_after(e.cold)
         if e.fig is not None or is_evictable_rel(rel):
             self.queue.push(t, rel)
 
@@ -157,11 +161,11 @@ class UsageIndex:
             if cur.t >= t:
                 return  # known (our own record read back, or an older duplicate write)
             if cur.size == size and cur.parent == parent:
-                if cold:  # written again, cold: recency moves on, but no higher than cold
+                if refreshes(marked_admission(cold)):
+                    self.touch(rel, cur, t)
+                else:  # written again, cold: recency moves on (the file's mtime), its class stays
                     cur.t = t
                     self.queue.push(cur.rank, rel)
-                else:
-                    self.touch(rel, cur, t)
                 return
         self.add(rel, IndexEntry(size, t, parent, cold=cold))
 
