@@ -105,6 +105,16 @@ class OffloadConfig(BaseModel):
         "state at a prompt's internal chunk boundary go first unless it is read (tails and branch points stay "
         "hot); 'all' treats every state like attention KV; 'tails' stores no internal state",
     )
+    warm_start: bool = Field(
+        default=True,
+        description="at start, copy the most recently used entries of a tier below host memory (files) into "
+        "host memory in the background, up to warm_start_share of it; only where the stack has host memory "
+        "above a file tier. Turn it off where the cache is far larger than host memory and rarely reused",
+    )
+    warm_start_share: float = Field(
+        default=0.5, gt=0, le=1,
+        description="the share of host memory warm start may fill (it only takes free room, never evicts)",
+    )
     model_id: str | None = Field(
         default=None, min_length=1,
         description="identity of the model in cache keys (default: the served model path); "

@@ -112,6 +112,20 @@ METRICS: dict[str, MetricDef] = {
         "counter", _T, "Stores the tier declined under state_policy (tails: internal states; by_use: an entry admitted "
         "cold, an internal state or either half of a partial tail, with no free or colder slot; LMCache: every "
         "entry admitted cold)."),
+    "kvoffload_warm_hits": MetricDef(
+        "counter", _T, "Loads planned from an entry warm start put in the tier (host memory), one per entry."),
+    "kvoffload_warm_entries": MetricDef(
+        "counter", _T, "Entries warm start copied into the tier (host memory) from a tier below, verified."),
+    "kvoffload_warm_bytes": MetricDef("counter", _T, "Bytes warm start copied into the tier (host memory)."),
+    "kvoffload_warm_failures": MetricDef(
+        "counter", _TR, "Entries warm start could not copy up, by reason: missing, corrupt, unauthenticated, "
+        "io_error, unsafe, error, no_room (each is left to a later load; nothing is offered in its place)."),
+    "kvoffload_warm_planned_entries": MetricDef(
+        "gauge", _T, "Entries warm start planned to copy into the tier (host memory); 0 before it starts."),
+    "kvoffload_warm_done": MetricDef(
+        "gauge", _T, "1 once every entry warm start planned for the tier is settled (copied or failed)."),
+    "kvoffload_warm_seconds": MetricDef(
+        "gauge", _T, "Seconds warm start took from its first read to its last, once done."),
     "kvoffload_hit_rate": MetricDef(
         "gauge", _T, "Hit tokens / looked-up tokens since the server started (computed in the API server)."),
 }

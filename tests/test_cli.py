@@ -311,6 +311,8 @@ def test_gc_evicts_files_stored_cold_first_each_on_its_own_then_whole_chunks(cap
     by_group = {g["group"]: g for g in json.loads(out)["ledger"]["fingerprints"][FP.hex()]}
     assert (by_group[GDN]["files"], by_group[GDN]["cold_files"], by_group[ATTN]["cold_files"]) == (4, 2, 1)
     assert by_group[GDN]["cold_bytes"] == 2 * states[0].stat().st_size, "the loaded one is no longer cold"
+    # Warm start would choose among the rest: 4 attention chunks and 2 states (9 files, 3 of them cold).
+    assert json.loads(out)["ledger"]["warm_start_candidates"]["files"] == 6
     rc, out = run_cli(capsys, "gc", str(tmp_path), "--max-bytes", str(true_bytes(top) - 1))
     assert rc == 0 and "deleted 1 of 3 files stored cold" in out, out
     assert [p.exists() for p in states] == [False, True, True, True], "the oldest cold state went, alone"

@@ -803,6 +803,99 @@ def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make,
 # ---- a promotion in flight is not offered before its bytes land ------------------------------------
 
 
+def test_after_a_restart_warm_start_offers_host_memory_at_once_and_a_load_reads_what_it_needs_first(
+        make, tmp_path, held_loads):
+    """Warm start (on by default over files): a restart plans the files' entries into host memory at
+    the first lookup, so that lookup is already a host-memory hit. Its load finds its entries not yet
+    copied (or being copied), reads them itself or waits, and fills host memory from the same bytes;
+    the same bytes reach the KV cache, and a second request after reset restores from host memory."""
+    release, entered = held_loads
+    first = make("stack")
+    HIT = hit(first)
+    tokens = prompt(13)
+    stored = store_prompt(first, "a", tokens, tmp_path)
+    first.worker.connector.shutdown()
+    eng = make("stack")
+    names = [t.tier_name for t in eng.scheduler.connector.cfg.tiers]
+    sched = eng.scheduler.connector._sched
+    acct = sched.indices[1].store.account
+    deadline = time.monotonic() + 30
+    while acct is not None and not acct.loaded and time.monotonic() < deadline:
+        time.sleep(0.01)  # the housekeeper loads the ledger index in the background at start
+    b = create_request("b", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()
+    assert sched.hit_tier("b") == 0, "warm start's slots: host memory"
+    dest = table(eng, "b")[:HIT // BS]
+    release.set()
+    eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored through warm start")
+    eng.run_to_completion()
+    assert eng.finished["b"] == {f"kvoffload:{names[0]}": {"restored_tokens": HIT, "load_failed": False},
+                                 f"kvoffload:{names[1]}": {"restored_tokens": 0, "load_failed": False}}
+    assert "failed_loads" not in eng.totals()
+    warm = eng.worker.connector._worker.warm
+    deadline = time.monotonic() + 30
+    while not warm.done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert warm.done and warm.planned == entries(eng), "every entry the files hold, copied"
+    assert eng.scheduler.reset_prefix_cache()
+    eng.worker.scramble()
+    d = create_request("d", tokens, max_tokens=2, block_size=BS)
+    eng.scheduler.add_request(d)
+    eng.step()
+    assert sched.hit_tier("d") == 0
+    dest = table(eng, "d")[:HIT // BS]
+    eng.run_until(lambda: eng.status("d") != WAITING_FOR_KV)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored from host memory")
+    eng.run_to_completion()
+    assert "failed_loads" not in eng.totals()
+
+
+def test_a_corrupt_file_during_warm_start_is_counted_dropped_and_recomputed_never_served(make, tmp_path):
+    """A file damaged on disk: warm start's read fails its CRC (quarantined, counted under
+    `corrupt`), host memory drops the entry with every entry chained behind it, the request that
+    was offered it recomputes (its load reads the file, which fails too), and the engine serves on."""
+    first = make("stack")
+    tokens = prompt(14)
+    store_prompt(first, "a", tokens, tmp_path)
+    first.worker.connector.shutdown()
+    from offload.store.format import HEADER_LEN, ChunkHeader
+
+    files = [f for f in tmp_path.glob(f"cache/{LAYOUT_DIR}/*/g*/*/*.kv")
+             if ChunkHeader.unpack(f.read_bytes()[:HEADER_LEN]).token_start == 0]
+    with open(files[0], "r+b") as f:  # the chain's first chunk: a payload byte flipped
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    eng = make("stack")
+    sched = eng.scheduler.connector._sched
+    warm = eng.worker.connector._worker.warm
+    acct = sched.indices[1].store.account
+    deadline = time.monotonic() + 30
+    while acct is not None and not acct.loaded and time.monotonic() < deadline:
+        time.sleep(0.01)
+    eng.scheduler.add_request(create_request("b", tokens, max_tokens=2, block_size=BS))
+    eng.run_to_completion()
+    deadline = time.monotonic() + 30
+    while not warm.done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    eng.step()  # the worker's report reaches the scheduler
+    rec = eng.worker.connector._worker.recorders[0]
+    assert rec.by("kvoffload_warm_failures", "reason").get("corrupt", 0) == 1
+    assert rec.total("kvoffload_warm_entries") == warm.planned - 1
+    names = [t.tier_name for t in eng.scheduler.connector.cfg.tiers]
+    assert eng.finished["b"][f"kvoffload:{names[0]}"]["load_failed"]
+    cpu = sched.indices[0]
+    assert not any(e.warm and not e.gone for e in cpu.entries.values()), "the chain behind the bad file is dropped"
+    assert len(list(tmp_path.glob(f"cache/{LAYOUT_DIR}/*/quarantine/*"))) == 1, "the bad file is quarantined"
+    # The engine serves on: the same prompt again is computed (nothing left to restore before the bad chunk).
+    eng.scheduler.add_request(create_request("c", tokens, max_tokens=2, block_size=BS))
+    eng.run_to_completion()
+    assert eng.finished["c"][f"kvoffload:{names[0]}"] == {"restored_tokens": 0, "load_failed": False}
+
+
 def test_an_entry_a_load_is_promoting_is_offered_only_once_its_bytes_landed(make, tmp_path, held_loads):
     """A load from the file tier also copies the entries up into host memory
     (a promotion), on the load's I/O thread. Until those bytes land, a second
@@ -816,7 +909,9 @@ def test_an_entry_a_load_is_promoting_is_offered_only_once_its_bytes_landed(make
     tokens = prompt(12)
     stored = store_prompt(first, "a", tokens, tmp_path)
     first.worker.connector.shutdown()
-    eng = make("stack")  # a restart on the same directory: host memory empty, the files there
+    # A restart on the same directory: host memory empty, the files there (warm start off: it would
+    # offer host memory at once, the test below).
+    eng = make("stack", warm_start=False)
     names = [t.tier_name for t in eng.scheduler.connector.cfg.tiers]
 
     b = create_request("b", tokens, max_tokens=2, block_size=BS)

@@ -104,7 +104,7 @@ def test_layout_ids_datasource_and_rows():
     rows = [p["title"] for p in ps if p["type"] == "row"]
     assert rows == ["Overview: every tier, and vLLM's own view", "Tier: $tier", "Loads (restores)", "Stores",
                     "Failures (each one a recompute, never garbage)", "Capacity and evictions",
-                    "Recurrent states (hybrid models)"]
+                    "Recurrent states (hybrid models)", "Warm start"]
     tier_row = next(p for p in ps if p["type"] == "row" and p.get("repeat"))
     variables = {v["name"] for v in json.loads(DASHBOARD.read_text())["templating"]["list"]}
     assert tier_row["repeat"] == "tier" and {"tier", "model_name"} <= variables

@@ -32,6 +32,9 @@ def tiered(path, cpu_bytes: int | None = None) -> dict:
     kv = shipped_config("hybrid-tiered.json", path)
     if cpu_bytes is not None:
         tier_dicts(kv)[0]["cpu_bytes"] = cpu_bytes
+    # Promotion is what these tests follow: warm start would put the files' entries into host
+    # memory on its own after a restart (tests/test_e2e_warm_start.py).
+    kv["kv_connector_extra_config"]["warm_start"] = False
     return kv
 
 

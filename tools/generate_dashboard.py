@@ -300,7 +300,23 @@ def rows() -> tuple[Row, ...]:
                Q(f"sum by (tier) (rate(kvoffload_states_not_admitted_total{{{T}}}[{RI}]))",
                  "{{tier}} not admitted"))),
     ))
-    return overview, per_tier, loads, stores, failures, capacity, states
+    warm = Row("Warm start", (
+        Panel("Warm start progress",
+              "Entries warm start planned to copy from the files into host memory after start-up, those copied "
+              "and verified, and those that failed (each left to the files); done is 1 once every planned entry "
+              "is settled.", "short",
+              (Q(f"sum by (tier) (kvoffload_warm_planned_entries{{{T}}})", "{{tier}} planned"),
+               Q(f"sum by (tier) (kvoffload_warm_entries_total{{{T}}})", "{{tier}} copied"),
+               Q(f"sum by (tier, reason) (kvoffload_warm_failures_total{{{T}}})", "{{tier}} failed {{reason}}"),
+               Q(f"max by (tier) (kvoffload_warm_done{{{T}}})", "{{tier}} done"))),
+        Panel("Warm start bytes and hits",
+              "Bytes warm start copied, its time to done, and loads per second planned from entries it put in "
+              "host memory (what it served).", "short",
+              (Q(f"sum by (tier) (kvoffload_warm_bytes_total{{{T}}})", "{{tier}} bytes"),
+               Q(f"max by (tier) (kvoffload_warm_seconds{{{T}}})", "{{tier}} seconds to done"),
+               Q(f"sum by (tier) (rate(kvoffload_warm_hits_total{{{T}}}[{RI}]))", "{{tier}} hits/s"))),
+    ))
+    return overview, per_tier, loads, stores, failures, capacity, states, warm
 
 
 def dashboard() -> dict:

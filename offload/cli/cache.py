@@ -197,6 +197,9 @@ def ledger_view(root: Path, walk: bool = True) -> dict:
         cn, cb = cold.get((fp, g), (0, 0))
         groups.setdefault(fp, []).append({"group": g, "files": n, "bytes": b, "cold_files": cn, "cold_bytes": cb})
     out["fingerprints"] = groups
+    # What warm start would choose from (offload/connector/warm.py): every chunk file not stored cold.
+    hot = [e.size for e in acct.index.entries.values() if not e.cold and parse_group_dir(e.gdir) is not None]
+    out["warm_start_candidates"] = {"files": len(hot), "bytes": sum(hot)}
     return out
 
 

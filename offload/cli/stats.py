@@ -130,6 +130,10 @@ def print_ledger(led: dict, table: bool) -> None:
     print(f"\nledger: {led['files']} files, {human(led['bytes'])} accounted; {logs} "
           f"({led['sealed_logs']} sealed), {human(led['ledger_bytes'])} of records; {snap}; {walked}; "
           f"{led['bad_lines']} damaged lines skipped; read in {led['load_s']:.2f} s")
+    if "warm_start_candidates" in led:
+        w = led["warm_start_candidates"]
+        print(f"  warm start reads from {w['files']} files not stored cold ({human(w['bytes'])}), most recent "
+              "first, up to warm_start_share of an engine's host memory")
     if "walk" in led:
         w = led["walk"]
         pct = 100.0 * led["drift_bytes"] / w["bytes"] if w["bytes"] else 0.0

@@ -20,7 +20,7 @@ from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload.config import EXTRA_CONFIG, ConfigError, OffloadConfig, parse_config
-from offload.connector.metadata import DroppedStores, OffloadMetadata
+from offload.connector.metadata import OffloadMetadata, WorkerReport
 from offload.connector.startup import advise, share_vllm_logging
 from offload.keys import FORMAT_VERSION, fingerprint, rank_fingerprint
 from offload.layout import fingerprint_fields, group_specs
@@ -129,7 +129,8 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self._startup_checks(vllm_config)
             from offload.connector.scheduler import SchedulerSide
 
-            self._sched = SchedulerSide(self.cfg, self.planner, self.fingerprint, self._indices(), self.recorders)
+            self._sched = SchedulerSide(self.cfg, self.planner, self.fingerprint, self._indices(), self.recorders,
+                                        world_size=tp)
         else:
             from offload.connector.worker import WorkerSide
 
@@ -292,9 +293,9 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending or None, r.finished_recving or None
 
-    def build_connector_worker_meta(self) -> DroppedStores | None:
-        """Worker side, after every step: the stores dropped since the last one."""
-        return self._worker.take_dropped() if self._worker is not None else None
+    def build_connector_worker_meta(self) -> WorkerReport | None:
+        """Worker side, after every step: the stores dropped and warm entries settled since the last one."""
+        return self._worker.take_report() if self._worker is not None else None
 
     def wait_for_stores(self, timeout_s: float = 60.0) -> int:
         """Worker side: wait for the stores queued so far to land; returns how

@@ -32,6 +32,7 @@ from offload.config import OffloadConfig
 from offload.connector.metadata import LoadJob, TierSlot
 from offload.connector.registration import KVCache
 from offload.connector.stores import StorePath
+from offload.connector.warm import WarmReader
 from offload.metrics import Recorder
 from offload.store.base import ChunkMiss, HostChunk, MissReason, Placement
 from offload.store.format import ChunkHeader
@@ -69,6 +70,8 @@ class LoadPipeline:
         self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvoffload-load")
         # Requests whose load is in flight or finished and not yet reported, by id.
         self.in_flight: dict[str, Future[MissReason | None]] = {}
+        self.busy = 0  # files being read now (warm start waits while any is)
+        self.warm: WarmReader | None = None  # set by the worker: entries warm start holds or will hold
 
     def start(self, job: LoadJob) -> None:
         run = _LoadRun(job)
@@ -104,11 +107,14 @@ class LoadPipeline:
         with run.lock:
             if run.t0 is None:
                 run.t0 = time.perf_counter()
+            self.busy += 1
         try:
             failed = self._read_and_scatter(run, i)
         except Exception as e:  # a load must never take the engine down
             logger.exception("kvoffload: load of request %s failed (%s)", run.job.req_id, type(e).__name__)
             failed = (run.job.entries[i].source.tier, MissReason.ERROR)
+        with run.lock:
+            self.busy -= 1
         with run.lock:
             if failed is not None:
                 run.failures[i] = failed
@@ -124,11 +130,17 @@ class LoadPipeline:
         header = self.kv.header(ref)
         kind = ref.kind.value
         t0 = time.perf_counter()
+        # Warm start may hold these bytes in host memory already, or be about to read them: then the
+        # load uses its copy, or takes the read over and fills warm start's slot from it (`fill`).
+        warmed, fill, tier = self.warm.serve(src.tier, header) if self.warm is not None else (None, None, src.tier)
         try:
-            chunk = self.stores.queued_copy(src.tier, header) or self.kv.tiers[src.tier].get_to_scatter(
-                header, Placement(src.slot), self.kv.buffers)
+            chunk = warmed or self.stores.queued_copy(tier, header) or self.kv.tiers[tier].get_to_scatter(
+                header, Placement(src.slot if tier == src.tier else None), self.kv.buffers)
         except ChunkMiss as e:
-            return self._missed(job.req_id, src.tier, ref.kind.value, e)
+            if fill is not None and self.warm is not None:
+                self.warm.filled(header, e.reason.value)
+                fill = None
+            return self._missed(job.req_id, tier, ref.kind.value, e)
         try:
             # Once another file of the request failed, the request is
             # recomputed: its pages are not worth a copy, but every file is
@@ -152,9 +164,19 @@ class LoadPipeline:
                 chunk.check()
             for up in entry.promote:
                 self._promote(up, header, chunk)
+            if fill is not None and self.warm is not None:
+                self.warm.filled(header, None if self._promote(fill, header, chunk) else "no_room")
+                fill = None
         except ChunkMiss as e:
+            if fill is not None and self.warm is not None:
+                self.warm.filled(header, e.reason.value)
+                fill = None
             return self._missed(job.req_id, src.tier, ref.kind.value, e)
         finally:
+            if fill is not None and self.warm is not None:
+                self.warm.filled(header, MissReason.ERROR.value)
+            if warmed is not None and self.warm is not None:
+                self.warm.unserve(header)
             chunk.release()
         return None
 
@@ -191,13 +213,15 @@ class LoadPipeline:
             self.recorders[tier].inc("kvoffload_failed_loads", reason=reason.value)
         run.result.set_result(failed[1] if failed is not None else None)
 
-    def _promote(self, up: TierSlot, header: ChunkHeader, chunk: HostChunk) -> None:
+    def _promote(self, up: TierSlot, header: ChunkHeader, chunk: HostChunk) -> bool:
         """Put a loaded entry into a faster tier; a failure costs only the promotion."""
         t0 = time.perf_counter()
         try:
             self.stores.wait_reading(up, header.group)
             if self.kv.tiers[up.tier].put(header, chunk, Placement(up.slot)):
                 self.stores.stored(up.tier, header, chunk.payload.numel(), t0)
+            return True
         except Exception as e:
             logger.warning("kvoffload: promotion of %s dropped: %s", header.key.hex()[:16], e)
             self.stores.drop_promotion(up.tier, header)
+            return False

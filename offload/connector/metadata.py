@@ -1,5 +1,5 @@
 """What the scheduler half tells the worker half each step, and the one
-thing the worker half tells back (`DroppedStores`).
+thing the worker half tells back (`WorkerReport`).
 
 Plain frozen dataclasses: they are pickled between the engine core and every
 worker process once per step, so they carry ids and keys, never tensors.
@@ -42,6 +42,16 @@ class TierSlot:
 
 
 @dataclass(frozen=True)
+class WarmEntry:
+    """Warm start: read (`group`, `key`) from tier `source`, put it into `slot` (host memory)."""
+
+    group: int
+    key: bytes
+    source: int
+    slot: TierSlot
+
+
+@dataclass(frozen=True)
 class LoadEntry:
     """One file of a load: read `file` from `source`, scatter its `pages`
     ((page index in the entry, destination block id) pairs), and put the same
@@ -79,19 +89,23 @@ class StoreJob:
 class OffloadMetadata(KVConnectorMetadata):
     loads: list[LoadJob] = field(default_factory=list)
     stores: list[StoreJob] = field(default_factory=list)
+    warm: tuple[WarmEntry, ...] = ()  # warm start's plan, once (offload/connector/warm.py)
 
 
 @dataclass(frozen=True)
-class DroppedStores(KVConnectorWorkerMetadata):
-    """Worker to scheduler, with a step's output: the stores and promotions
-    that will not land, as (tier, group, key). The scheduler's indices
-    counted each entry when it planned the store; without this, a tier that
-    models its contents (host memory, LMCache's ledger) would go on offering
-    it, and host memory would keep the copy above a dropped write as an only
-    copy, never evicted, until a restart. Ranks' reports are concatenated."""
+class WorkerReport(KVConnectorWorkerMetadata):
+    """Worker to scheduler, with a step's output. `dropped`: the stores and
+    promotions that will not land, as (tier, group, key). The scheduler's
+    indices counted each entry when it planned the store; without this, a tier
+    that models its contents (host memory, LMCache's ledger) would go on
+    offering it, and host memory would keep the copy above a dropped write as
+    an only copy, never evicted, until a restart. `warmed`: warm start's
+    entries settled, as (group, key, landed) (offload/connector/warm.py).
+    Ranks' reports are concatenated."""
 
-    entries: tuple[tuple[int, int, bytes], ...]
+    dropped: tuple[tuple[int, int, bytes], ...] = ()
+    warmed: tuple[tuple[int, bytes, bool], ...] = ()
 
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> DroppedStores:
-        assert isinstance(other, DroppedStores)
-        return DroppedStores(self.entries + other.entries)
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> WorkerReport:
+        assert isinstance(other, WorkerReport)
+        return WorkerReport(self.dropped + other.dropped, self.warmed + other.warmed)

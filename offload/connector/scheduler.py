@@ -19,14 +19,15 @@ from vllm.v1.request import RequestStatus
 
 from offload.config import OffloadConfig
 from offload.connector.metadata import (
-    DroppedStores,
     LoadEntry,
     LoadJob,
     OffloadMetadata,
     TierSlot,
+    WorkerReport,
 )
 from offload.connector.requests import Requests, _Req
 from offload.connector.store_plan import NULL_BLOCK, StorePlanner
+from offload.connector.warm import WarmPlanner
 from offload.keys import ChunkKey, Fingerprint
 from offload.metrics import Recorder
 from offload.planner import (
@@ -58,7 +59,7 @@ class SchedulerSide:
     the top tier's metrics; restored tokens on the tier that supplied them."""
 
     def __init__(self, cfg: OffloadConfig, planner: HybridOffloadPlanner, fp: Fingerprint,
-                 indices: list[TierIndex], recorders: list[Recorder]) -> None:
+                 indices: list[TierIndex], recorders: list[Recorder], world_size: int = 1) -> None:
         self.cfg = cfg
         self.recorders = recorders
         self.recorder = recorders[0]
@@ -98,10 +99,18 @@ class SchedulerSide:
         self.room: LoadRoom | None = None
         # Requests holding vLLM blocks for a load this connector planned, until they run.
         self._loading: dict[str, _Req] = {}
+        # Warm start where host memory sits above a file tier (offload/connector/warm.py).
+        stores = [t.store for t in cfg.tiers]
+        source = stores.index("fs") if "fs" in stores[1:] else None
+        self.warm = (WarmPlanner(indices, [g.kind for g in planner.groups], source, cfg.warm_start_share,
+                                 world_size, recorders[0])
+                     if cfg.warm_start and stores[0] == "cpu" and source is not None else None)
 
     # ---- lookup and load ----------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.warm is not None:
+            self.warm.poll()
         st = self.requests.state(request)
         if st is None or st.load_failed or request.skip_reading_prefix_cache:
             return 0, False
@@ -301,7 +310,7 @@ class SchedulerSide:
     # ---- stores -------------------------------------------------------------------
 
     def build_connector_meta(self, so: SchedulerOutput) -> OffloadMetadata:
-        meta = OffloadMetadata(loads=self._loads)
+        meta = OffloadMetadata(loads=self._loads, warm=self.warm.take() if self.warm is not None else ())
         self._loads = []
         self.stores.plan(meta, so)
         return meta
@@ -309,13 +318,15 @@ class SchedulerSide:
     # ---- completion -----------------------------------------------------------------
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
-        dropped = out.kv_connector_worker_meta
-        if isinstance(dropped, DroppedStores):
-            for tier, g, raw in dropped.entries:
+        report = out.kv_connector_worker_meta
+        if isinstance(report, WorkerReport):
+            for tier, g, raw in report.dropped:
                 key = ChunkKey(raw)
                 self.indices[tier].store_dropped(g, key)
                 for ix in self.indices[:tier]:
                     ix.copy_below_dropped(g, key)
+            if report.warmed and self.warm is not None:
+                self.warm.settle(report.warmed)
         failed = out.failed_recving or set()
         for req_id in out.finished_recving or ():
             if req_id in failed:  # which entry missed is not known here: forget them all (a lost hit at worst)

@@ -251,6 +251,7 @@ class StorePlanner:
             for cls, reason, n in u.state_evictions:
                 self._grow(t, "kvoffload_state_evictions", (cls, reason), n, state_class=cls, reason=reason)
             self._grow(t, "kvoffload_states_not_admitted", None, u.skipped)
+            self._grow(t, "kvoffload_warm_hits", None, u.warm_hits)
 
     def _grow(self, t: int, name: str, part: object, n: int, **labels: str) -> None:
         """Count what a tier's cumulative figure `n` grew by since it was last reported."""

@@ -45,7 +45,7 @@ import torch
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
-from offload.connector.metadata import DroppedStores, FileRef, StoreJob, TierSlot
+from offload.connector.metadata import FileRef, StoreJob, TierSlot
 from offload.connector.registration import KVCache
 from offload.metrics import Recorder
 from offload.planner import GroupKind
@@ -399,12 +399,12 @@ class StorePath:
         rec.inc("kvoffload_stored_tokens", header.token_end - header.token_start, group_kind=kind)
         rec.observe("kvoffload_store_seconds", time.perf_counter() - t0, group_kind=kind)
 
-    def take_dropped(self) -> DroppedStores | None:
+    def take_dropped(self) -> tuple[tuple[int, int, bytes], ...]:
         """The stores and promotions dropped since the last call, for the
         scheduler's indices (once per step, with the step's output)."""
         with self._lock:
             dropped, self._dropped = self._dropped, []
-        return DroppedStores(tuple(dropped)) if dropped else None
+        return tuple(dropped)
 
     # ---- waiting and closing --------------------------------------------------------------
 

@@ -10,7 +10,8 @@ rooms that do the work, each in its own module:
   reported by `get_transfer_results`;
 - `stores.py` (`StorePath`): `wait_for_save`'s gathers and the writes on the
   store threads, broken chains, backpressure, the registry of writes in
-  flight, the store threads' priority; `take_dropped` reports its drops.
+  flight, the store threads' priority; `take_dropped` reports its drops;
+- `warm.py` (`WarmReader`): warm start's copies into host memory.
 
 Every event is counted once, in the tier's `Recorder` (offload/metrics.py):
 Prometheus gets it with the step's stats, and `shutdown` logs each tier's
@@ -29,9 +30,10 @@ from vllm.logger import init_logger
 from offload.config import OffloadConfig
 from offload.connector.kv_gate import GatedPages
 from offload.connector.loads import LoadPipeline
-from offload.connector.metadata import DroppedStores, OffloadMetadata
+from offload.connector.metadata import OffloadMetadata, WorkerReport
 from offload.connector.registration import KVCache, TokenMapper
 from offload.connector.stores import SharedGathers, StorePath
+from offload.connector.warm import WarmReader
 from offload.keys import Fingerprint
 from offload.metrics import DROP_REASONS, Recorder
 from offload.planner import HybridOffloadPlanner
@@ -83,6 +85,9 @@ class WorkerSide:
         self.kv = KVCache(planner, fingerprint, make_data, layer_names, token_map)
         self.stores = StorePath(cfg, self.kv, recorders)
         self.loads = LoadPipeline(cfg, self.kv, self.stores, recorders)
+        # Warm start's reads, behind every request's load (offload/connector/warm.py).
+        self.warm = WarmReader(self.kv, lambda: self.loads.busy > 0, recorders[0])
+        self.loads.warm = self.warm
         self._closed = False
 
     # The registered cache, its tiers and buffers (tests and benches set them on a worker never registered).
@@ -143,6 +148,9 @@ class WorkerSide:
     # ---- each step ------------------------------------------------------------------
 
     def start_load_kv(self, meta: OffloadMetadata) -> None:
+        # Warm entries first: a load planned in the same step may read one (it takes it over).
+        if meta.warm:
+            self.warm.start(meta.warm)
         for job in meta.loads:
             self.loads.start(job)
 
@@ -154,10 +162,11 @@ class WorkerSide:
         done, failed = self.loads.results()
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
-    def take_dropped(self) -> DroppedStores | None:
-        """The stores and promotions dropped since the last call, for the
-        scheduler's indices (once per step, with the step's output)."""
-        return self.stores.take_dropped()
+    def take_report(self) -> WorkerReport | None:
+        """The stores and promotions dropped and the warm entries settled since
+        the last call, for the scheduler's indices (once per step, with the step's output)."""
+        dropped, warmed = self.stores.take_dropped(), self.warm.take_report()
+        return WorkerReport(dropped, warmed) if dropped or warmed else None
 
     def report(self) -> None:
         """Queue gauges into the metrics; called once per step."""
@@ -170,6 +179,7 @@ class WorkerSide:
             rec.set("kvoffload_store_queue_bytes", queued if t == last else 0)
             rec.set("kvoffload_store_queue_limit_bytes", self.cfg.max_pending_store_bytes if t == last else 0)
             rec.set("kvoffload_loads_in_flight", len(self.loads.in_flight) if t == 0 else 0)
+        self.warm.report()
 
     # ---- the end ----------------------------------------------------------------------
 
@@ -182,6 +192,7 @@ class WorkerSide:
         has really stored its prefixes; log whatever had to be dropped."""
         if self._closed:
             return
+        self.warm.stop()
         self._closed = self.stores.closed = True
         not_done = self.drain(self.cfg.shutdown_timeout_s)
         if not_done:

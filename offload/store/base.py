@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -139,6 +139,17 @@ class HostChunk:
             self.pool = None
 
 
+class WarmCandidate(NamedTuple):
+    """An entry a tier holds, as warm start ranks it: `parent` is the first 8 bytes of the key it
+    chains from (None: a chain's first entry, or a state), `t` its recency (larger is more recent)."""
+
+    group: int
+    key: bytes
+    parent: bytes | None
+    size: int
+    t: float
+
+
 class TierIndex(ABC):
     """Scheduler-side view of a tier. Must be cheap: it runs on the scheduling path."""
 
@@ -192,6 +203,17 @@ class TierIndex(ABC):
         (kept, it would hold its room until a restart)."""
         return None
 
+    def reserve_warm(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
+        """A slot for an entry warm start copies up, taken only from free room (it never
+        evicts); offered at once (the worker's load waits for the bytes or reads them itself),
+        never evicted before `promotion_done`. None: no room, or the tier takes no warm entries."""
+        return None
+
+    def warm_candidates(self) -> list[WarmCandidate] | None:
+        """What this tier holds that warm start may copy up, in no order; None while not known
+        yet (or never, for a tier warm start cannot read)."""
+        return None
+
     def usage(self) -> TierUsage | None:
         """Current usage, cheap to call every step; None while unknown."""
         return None
@@ -238,6 +260,11 @@ class TierData(ABC):
         """The verified payload in host memory (a pooled buffer from `pool`,
         or a view of the tier's own memory); the caller releases it. Raises
         ChunkMiss when the entry cannot be restored."""
+
+    def header_of(self, group: int, key: ChunkKey) -> ChunkHeader | None:
+        """The header an entry's bytes carry, read from the tier (warm start knows an entry by its
+        key only); None where the tier cannot say. Checked again by `get` with the payload."""
+        return None
 
     def get_to_scatter(self, header: ChunkHeader, placement: Placement, pool: BufferPool) -> HostChunk:
         """As `get`, for a caller that copies the payload into pages it can give up (a load

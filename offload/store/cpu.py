@@ -131,6 +131,7 @@ class _Entry:
     pending: bool = False  # a promotion whose bytes have not landed: neither offered nor evicted
     gone: bool = False  # dropped while held: offered no more, removed once neither pinned nor pending
     sole: bool = False  # its write to the tier below was dropped: evicted without a copy there
+    warm: bool = False  # put here by warm start (its hits are counted)
 
 
 class CpuIndex(TierIndex):
@@ -155,6 +156,7 @@ class CpuIndex(TierIndex):
         self.evictions = [0] * len(kinds)
         self.no_room = 0
         self.skipped = 0  # stores the admission policy declined
+        self.warm_hits = 0  # loads planned from an entry warm start put here
         self.state_hits: Counter[str] = Counter()  # loads planned from a state, by its class
         self.state_evictions: Counter[tuple[str, str]] = Counter()  # (class, "cold" | "lru")
         self._count = [0] * len(kinds)  # entries per group
@@ -265,7 +267,8 @@ class CpuIndex(TierIndex):
 
     def contains(self, group: int, key: ChunkKey) -> bool:
         e = self.entries.get((group, key))
-        return e is not None and not e.pending and not e.gone
+        # A warm entry is offered before its bytes land: the worker's load waits for them, or reads them itself.
+        return e is not None and (not e.pending or e.warm) and not e.gone
 
     def reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None,
                 admission: Admission = Admission.HOT, state: StateClass | None = None) -> Placement | None:
@@ -277,8 +280,15 @@ class CpuIndex(TierIndex):
         slot = self._reserve(group, key, parent, Admission.HOT, None, pending=True)
         return None if slot is None else Placement(slot)
 
+    def reserve_warm(self, group: int, key: ChunkKey, parent: ChunkKey | None) -> Placement | None:
+        slot = self._reserve(group, key, parent, Admission.HOT, None, pending=True, evict=False)
+        if slot is None:
+            return None
+        self.entries[(group, key)].warm = True
+        return Placement(slot)
+
     def _reserve(self, group: int, key: ChunkKey, parent: ChunkKey | None, admission: Admission,
-                 state: StateClass | None, pending: bool) -> int | None:
+                 state: StateClass | None, pending: bool, evict: bool = True) -> int | None:
         node = (group, key)
         e = self.entries.get(node)
         if e is not None:
@@ -297,6 +307,9 @@ class CpuIndex(TierIndex):
         if link is not None:
             self.queue.link(link)  # from now on: the evictions below must not take what it chains from
         while (slot := self._take_slot(group)) is None:
+            if not evict:
+                self._unlink(link)
+                return None
             if not self._evict_one(admission):
                 if enters_cold(admission):
                     self.skipped += 1  # the policy's choice, not a lack of room
@@ -334,10 +347,11 @@ class CpuIndex(TierIndex):
     def pin(self, group: int, key: ChunkKey) -> Placement | None:
         node = (group, key)
         e = self.entries.get(node)
-        if e is None or e.pending or e.gone:
+        if e is None or (e.pending and not e.warm) or e.gone:
             return None
         if e.state is not None:
             self.state_hits[e.state.value] += 1
+        self.warm_hits += e.warm
         e.pins += 1
         self._touch(node, e, cold_after(e.cold))  # a hit: hot
         return Placement(e.slot)
@@ -388,7 +402,7 @@ class CpuIndex(TierIndex):
             states=tuple((c, k, self._state_bytes[c]) for c, k in sorted(self._states.items())),
             state_hits=tuple(sorted(self.state_hits.items())),
             state_evictions=tuple((c, r, k) for (c, r), k in sorted(self.state_evictions.items())),
-            skipped=self.skipped,
+            skipped=self.skipped, warm_hits=self.warm_hits,
         )
 
 

@@ -295,6 +295,26 @@ class FileStore:
         self.written(final, HEADER_LEN + n, None if header.kind is GroupKind.MAMBA else header.parent, cold)
         return True, used
 
+    def read_header(self, group: int, key: ChunkKey) -> ChunkHeader | None:
+        """The header of the chunk file of (`group`, `key`) if it is one of ours by name and by
+        its own checks; None otherwise (no quarantine here: the payload read that follows
+        verifies everything again and deals with a bad file)."""
+        path = self.file_path(group, key)
+        if not self._dir_ok(path.parent):
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                raw = os.pread(fd, HEADER_LEN, 0)
+            finally:
+                os.close(fd)
+            header = ChunkHeader.unpack(raw)
+        except (OSError, FormatError):
+            return None
+        if header.fingerprint != self.fingerprint or header.group != group or bytes(header.key) != bytes(key):
+            return None
+        return header
+
     def read_into(self, expected: ChunkHeader, out: torch.Tensor) -> None:
         """Fill `out` with the verified payload, or raise ChunkMiss.
 

@@ -28,6 +28,7 @@ from offload.store.base import (
     TierIndex,
     TierSpec,
     TierUsage,
+    WarmCandidate,
 )
 from offload.store.buffers import BufferPool, probe_o_direct
 from offload.store.cachedir.housekeeper import Housekeeper
@@ -61,6 +62,16 @@ class FsIndex(TierIndex):
 
     def usage(self) -> TierUsage | None:
         return self.housekeeper.latest() if self.housekeeper is not None else None
+
+    def warm_candidates(self) -> list[WarmCandidate] | None:
+        """From the directory's ledger index (this process's housekeeper loads it); entries stored
+        cold and not loaded since are not worth warming."""
+        found = self.store.account.chunk_entries(self.store.root.name) if self.store.account is not None else None
+        if found is None:
+            return None
+        return [WarmCandidate(c.group, bytes.fromhex(c.key), None if parent is None else parent.to_bytes(8, "big"),
+                              size, t)
+                for c, size, t, parent, cold in found if not cold and len(c.key) == 64]
 
     def close(self) -> None:
         if self.housekeeper is not None:
@@ -100,6 +111,9 @@ class FsData(TierData):
 
     def close(self) -> None:
         self.store.close()
+
+    def header_of(self, group: int, key: ChunkKey) -> ChunkHeader | None:
+        return self.store.read_header(group, key)
 
     def holds(self, header: ChunkHeader, placement: Placement) -> bool:
         return os.path.exists(self.store.file_path(header.group, header.key))  # an error: not held (write_framed)

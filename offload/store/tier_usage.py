@@ -23,3 +23,4 @@ class TierUsage:
     state_hits: tuple[tuple[str, int], ...] = ()  # (class, loads planned from such a state), cumulative
     state_evictions: tuple[tuple[str, str, int], ...] = ()  # (class, "cold" | "lru", count), cumulative
     skipped: int = 0  # stores the state policy declined, cumulative
+    warm_hits: int = 0  # loads planned from an entry warm start put here, cumulative

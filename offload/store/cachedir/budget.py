@@ -58,7 +58,15 @@ from offload.store.cachedir.ledger import (
     read_lines,
     read_snapshot,
 )
-from offload.store.cachedir.paths import LEDGER_DIR, LOG_NAME, SNAPSHOT_NAME, rel_of, valid_rel
+from offload.store.cachedir.paths import (
+    LEDGER_DIR,
+    LOG_NAME,
+    SNAPSHOT_NAME,
+    ChunkRel,
+    parse_chunk_rel,
+    rel_of,
+    valid_rel,
+)
 from offload.store.cachedir.reconcile import Reconciler, Walk
 from offload.store.cachedir.usage_index import UsageIndex
 from offload.store.options import DEFAULT_RECONCILE_S
@@ -147,6 +155,19 @@ class DirBudget:
     def by_group(self) -> dict[tuple[str, int], tuple[int, int]]:
         """(files, bytes) per (fingerprint directory name, group)."""
         return self.index.by_group()
+
+    def chunk_entries(self, fp_hex: str) -> list[tuple[ChunkRel, int, float, int | None, bool]] | None:
+        """(rel decoded, size, recency, parent key prefix, cold) of every chunk file of fingerprint
+        `fp_hex` the index holds; None until it is loaded."""
+        if not self.loaded:
+            return None
+        with self._lock:
+            out = []
+            for rel, e in self.index.entries.items():
+                c = parse_chunk_rel(rel)
+                if c is not None and c.fingerprint == fp_hex:
+                    out.append((c, e.size, e.t, e.parent, e.cold))
+            return out
 
     @property
     def walks(self) -> int:
