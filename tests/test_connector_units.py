@@ -803,6 +803,24 @@ def test_load_of_an_entry_still_queued_for_its_tier_reads_the_queued_bytes(make,
 # ---- a promotion in flight is not offered before its bytes land ------------------------------------
 
 
+def restarted(make, tmp_path, seed: int, **options) -> tuple[Engine, int, list[int], bytes]:
+    """A tier stack stores one prompt and shuts down; a new one opens the same directory (a restart,
+    host memory empty). Returns it, the prompt's hit, its tokens and the bytes stored."""
+    first = make("stack")
+    tokens = prompt(seed)
+    stored = store_prompt(first, "a", tokens, tmp_path)
+    first.worker.connector.shutdown()
+    return make("stack", **options), hit(first), tokens, stored
+
+
+def ledger_loaded(eng: Engine) -> None:
+    """Wait (up to 30 s) for the file tier's housekeeper to load the ledger index it keeps in the background."""
+    acct = eng.scheduler.connector._sched.indices[1].store.account
+    deadline = time.monotonic() + 30
+    while acct is not None and not acct.loaded and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_after_a_restart_warm_start_offers_host_memory_at_once_and_a_load_reads_what_it_needs_first(
         make, tmp_path, held_loads):
     """Warm start (on by default over files): a restart plans the files' entries into host memory at
@@ -810,18 +828,10 @@ def test_after_a_restart_warm_start_offers_host_memory_at_once_and_a_load_reads_
     copied (or being copied), reads them itself or waits, and fills host memory from the same bytes;
     the same bytes reach the KV cache, and a second request after reset restores from host memory."""
     release, entered = held_loads
-    first = make("stack")
-    HIT = hit(first)
-    tokens = prompt(13)
-    stored = store_prompt(first, "a", tokens, tmp_path)
-    first.worker.connector.shutdown()
-    eng = make("stack")
+    eng, HIT, tokens, stored = restarted(make, tmp_path, 13)
     names = [t.tier_name for t in eng.scheduler.connector.cfg.tiers]
     sched = eng.scheduler.connector._sched
-    acct = sched.indices[1].store.account
-    deadline = time.monotonic() + 30
-    while acct is not None and not acct.loaded and time.monotonic() < deadline:
-        time.sleep(0.01)  # the housekeeper loads the ledger index in the background at start
+    ledger_loaded(eng)
     b = create_request("b", tokens, max_tokens=2, block_size=BS)
     eng.scheduler.add_request(b)
     eng.step()
@@ -856,11 +866,12 @@ def test_a_corrupt_file_during_warm_start_is_counted_dropped_and_recomputed_neve
     """A file damaged on disk: warm start's read fails its CRC (quarantined, counted under
     `corrupt`), host memory drops the entry with every entry chained behind it, the request that
     was offered it recomputes (its load reads the file, which fails too), and the engine serves on."""
+    from offload.store.format import HEADER_LEN, ChunkHeader
+
     first = make("stack")
     tokens = prompt(14)
     store_prompt(first, "a", tokens, tmp_path)
     first.worker.connector.shutdown()
-    from offload.store.format import HEADER_LEN, ChunkHeader
 
     files = [f for f in tmp_path.glob(f"cache/{LAYOUT_DIR}/*/g*/*/*.kv")
              if ChunkHeader.unpack(f.read_bytes()[:HEADER_LEN]).token_start == 0]
@@ -872,10 +883,7 @@ def test_a_corrupt_file_during_warm_start_is_counted_dropped_and_recomputed_neve
     eng = make("stack")
     sched = eng.scheduler.connector._sched
     warm = eng.worker.connector._worker.warm
-    acct = sched.indices[1].store.account
-    deadline = time.monotonic() + 30
-    while acct is not None and not acct.loaded and time.monotonic() < deadline:
-        time.sleep(0.01)
+    ledger_loaded(eng)
     eng.scheduler.add_request(create_request("b", tokens, max_tokens=2, block_size=BS))
     eng.run_to_completion()
     deadline = time.monotonic() + 30
@@ -904,14 +912,9 @@ def test_an_entry_a_load_is_promoting_is_offered_only_once_its_bytes_landed(make
     under concurrent load). It reads the files instead; once the first load
     finished, a third request restores from host memory."""
     release, entered = held_loads
-    first = make("stack")
-    HIT = hit(first)
-    tokens = prompt(12)
-    stored = store_prompt(first, "a", tokens, tmp_path)
-    first.worker.connector.shutdown()
     # A restart on the same directory: host memory empty, the files there (warm start off: it would
-    # offer host memory at once, the test below).
-    eng = make("stack", warm_start=False)
+    # offer host memory at once, the test above).
+    eng, HIT, tokens, stored = restarted(make, tmp_path, 12, warm_start=False)
     names = [t.tier_name for t in eng.scheduler.connector.cfg.tiers]
 
     b = create_request("b", tokens, max_tokens=2, block_size=BS)
