@@ -36,6 +36,7 @@ bench:  ## the benchmarks at full size (hours with peer_race on 2 cores; best on
 	$(PY) -m bench.lookup --dir $(or $(BENCH_DIR),$(CURDIR)/.cache)
 	$(PY) -m bench.room_check
 	$(PY) -m bench.e2e --cache-dir $(or $(BENCH_DIR),$(CURDIR)/.cache)
+	$(PY) -m bench.warm_start --dir $(or $(BENCH_DIR),$(CURDIR)/.cache)
 	$(PY) -m bench.peer_race --dir $(or $(BENCH_DIR),$(CURDIR)/.cache) $(RACE_ARGS)
 	$(PY) -m bench.peer_race --multi-turn --dir $(or $(BENCH_DIR),$(CURDIR)/.cache) $(MULTI_TURN_ARGS)
 	$(PY) -m bench.multi_turn_client --dir $(or $(BENCH_DIR),$(CURDIR)/.cache) $(MT_CLIENT_ARGS)

@@ -330,6 +330,20 @@ def test_bench_prefill_flags_small(prefetched) -> None:
     assert doc["unit_first_tokens_equal_plan"] is True
 
 
+@pytest.mark.e2e
+@pytest.mark.long  # five engine starts; `make bench` runs it at size
+def test_bench_warm_start_small(models_dir, tmp_path: Path) -> None:
+    from bench import warm_start
+
+    doc = warm_start.run(str(models_dir / "qwen3-next-tiny"), warm_start.FIRST, 1, tmp_path)
+    on, off = doc["on"], doc["off"]
+    assert on["share_from_cpu"] == 1.0 and off["share_from_cpu"] == 0.0 and on["from_cpu"] > 0
+    assert on["identical_to_first_pass"] == off["identical_to_first_pass"] == warm_start.FIRST
+    assert on["warm_failures"] == 0 and on["warm_entries"] == on["warm_planned_entries"] > 0
+    assert off["warm_planned_entries"] == 0
+    assert len(doc["startup_to_first_token_s"]["on"]["runs"]) == 1
+
+
 @pytest.mark.parametrize("name", ["peer_race_hybrid", "peer_race_hybrid_load", "peer_race_llama8b", "peer_race_llama",
                                   "peer_race_llama_aligned", "peer_race_hybrid_unit"])
 def test_peer_race_summary_is_recomputed_from_the_committed_rounds(name: str, capsys) -> None:
