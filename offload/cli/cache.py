@@ -41,7 +41,7 @@ from offload.store.cachedir.paths import (
     key_prefix_hex,
     parse_group_dir,
 )
-from offload.store.format import HEADER_LEN, MAC_OFFSET, NO_KEY, ChunkHeader, FormatError
+from offload.store.format import HEADER_LEN, MAC_OFFSET, NO_KEY, ChunkHeader, FormatError, header_of
 
 LAYOUT_VERSION_DIR = LAYOUT_DIR
 NO_PARENT = bytes(8)
@@ -281,10 +281,10 @@ def _check(fp: FpDir, cf: ChunkFile, verify: bool, kinds: dict[int, GroupKind],
     try:
         with _open_noatime(cf.path) as fh:
             raw = fh.read(HEADER_LEN)
-            h = ChunkHeader.unpack(raw)
+            h = header_of(raw, cf.size)
             cf.header = h
-            if cf.size != HEADER_LEN + h.payload_len:
-                raise FormatError(f"size {cf.size} bytes, header says {HEADER_LEN + h.payload_len} (truncated?)")
+            if (problem := h.size_problem(cf.size)) is not None:
+                raise FormatError(problem)
             hasher = None
             if verify and keyring is not None:
                 key = keyring.key(h.key_id)

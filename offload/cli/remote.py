@@ -26,7 +26,7 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from offload.cli.cache import ChunkFile, FpDir
-from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
+from offload.store.format import HEADER_LEN, FormatError, header_of
 
 SCHEMES = ("redis", "rediss", "unix")  # what LMCache 0.5.6's redis adapter accepts
 SCHEME_RE = re.compile(rb"^kvoffload-k(\d+)@")  # any key scheme of ours, `KEY_SCHEME` or another
@@ -178,17 +178,15 @@ def _read_batch(client, bases: list[bytes], metas: set[bytes], rep: Remote, by_f
             rep.vanished += 1
             continue
         try:
-            if len(raw) < HEADER_LEN:
-                raise FormatError(f"{size} bytes: shorter than the {HEADER_LEN}-byte header")
-            h = ChunkHeader.unpack(raw)
+            h = header_of(raw, size)
         except FormatError as e:
             rep.unreadable.append(RemoteObject(key, size, f"header: {e}"))
             continue
         problem = None
         if redis_key(object_name(bytes(h.fingerprint), h.group, bytes(h.key))).encode() != b:
             problem = "header names another object than the key it is stored under"
-        elif size != HEADER_LEN + h.payload_len:
-            problem = f"size {size} bytes, header says {HEADER_LEN + h.payload_len} (truncated?)"
+        elif (size_problem := h.size_problem(size)) is not None:
+            problem = size_problem
         elif md is None:
             problem = ("no LMCache metadata record: LMCache cannot see it (a write in flight, "
                        "or Redis evicted the record)")

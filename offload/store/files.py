@@ -54,7 +54,7 @@ from offload.store.cachedir.paths import (
     rel_of,
     top_dir,
 )
-from offload.store.format import HEADER_LEN, ChunkHeader, FormatError
+from offload.store.format import HEADER_LEN, ChunkHeader, FormatError, header_of
 from offload.store.options import (
     DEFAULT_ORPHAN_AGE_S,
     DEFAULT_RECONCILE_S,
@@ -305,13 +305,14 @@ class FileStore:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
-                raw = os.pread(fd, HEADER_LEN, 0)
+                raw, size = os.pread(fd, HEADER_LEN, 0), os.fstat(fd).st_size
             finally:
                 os.close(fd)
-            header = ChunkHeader.unpack(raw)
+            header = header_of(raw, size)
         except (OSError, FormatError):
             return None
-        if header.fingerprint != self.fingerprint or header.group != group or bytes(header.key) != bytes(key):
+        if (header.fingerprint != self.fingerprint or header.group != group or bytes(header.key) != bytes(key)
+                or header.size_problem(size) is not None):
             return None
         return header
 

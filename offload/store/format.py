@@ -46,6 +46,15 @@ class FormatError(ValueError):
     """A file that is not exactly the chunk that was asked for."""
 
 
+def header_of(raw: bytes, size: int) -> ChunkHeader:
+    """The header of a chunk file or object of `size` bytes from its first bytes `raw`: the one
+    reader of a header that the stores and the tools share. FormatError: shorter than a header, or
+    not a header of ours; whether `size` fits it is `ChunkHeader.size_problem`."""
+    if len(raw) < HEADER_LEN:
+        raise FormatError(f"{size} bytes: shorter than the {HEADER_LEN}-byte header")
+    return ChunkHeader.unpack(raw[:HEADER_LEN])
+
+
 @dataclass(frozen=True)
 class ChunkHeader:
     fingerprint: Fingerprint
@@ -75,6 +84,12 @@ class ChunkHeader:
     @property
     def payload_len(self) -> int:
         return self.num_pages * self.page_bytes
+
+    def size_problem(self, size: int) -> str | None:
+        """Why a file or object of `size` bytes cannot be this header's entry (truncated or
+        extended), or None."""
+        want = file_bytes(self.payload_len)
+        return None if size == want else f"size {size} bytes, header says {want} (truncated?)"
 
     def pack(self) -> bytes:
         from offload.copier import crc32c
