@@ -65,8 +65,10 @@ def run(model: str, n: int, reps: int, work: Path) -> dict:
 
     plan = plan_for_model(model)
     chunk = plan.hybrid_chunk_size
-    args = {"enable_prefix_caching": True, "enforce_eager": True, "max_model_len": 8192, **plan.engine_kwargs}
-    vocab = int(json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 1024))
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    args = {"enable_prefix_caching": True, "enforce_eager": True,
+            "max_model_len": min(8192, int(cfg.get("max_position_embeddings", 8192))), **plan.engine_kwargs}
+    vocab = int(cfg.get("vocab_size", 1024))
     prompts = prompt_set(chunk, n, vocab)
     kick = prompts[0][: chunk // 2]
     every, kick_i = list(range(n)), n

@@ -337,7 +337,9 @@ def test_bench_warm_start_small(models_dir, tmp_path: Path) -> None:
 
     doc = warm_start.run(str(models_dir / "qwen3-next-tiny"), warm_start.FIRST, 1, tmp_path)
     on, off = doc["on"], doc["off"]
-    assert on["share_from_cpu"] == 1.0 and off["share_from_cpu"] == 0.0 and on["from_cpu"] > 0
+    # The states stored cold (branch points inside the shared prefixes) are no candidates: the files
+    # restore those few, and promotion serves the batch's later requests without warm start too.
+    assert on["share_from_cpu"] >= 0.9 and on["share_from_cpu"] > off["share_from_cpu"]
     assert on["identical_to_first_pass"] == off["identical_to_first_pass"] == warm_start.FIRST
     assert on["warm_failures"] == 0 and on["warm_entries"] == on["warm_planned_entries"] > 0
     assert off["warm_planned_entries"] == 0
