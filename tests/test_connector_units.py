@@ -814,10 +814,11 @@ def restarted(make, tmp_path, seed: int, **options) -> tuple[Engine, int, list[i
 
 
 def ledger_loaded(eng: Engine) -> None:
-    """Wait (up to 30 s) for the file tier's housekeeper to load the ledger index it keeps in the background."""
-    acct = eng.scheduler.connector._sched.indices[1].store.account
+    """Wait (up to 30 s) for the file tier's housekeeper to load the ledger index and gather warm
+    start's candidates from it, in the background, as it does at start."""
+    fs = eng.scheduler.connector._sched.indices[1]
     deadline = time.monotonic() + 30
-    while acct is not None and not acct.loaded and time.monotonic() < deadline:
+    while fs.warm_candidates() is None and time.monotonic() < deadline:
         time.sleep(0.01)
 
 

@@ -2,8 +2,9 @@
 copy the most recently used entries of the files into host memory in the
 background, before a request asks for them.
 
-Scheduler half (`WarmPlanner`): once the file tier's ledger index is loaded
-(its housekeeper loads it at start-up), choose entries most recent first,
+Scheduler half (`WarmPlanner`): once the file tier's housekeeper has loaded
+the ledger index and gathered the candidates from it (on its own thread, at
+start-up: a pass over every entry the scheduling path must not make), choose entries most recent first,
 prefix-closed (an attention entry only with the one it chains from, a
 recurrent state only with its chunk's attention entry and that one's chain;
 files stored cold and never read are not candidates: the worth model's
@@ -105,6 +106,7 @@ class WarmPlanner:
         self.recorder = recorder
         self.planned = False
         self._pending: list[WarmEntry] = []
+        indices[source].warm_candidates()  # asks for them now: the tier gathers them in the background
         recorder.declare("kvoffload_warm_hits")
 
     def poll(self) -> None:

@@ -66,7 +66,12 @@ class FsIndex(TierIndex):
     def warm_candidates(self) -> list[WarmCandidate] | None:
         """From the directory's ledger index (this process's housekeeper loads it); entries stored
         cold and not loaded since are not worth warming."""
-        found = self.store.account.chunk_entries(self.store.root.name) if self.store.account is not None else None
+        if self.housekeeper is not None:  # gathered on its thread, off the scheduling path
+            found = self.housekeeper.chunk_entries()
+        elif self.store.account is not None:
+            found = self.store.account.chunk_entries(self.store.root.name)
+        else:
+            found = None
         if found is None:
             return None
         return [WarmCandidate(c.group, bytes.fromhex(c.key), None if parent is None else parent.to_bytes(8, "big"),

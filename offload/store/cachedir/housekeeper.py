@@ -41,6 +41,10 @@ class Housekeeper:
         self.account = budget if budget is not None else DirBudget(root.parent)
         self.drive = drive
         self._latest: TierUsage | None = None
+        # This fingerprint's chunk entries, gathered once on this thread when asked (warm start's
+        # candidates: a pass over the whole index, which the scheduling path must not make).
+        self._want_entries = False
+        self._entries: list | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._exit_lock = threading.Lock()
@@ -82,6 +86,12 @@ class Housekeeper:
     def latest(self) -> TierUsage | None:
         return self._latest
 
+    def chunk_entries(self) -> list | None:
+        """`DirBudget.chunk_entries` of this fingerprint, once a pass has gathered them (None until
+        then: the first call asks for them)."""
+        self._want_entries = True
+        return self._entries
+
     def pass_once(self) -> TierUsage | None:
         """Tail the ledgers (loading the index first if needed), do what is
         due, enforce the budget, and measure this fingerprint's groups."""
@@ -91,6 +101,8 @@ class Housekeeper:
         if self.drive or self._thread is None:
             acct.enforce()
             acct.maintain(self._stop)
+        if self._want_entries and self._entries is None:
+            self._entries = acct.chunk_entries(self.root.name)
         figures = acct.by_group
         fp = self.root.name
         per = [figures.get((fp, g), (0, 0)) for g in range(self.num_groups)]
