@@ -71,6 +71,7 @@ class LoadPipeline:
         # Requests whose load is in flight or finished and not yet reported, by id.
         self.in_flight: dict[str, Future[MissReason | None]] = {}
         self.busy = 0  # files being read now (warm start waits while any is)
+        self._busy_lock = threading.Lock()  # the load threads of every request change it
         self.warm: WarmReader | None = None  # set by the worker: entries warm start holds or will hold
 
     def start(self, job: LoadJob) -> None:
@@ -107,13 +108,14 @@ class LoadPipeline:
         with run.lock:
             if run.t0 is None:
                 run.t0 = time.perf_counter()
+        with self._busy_lock:
             self.busy += 1
         try:
             failed = self._read_and_scatter(run, i)
         except Exception as e:  # a load must never take the engine down
             logger.exception("kvoffload: load of request %s failed (%s)", run.job.req_id, type(e).__name__)
             failed = (run.job.entries[i].source.tier, MissReason.ERROR)
-        with run.lock:
+        with self._busy_lock:
             self.busy -= 1
         with run.lock:
             if failed is not None:
