@@ -97,6 +97,12 @@ def test_write_file_direct_unaligned_falls_back(tmp_path: Path) -> None:
     used = copier.write_file_direct(tmp_path / "t2", tmp_path / "f2", b, 5000, fsync=False)
     assert used == probe_o_direct(tmp_path)
     assert (tmp_path / "f2").read_bytes() == bytes(buf[:5000].tolist())
+    # The aligned part goes O_DIRECT, a last partial block buffered: every split gives the same bytes.
+    for n in (3000, 4096, 8192 - 1):
+        c = pool.get(n)
+        c[:n].copy_(raw[:n])
+        copier.write_file_direct(tmp_path / f"t{n}", tmp_path / f"f{n}", c, n, fsync=True)
+        assert (tmp_path / f"f{n}").read_bytes() == bytes(raw[:n].tolist())
     with pytest.raises(FileExistsError):  # O_EXCL on the tmp name, as write_file
         (tmp_path / "t3").write_bytes(b"x")
         copier.write_file_direct(tmp_path / "t3", tmp_path / "f3", b, 5000, fsync=False)
