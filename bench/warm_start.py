@@ -80,8 +80,8 @@ def run(model: str, n: int, reps: int, work: Path) -> dict:
     doc: dict = {"model": Path(model).name, "chunk": chunk,
                  "prompts": n, "measured": FIRST, "pause_s": PAUSE_S, "engine_args": args,
                  "steady": {"median_ttft_s": statistics.median(steady[i].ttft_s for i in range(FIRST)),
-                            "from_cpu": from_tier(steady.values(), "cpu"),
-                            "from_fs": from_tier(steady.values(), "fs")}}
+                            "from_cpu": from_tier([steady[i] for i in range(FIRST)], "cpu"),
+                            "from_fs": from_tier([steady[i] for i in range(FIRST)], "fs")}}
     for warm in (True, False):
         r = run_engine(RunSpec(model, [*prompts, kick], kv_config(cache, warm), MAX_TOKENS, args,
                                order=[[kick_i], every[:FIRST]], pause_s=PAUSE_S))

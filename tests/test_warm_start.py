@@ -90,7 +90,9 @@ def test_a_file_tier_offers_its_ledger_and_the_plan_fills_free_host_memory(tmp_p
     acct.ensure_loaded()
     cands = fs.warm_candidates()
     assert sorted((c.group, int.from_bytes(c.key, "little")) for c in cands) == \
-        sorted([(G_ATTN, i) for i in range(1, 4)] + [(G_STATE, i) for i in range(1, 4)]), "a cold state is no candidate"
+        sorted([(G_ATTN, i) for i in range(1, 4)] + [(G_STATE, i) for i in (1, 2, 3, 9)])
+    cold = next(c for c in cands if c.key == k(9))
+    assert all(cold.t < c.t for c in cands if c is not cold), "the newest entry, stored cold, ranks below every other"
     assert {c.parent for c in cands if c.group == G_ATTN} == {None, k(1)[:8], k(2)[:8]}
     _, cpu = hybrid(4)  # room for 4 of the 6 entries at most; the share allows half of it
     planner = WarmPlanner([cpu, fs], [MAMBA, FULL], 1, 1.0, 1, Recorder("cpu"))

@@ -7,8 +7,8 @@ the ledger index and gathered the candidates from it (on its own thread, at
 start-up: a pass over every entry the scheduling path must not make), choose entries most recent first,
 prefix-closed (an attention entry only with the one it chains from, a
 recurrent state only with its chunk's attention entry and that one's chain;
-files stored cold and never read are not candidates: the worth model's
-`is_cold`), within `warm_start_share` of host memory and only in its free room
+files stored cold and not read from the files since come last: the worth
+model's eviction order), within `warm_start_share` of host memory and only in its free room
 (it never evicts); reserve each there and hand the list to the worker with
 the next step. Each is offered at once: a load planned from its slot before
 the bytes land waits for them or reads them itself. The worker's report

@@ -141,7 +141,8 @@ class HostChunk:
 
 class WarmCandidate(NamedTuple):
     """An entry a tier holds, as warm start ranks it: `parent` is the first 8 bytes of the key it
-    chains from (None: a chain's first entry, or a state), `t` its recency (larger is more recent)."""
+    chains from (None: a chain's first entry, or a state), `t` its place in the tier's eviction
+    order (the worth model's rank: larger is kept longer)."""
 
     group: int
     key: bytes

@@ -17,7 +17,7 @@ from concurrent.futures import wait
 import torch
 
 from offload.keys import ChunkKey
-from offload.planner import Admission, StateClass, enters_cold
+from offload.planner import Admission, StateClass, enters_cold, time_rank
 from offload.store.auth import open_keyring
 from offload.store.base import (
     Backed,
@@ -64,8 +64,10 @@ class FsIndex(TierIndex):
         return self.housekeeper.latest() if self.housekeeper is not None else None
 
     def warm_candidates(self) -> list[WarmCandidate] | None:
-        """From the directory's ledger index (this process's housekeeper loads it); entries stored
-        cold and not loaded since are not worth warming."""
+        """From the directory's ledger index (this process's housekeeper loads it), ranked by the
+        worth model's eviction order: entries stored cold and not loaded from the files since come
+        after every other (the ledger does not see a read from host memory, so a cold entry that
+        host memory served is still cold here: warmed last, where room is left)."""
         if self.housekeeper is not None:  # gathered on its thread, off the scheduling path
             found = self.housekeeper.chunk_entries()
         elif self.store.account is not None:
@@ -75,8 +77,8 @@ class FsIndex(TierIndex):
         if found is None:
             return None
         return [WarmCandidate(c.group, bytes.fromhex(c.key), None if parent is None else parent.to_bytes(8, "big"),
-                              size, t)
-                for c, size, t, parent, cold in found if not cold and len(c.key) == 64]
+                              size, time_rank(t, cold))
+                for c, size, t, parent, cold in found if len(c.key) == 64]
 
     def close(self) -> None:
         if self.housekeeper is not None:
