@@ -453,6 +453,43 @@ void run_copies(const std::vector<Copy>& copies, int num_threads, bool allow_str
   for (auto& t : threads) t.join();
 }
 
+// Copy `n` bytes and fold them into the raw CRC register `raw` in one pass: each piece is
+// CRC'd from cache right after it is copied, instead of a second pass that reads it back from
+// memory. Large copies stream their stores (see stream_copy_avx2); the caller issues the
+// store fence (`copy_crc_fence`) once after its last piece.
+constexpr size_t kFusedPiece = size_t(16) << 10;
+
+uint32_t copy_crc_raw(uint8_t* dst, const uint8_t* src, size_t n, uint32_t raw, bool stream) {
+  for (size_t off = 0; off < n; off += kFusedPiece) {
+    const size_t k = std::min(kFusedPiece, n - off);
+#if defined(__x86_64__)
+    if (stream && k >= kStreamSeg)
+      stream_copy_avx2(dst + off, src + off, k);
+    else
+#endif
+      std::memcpy(dst + off, src + off, k);
+    raw = crc_raw(raw, src + off, k);  // the piece just read: from L1/L2
+  }
+  return raw;
+}
+
+bool copy_crc_streams(size_t total) {
+#if defined(__x86_64__)
+  return total >= kStreamMin && have_avx2();
+#else
+  (void)total;
+  return false;
+#endif
+}
+
+void copy_crc_fence(bool stream) {
+#if defined(__x86_64__)
+  if (stream) _mm_sfence();
+#else
+  (void)stream;
+#endif
+}
+
 class PageTable {
  public:
   using LayerSpec = kvoffload::LayerSpec;
@@ -575,28 +612,10 @@ class PageTable {
       run_copies(copies, dup ? 1 : num_threads_);
       return;
     }
-    bool stream = false;
-#if defined(__x86_64__)
-    stream = src_bytes >= kStreamMin && have_avx2();
-#endif
-    for (const Copy& c : copies) {
-      for (size_t off = 0; off < c.len; off += kFusedPiece) {
-        const size_t n = std::min(kFusedPiece, c.len - off);
-#if defined(__x86_64__)
-        if (stream && n >= kStreamSeg)
-          stream_copy_avx2(c.dst + off, c.src + off, n);
-        else
-#endif
-          std::memcpy(c.dst + off, c.src + off, n);
-        *crc = crc_raw(*crc, c.src + off, n);  // the piece just read: from L1/L2
-      }
-    }
-#if defined(__x86_64__)
-    if (stream) _mm_sfence();
-#endif
+    const bool stream = copy_crc_streams(src_bytes);
+    for (const Copy& c : copies) *crc = copy_crc_raw(c.dst, c.src, c.len, *crc, stream);
+    copy_crc_fence(stream);
   }
-
-  static constexpr size_t kFusedPiece = size_t(16) << 10;
 
   std::vector<Layer> layers_;
   int64_t page_bytes_ = 0;
@@ -1134,6 +1153,20 @@ PYBIND11_MODULE(_copier, m) {
       py::arg("dst_ptr"), py::arg("src_ptr"), py::arg("nbytes"), py::arg("num_threads") = 1,
       "Plain contiguous memcpy (glibc's, no streaming stores of ours), split across threads like "
       "PageTable copies (a benchmark baseline).");
+  m.def(
+      "copy_crc",
+      [](uint64_t dst, uint64_t src, int64_t nbytes, int64_t seed) {
+        if (nbytes < 0) throw py::value_error("nbytes must be >= 0");
+        uint32_t s = check_seed(seed);
+        py::gil_scoped_release nogil;
+        const bool stream = copy_crc_streams(static_cast<size_t>(nbytes));
+        const uint32_t raw = copy_crc_raw(reinterpret_cast<uint8_t*>(dst), reinterpret_cast<const uint8_t*>(src),
+                                          static_cast<size_t>(nbytes), ~s, stream);
+        copy_crc_fence(stream);
+        return ~raw;
+      },
+      py::arg("dst_ptr"), py::arg("src_ptr"), py::arg("nbytes"), py::arg("seed") = 0,
+      "Copy nbytes from src to dst and return their CRC-32C (seeded), taken in the copy's pass.");
   m.def("read_file", &read_file, py::arg("path"), py::arg("header_len"),
         py::arg("payload_ptr"), py::arg("payload_len"), py::arg("with_crc") = true);
   m.def("read_file_direct", &read_file_direct, py::arg("path"), py::arg("header_len"), py::arg("buf_ptr"),

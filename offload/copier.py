@@ -316,6 +316,16 @@ def write_file_direct(tmp_path: str | os.PathLike, final_path: str | os.PathLike
                                      file_len, buf_len, bool(fsync), mode)
 
 
+def copy_crc(dst: torch.Tensor, src: torch.Tensor, seed: int = 0) -> int:
+    """Copy ``src`` into ``dst`` (contiguous uint8 CPU tensors of one size) and return the
+    CRC-32C of the bytes, taken piece by piece in the copy's own pass (one read of ``src``)."""
+    _check_cpu_u8(dst, "dst")
+    _check_cpu_u8(src, "src")
+    if dst.numel() != src.numel():
+        raise ValueError(f"dst has {dst.numel()} bytes, src {src.numel()}")
+    return _copier.copy_crc(dst.data_ptr(), src.data_ptr(), src.numel(), seed)
+
+
 def memcpy(dst: torch.Tensor, src: torch.Tensor, num_threads: int = 1) -> None:
     """Contiguous copy of ``src`` into ``dst`` (same byte count), split across
     threads as PageTable copies are: the baseline the CPU-tier benchmark uses."""

@@ -429,3 +429,15 @@ def test_scatter_with_crc_returns_the_buffers_crc_and_moves_the_same_bytes(pairs
     assert pages(k2, m2).scatter(buf, 5, pairs) is None
     assert torch.equal(k1, k2) and torch.equal(m1, m2)
     assert not torch.equal(k1, kv), "the scatter wrote nothing"
+
+
+@pytest.mark.parametrize("n", [0, 1, 100, 16 << 10, (16 << 10) + 7, (1 << 20) + 13])
+def test_copy_crc_copies_and_checksums_in_one_pass(n: int) -> None:
+    """The write-through's copy out of host memory: the bytes, and their CRC as crc32c gives it,
+    on either side of the piece size and of the streaming-store threshold."""
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    assert copier.copy_crc(dst, src, seed=12345) == copier.crc32c(src, 12345)
+    assert torch.equal(dst, src)
+    with pytest.raises(ValueError):
+        copier.copy_crc(torch.empty(n + 1, dtype=torch.uint8), src)

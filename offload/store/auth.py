@@ -146,14 +146,15 @@ def _as_buffer(payload):
     return payload.numpy() if numpy is not None else payload
 
 
-def _crc_and_feed(payload, mac: Mac) -> int:
-    """CRC-32C of `payload`, and `mac` fed the same bytes: two calls that each
-    run without the GIL over the whole payload (a walk in cache-sized blocks
-    cost as much CPU with GMAC, and held the GIL once per block, which slowed
-    every other store thread)."""
+def _crc_and_feed(payload, mac: Mac, crc: int | None = None) -> int:
+    """CRC-32C of `payload` (`crc` where the caller's copy took it), and `mac` fed the same
+    bytes: two calls that each run without the GIL over the whole payload (a walk in cache-sized
+    blocks cost as much CPU with GMAC, and held the GIL once per block, which slowed every other
+    store thread)."""
     from offload.copier import crc32c
 
-    crc = crc32c(payload)
+    if crc is None:
+        crc = crc32c(payload)
     mac.update(_as_buffer(payload))
     return crc
 
@@ -194,10 +195,11 @@ class Keyring:
     def key(self, key_id: bytes) -> _Key | None:
         return self._by_id.get(key_id)
 
-    def sign(self, header: ChunkHeader, payload) -> ChunkHeader:
-        """`header` with the payload's CRC, this deployment's key id and the MAC (one pass over the payload)."""
+    def sign(self, header: ChunkHeader, payload, crc: int | None = None) -> ChunkHeader:
+        """`header` with the payload's CRC (`crc` where the caller has it), this deployment's key
+        id and the MAC (one pass over the payload)."""
         mac = self.current.start()
-        crc = _crc_and_feed(payload, mac)
+        crc = _crc_and_feed(payload, mac, crc)
         h = ChunkHeader(**{**header.__dict__, "payload_crc": crc, "key_id": self.current.key_id,
                            "mac": bytes(MAC_LEN)})
         mac.update(h.pack()[:MAC_OFFSET])
@@ -211,15 +213,16 @@ class Keyring:
         raise TypeError("a deployment key is not picklable")
 
 
-def frame(header: ChunkHeader, payload, keyring: Keyring | None) -> bytes:
-    """The header bytes a writer puts in front of `payload`: its CRC-32C and,
-    with a keyring, the current key's id and MAC. Without one, `header`'s own
-    `key_id` and `mac` are kept (zeros unless a caller set them)."""
+def frame(header: ChunkHeader, payload, keyring: Keyring | None, crc: int | None = None) -> bytes:
+    """The header bytes a writer puts in front of `payload`: its CRC-32C (`crc`
+    where the copy that filled the buffer took it) and, with a keyring, the
+    current key's id and MAC. Without one, `header`'s own `key_id` and `mac`
+    are kept (zeros unless a caller set them)."""
     if keyring is not None:
-        return keyring.sign(header, payload).pack()
+        return keyring.sign(header, payload, crc).pack()
     from offload.copier import crc32c
 
-    return ChunkHeader(**{**header.__dict__, "payload_crc": crc32c(payload)}).pack()
+    return ChunkHeader(**{**header.__dict__, "payload_crc": crc32c(payload) if crc is None else crc}).pack()
 
 
 def check_entry(raw: bytes, crc: int | None, expected: ChunkHeader, payload,

@@ -105,6 +105,9 @@ class HostChunk:
     # to quarantine) and gives the miss to report.
     crc_due: int | None = None
     corrupt: Callable[[], ChunkMiss] | None = field(default=None, repr=False, compare=False)
+    # The payload's CRC-32C where the copy that filled the buffer took it in its pass (a writer
+    # then frames it without reading the bytes again); None: the writer computes it.
+    crc: int | None = None
     # Holders of one chunk release it on different threads (forward path, store threads).
     _refs_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
