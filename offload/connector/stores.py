@@ -47,7 +47,6 @@ from vllm.logger import init_logger
 from offload.config import OffloadConfig
 from offload.connector.metadata import FileRef, StoreJob, TierSlot
 from offload.connector.registration import KVCache
-from offload.copier import copy_crc
 from offload.metrics import Recorder
 from offload.planner import GroupKind
 from offload.store.base import HostChunk, ParentGone, Placement
@@ -320,7 +319,7 @@ class StorePath:
         """Frame the host tier's copy (a memcpy off the forward path) and
         write it to the tiers below."""
         chunk = HostChunk.pooled(self.kv.buffers, nbytes)
-        chunk.crc = copy_crc(chunk.payload, slot)
+        chunk.fill(slot)
         self._write(header, chunk, targets, nbytes, t0)
 
     def _write(self, header: ChunkHeader, chunk: HostChunk, targets: list[TierSlot], nbytes: int,

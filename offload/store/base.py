@@ -28,7 +28,7 @@ from typing import ClassVar, Generic, NamedTuple, TypeVar
 
 import torch
 
-from offload.copier import crc32c
+from offload.copier import copy_crc, crc32c
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import Admission, HybridOffloadPlanner, StateClass
 from offload.store.buffers import BufferPool
@@ -115,6 +115,11 @@ class HostChunk:
     def pooled(cls, pool: BufferPool, payload_len: int) -> HostChunk:
         buf = pool.get(HEADER_LEN + payload_len)
         return cls(buf[HEADER_LEN:HEADER_LEN + payload_len], buf, pool)
+
+    def fill(self, src: torch.Tensor) -> None:
+        """Copy `src` (the payload's size) into the payload and keep its CRC-32C, taken in the
+        copy's own pass: a writer then frames it without reading the bytes back from memory."""
+        self.crc = copy_crc(self.payload, src)
 
     def check(self, crc: int | None = None) -> None:
         """Settle a CRC left to the caller (`crc_due`; nothing to do without one): `crc` is the
