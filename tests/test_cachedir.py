@@ -191,3 +191,27 @@ def test_attached_cache_dirs_follow_their_anchor_and_not_a_pickled_copy():
     dirs.engines.acquire("k", object)
     copy = pickle.loads(pickle.dumps(dirs))
     assert isinstance(copy, CacheDirs) and "k" not in copy.engines, "another process starts empty"
+
+
+def test_a_file_pinned_for_a_load_outlives_the_eviction_that_would_have_taken_it(tmp_path):
+    """Between a lookup and the read of a hit, an eviction (a store making room, another
+    instance's pass) must not take the files the load needs: the oldest leaves of the directory,
+    the first an evictor takes, are what a restarted engine's hits read. Pinning them for the
+    load moves their recency on, as the read will."""
+    from ledger_instance import DEPTH, key
+    from offload.store.fs import FsIndex
+
+    path = str(tmp_path)
+    top = top_dir(tmp_path)
+    store = FileStore.open(path, FP, options=FsOptions(path=path), dirs=CacheDirs())
+    write_prompt(store, "old", 0)
+    time.sleep(0.02)
+    write_prompt(store, "new", 0)
+    leaf = store.file_path(ATTN, key("old", 0, DEPTH - 1))
+    time.sleep(0.02)
+    assert FsIndex(store).pin(ATTN, key("old", 0, DEPTH - 1)) is not None
+    store.account.max_bytes = true_bytes(top) * 3 // 4  # the oldest leaves go first
+    store.account.enforce()
+    assert store.account.evicted_files > 0, "the budget forced an eviction"
+    assert leaf.exists(), "the pinned file was kept"
+    store.close()

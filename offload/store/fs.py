@@ -92,6 +92,13 @@ class FsIndex(TierIndex):
         return Placement(cold=enters_cold(admission))
 
     def pin(self, group: int, key: ChunkKey) -> Placement | None:
+        """A planned load will read the file: its recency moves on now, as the read's own would
+        (`FileStore` touches what it loaded), so no evictor, this process's or another
+        instance's, takes it between the lookup and the read."""
+        try:
+            os.utime(self.store.file_path(group, key))
+        except OSError:
+            pass  # not there (yet: a write still queued serves the load) or a read-only mount: the read decides
         return Placement()
 
 
