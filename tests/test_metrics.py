@@ -162,6 +162,39 @@ def test_hit_rate_since_start_and_throughput_gauges():
     assert sample(reg, "kvoffload_hit_rate", tier="cpu") == pytest.approx(0.5)
 
 
+def test_state_metrics_carry_class_and_reason_through_the_exposition():
+    """`kvoffload_state_hits_total` by class and `kvoffload_state_evictions_total` by class and reason,
+    as a scrape reads them (prometheus_client's parser): the series the scheduler declares exist at 0,
+    the counted ones hold their counts, and a cold eviction exists only for a class a policy admits
+    cold."""
+    from harness.client import parse_metrics
+    from offload.planner.worth import EvictionReason, StateClass, cold_classes
+
+    rec = Recorder("cpu")
+    for cls in StateClass:  # as the scheduler declares them
+        rec.declare("kvoffload_state_hits", state_class=cls.value)
+        rec.declare("kvoffload_state_evictions", state_class=cls.value, reason=EvictionReason.LRU.value)
+    for cls in cold_classes():
+        rec.declare("kvoffload_state_evictions", state_class=cls.value, reason=EvictionReason.COLD.value)
+    rec.inc("kvoffload_state_hits", 3, state_class="branch")
+    rec.inc("kvoffload_state_evictions", 6, state_class="internal", reason="cold")
+    rec.inc("kvoffload_state_evictions", 3, state_class="tail", reason="lru")
+    metrics, registry = prom()
+    metrics.observe(json.loads(json.dumps(rec.take().to_dict())))
+    samples = parse_metrics(generate_latest(registry).decode())
+
+    def series(name: str, *labels: str) -> dict[tuple[str, ...], float]:
+        return {tuple(lab[x] for x in labels): v for n, lab, v in samples
+                if n == name and lab.get("tier") == "cpu" and lab.get("engine") == "0"}
+
+    assert series("kvoffload_state_hits_total", "state_class") == {
+        (c.value,): 3.0 if c is StateClass.BRANCH else 0.0 for c in StateClass}
+    evictions = series("kvoffload_state_evictions_total", "state_class", "reason")
+    assert {k: v for k, v in evictions.items() if v} == {("internal", "cold"): 6.0, ("tail", "lru"): 3.0}
+    assert set(evictions) == {(c.value, "lru") for c in StateClass} | {(c.value, "cold") for c in cold_classes()}
+    assert ("tail", "cold") not in evictions and ("branch", "cold") not in evictions
+
+
 def test_engines_are_labelled_apart():
     p, reg = prom()
     r = Recorder("fs")

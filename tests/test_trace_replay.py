@@ -119,4 +119,17 @@ def test_chart_of_the_committed_results(tmp_path: Path) -> None:
     assert chart is not None and chart.path.exists()
     assert chart.sources == sorted(f.name for f in (REPO / "bench" / "results").glob("trace_replay_*.json"))
     assert "trace_replay_conversation.json" in chart.sources
-    assert chart.series == {p: 3 for p in ("all", "default", "tails", "attention_only")}
+    assert chart.series == {p: 4 for p in ("all", "default", "tails", "attention_only", "oracle")}
+
+
+def test_the_committed_results_hold_every_trace_budget_and_reading() -> None:
+    """docs/performance.md's capacity table: the three traces, both readings of a partial last block,
+    50 / 100 / 200 / 400 GB and unlimited, every policy, the oracle and the attention-only model."""
+    found = {}
+    for f in sorted((REPO / "bench" / "results").glob("trace_replay_*.json")):
+        doc = json.loads(f.read_text())
+        found[doc["trace"]["name"], doc["replay"]["partial_blocks"]] = f.name
+        assert [b["budget_gb"] for b in doc["budgets"]] == [50.0, 100.0, 200.0, 400.0, "unlimited"], f.name
+        assert set(doc["policies"]) == {*trace_replay.POLICIES, trace_replay.ORACLE}, f.name
+    traces = ("mooncake_conversation_trace.jsonl", "agent_trace.jsonl", "branching_trace.jsonl")
+    assert set(found) == {(t, m) for t in traces for m in ("own", "continue")}, found
