@@ -8,7 +8,9 @@ runs the same engine process (`python -m harness.engine DIR`, built from engine_
   file `go.<pass>` in the run's directory, which the engine polls): a test changes the cache
   between passes, or two engines take turns;
 * `hold`: after its last pass the engine stays up until it is killed, as a server killed in service;
-* `skip_prefix_cache`, `prompt_max_tokens`: a cold reference in one engine, per-prompt lengths.
+* `skip_prefix_cache`, `prompt_max_tokens`: a cold reference in one engine, per-prompt lengths;
+* `pass_metrics`: the metrics are also written at the end of each pass (before it reports itself
+  done), so that a parent watching a gated run sees them between passes.
 Its RunResult says which pass and prompt each result belongs to.
 """
 
@@ -52,6 +54,8 @@ class RunSpec(engine_run.RunSpec):
     skip_prefix_cache: bool = False
     # Each prompt's own max_tokens, in the order of `prompts` (instead of `max_tokens`).
     prompt_max_tokens: list[int] | None = None
+    # Write the metrics (metrics.json) at the end of every pass, before its `pass_done` line.
+    pass_metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_max_tokens is not None and len(self.prompt_max_tokens) != len(self.prompts):
@@ -174,6 +178,8 @@ def _serve(spec: RunSpec, workdir: Path) -> None:
                 # The parent acts between gated passes (fills or frees a disk, damages files, starts
                 # a peer): the pass's stores must have landed, not wait on idle threads of a busy host.
                 land_stores()
+            if spec.pass_metrics:
+                engine_run.write_metrics(workdir, engine_run.kvoffload_metrics())
             write_row(out, {"pass_done": p})
     engine_run.write_metrics(workdir, engine_run.kvoffload_metrics())
     while spec.hold:

@@ -10,9 +10,12 @@ filesystem tier points at a fresh cache directory, then runs
 which serves the set in three engine processes: without the connector (for
 comparison), run 1 (cold cache: it stores), and run 2 after a restart (a new
 process, empty vLLM prefix cache and host memory, another PYTHONHASHSEED: it
-restores from disk), which then serves the set again after
-`reset_prefix_cache()` to show the prefixes promoted to host memory. The
-table has a column per tier. The demo fails (exit 1) unless run 2 restores
+restores what run 1 stored, from host memory where warm start copied the
+files' entries there first, else from the files), which then serves the set
+again after `reset_prefix_cache()` to show the prefixes held in host memory.
+The table has a column per tier; the line under it gives run 2's warm start
+(entries and bytes copied, seconds to done, loads served from warmed entries),
+read from its engine's metrics. The demo fails (exit 1) unless run 2 restores
 every prompt's chunk-aligned prefix and its outputs are token-identical to
 run 1's.
 

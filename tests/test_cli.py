@@ -18,7 +18,7 @@ import harness.cli
 from offload import cli
 from offload.cli.gc import parse_size
 from offload.cli.prompts import PromptFileError, load, token_ids
-from offload.cli.warmup import expected, verdict
+from offload.cli.warmup import expected, verdict, warm_line, warm_start
 from offload.engine_run import PromptResult, RunResult
 from offload.planner import GroupKind, GroupSpec, HybridOffloadPlanner
 from offload.store.cachedir.paths import LAYOUT_DIR
@@ -210,6 +210,29 @@ def test_verify_verdict_passes_only_a_full_identical_restore():
     failed = RunResult([_result(600, 512, [1, 2], failed=True), _result(300, 256, [3])], "")
     assert "loads failed" in verdict(run1, [failed], attn)[0]
     assert "2 again (reset)" in verdict(run1, [good, short], attn)[0]
+
+
+def test_run_2s_warm_start_figures_come_from_its_engines_metrics():
+    """Samples as an engine exports them (two tiers' labels; only host memory's warm start counts);
+    none where the engine had no warm start, or planned nothing."""
+    samples = [("kvoffload_warm_planned_entries", {"tier": "cpu"}, 32.0),
+               ("kvoffload_warm_entries_total", {"tier": "cpu"}, 31.0),
+               ("kvoffload_warm_bytes_total", {"tier": "cpu"}, 5.5 * 2**20),
+               ("kvoffload_warm_failures_total", {"tier": "cpu", "reason": "corrupt"}, 1.0),
+               ("kvoffload_warm_failures_total", {"tier": "cpu", "reason": "missing"}, 0.0),
+               ("kvoffload_warm_done", {"tier": "cpu"}, 1.0), ("kvoffload_warm_seconds", {"tier": "cpu"}, 0.25),
+               ("kvoffload_warm_hits_total", {"tier": "cpu"}, 90.0),
+               ("kvoffload_restored_tokens_total", {"tier": "fs"}, 512.0)]
+    w = warm_start(RunResult([], "", samples))
+    assert w == {"planned_entries": 32, "entries": 31, "bytes": 5767168, "failures": 1, "done": 1,
+                 "seconds": 0.25, "hits": 90}
+    assert warm_line("run 2", w) == ("warm start (run 2): 31 of 32 planned entries copied into host memory, "
+                                     "5.5 MiB, done in 0.25 s; 90 loads served from warmed entries; 1 failed")
+    assert "not done" in warm_line("run 2", {**w, "done": 0, "seconds": 0.0})
+    assert warm_start(RunResult([], "", samples[-1:])) is None, "no warm start in the engine"
+    off = [("kvoffload_warm_planned_entries", {"tier": "cpu"}, 0.0), ("kvoffload_warm_hits_total", {"tier": "cpu"}, 0)]
+    assert warm_start(RunResult([], "", off)) is None, "warm start off, or nothing in the files"
+    assert warm_line("run 2", None).startswith("warm start (run 2): none")
 
 
 def test_verify_expects_a_chunk_aligned_prompt_whole_on_attention_only_models():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt
+from conftest import CHUNK, engine_args, fs_kv_config, layouts, random_prompt, shipped_config
 from harness.cli import run_cli
 from harness.client import wait_until
 from harness.engine import RunSpec, run_engine
@@ -54,9 +54,12 @@ def warm(models_dir, tmp_path_factory, fs_server):
     d = tmp_path_factory.mktemp("warm")
     model = str(models_dir / "qwen3-next-tiny")
     cfg = d / "kv.json"
+    # The shipped stack (host memory over files, so run 2 warm-starts: its figures are in the report).
     # Every state hot: gc's order here is the LRU chains' alone. Under the default policy internal
     # states are stored cold and gc takes them first (tests/test_cli.py, tests/test_ledger.py).
-    cfg.write_text(json.dumps(fs_kv_config(d / "cache", state_policy="all")))
+    kv = shipped_config("hybrid-tiered.json", d / "cache")
+    kv["kv_connector_extra_config"]["state_policy"] = "all"
+    cfg.write_text(json.dumps(kv))
     prompts = d / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in TOKEN_PROMPTS)
                        + json.dumps({"prompt": TEXT}) + "\n")
@@ -129,6 +132,15 @@ def test_warmup_verify_restores_every_chunk_aligned_prefix_after_a_restart(warm)
     [after] = [r for r in rep["runs"] if r["label"] == "2 after restart"]
     assert after["failed_loads"] == 0, f"no load failures: {after}"
     assert after["identical"] == [5, 5], after
+    # Run 2's engine started on the files run 1 left: warm start copied them into host memory, every
+    # planned entry verified and settled, and later prompts' loads read warmed entries.
+    w = after["warm_start"]
+    assert w is not None, f"run 2 reports no warm start: {after}"
+    assert w["planned_entries"] > 0 and w["entries"] == w["planned_entries"] and w["failures"] == 0, w
+    assert w["done"] == 1 and w["seconds"] > 0 and w["bytes"] > 0 and w["hits"] > 0, w
+    assert after["restored_by_tier"]["cpu"] > 0, after
+    [first] = [r for r in rep["runs"] if r["label"] == "1"]
+    assert "warm_start" not in first, "run 1 started on an empty directory: only run 2 reports warm start"
     for ids in warm["ids"]:  # every prompt was stored whole, text included
         assert all(f.exists() for f in files_of(warm["snapshot"], ids, ATTN)), "attention chunks stored"
 

@@ -13,7 +13,9 @@ computed, the hit rate and load failures.
 
 --verify serves the set twice, in two engine processes (a restart: empty
 vLLM prefix cache and host memory, another PYTHONHASHSEED), and reports the
-cross-restart hit rate of run 2. It passes (exit 0) only if, in run 2, every
+cross-restart hit rate of run 2 and, under the table, run 2's warm start (where host memory
+sits over files: entries and bytes copied into host memory, seconds to done, loads served from
+warmed entries, read from the engine's metrics at the end of the run). It passes (exit 0) only if, in run 2, every
 prompt had at least its chunk-aligned prefix cached (what run 1 stored:
 len // chunk * chunk tokens when every group is full attention, one less
 when that is the whole prompt, else (len - 1) // chunk * chunk), no load
@@ -151,11 +153,14 @@ def same(a: RunResult, b: RunResult) -> tuple[bool, str]:
     return ok, f"{'yes' if ok else 'NO'} ({n}/{len(a.results)})"
 
 
-def run_report(label: str, r: RunResult, names: list[str], exp: float | None, like: RunResult | None = None) -> dict:
+def run_report(label: str, r: RunResult, names: list[str], exp: float | None, like: RunResult | None = None,
+               warm: bool = False) -> dict:
     """One run of the table as data: its prompts and prompt tokens, tokens restored per tier,
     tokens vLLM's own prefix cache had (`prefix_cache_tokens`), computed tokens, hit rate, the
-    expected hit rate (None where nothing is expected), failed loads, median TTFT and, with `like`,
-    how many outputs are token-identical to that run's (`identical`: [same, of])."""
+    expected hit rate (None where nothing is expected), failed loads, median TTFT, with `like`,
+    how many outputs are token-identical to that run's (`identical`: [same, of]) and, with `warm`
+    (the first pass of an engine started on a filled cache), its engine's warm start figures
+    (`warm_start`: `warm_start()`, or None)."""
     doc = {"label": label, "prompts": len(r.results), "prompt_tokens": r.prompt_tokens,
            "restored_by_tier": {t: sum(x.restored_by_tier.get(t, 0) for x in r.results) for t in names},
            "prefix_cache_tokens": r.cached_tokens - r.restored_tokens,
@@ -163,7 +168,36 @@ def run_report(label: str, r: RunResult, names: list[str], exp: float | None, li
            "failed_loads": sum(x.load_failed for x in r.results), "median_ttft_s": r.median_ttft_s}
     if like is not None:
         doc["identical"] = [sum(x == y for x, y in zip(r.outputs(), like.outputs())), len(r.results)]
+    if warm:
+        doc["warm_start"] = warm_start(r)
     return doc
+
+
+WARM_FIGURES = {  # warm_start's fields: the engine's kvoffload_warm_* samples, summed over tiers
+    "planned_entries": "kvoffload_warm_planned_entries", "entries": "kvoffload_warm_entries_total",
+    "bytes": "kvoffload_warm_bytes_total", "failures": "kvoffload_warm_failures_total",
+    "done": "kvoffload_warm_done", "seconds": "kvoffload_warm_seconds", "hits": "kvoffload_warm_hits_total"}
+
+
+def warm_start(r: RunResult) -> dict | None:
+    """Warm start's figures in the engine of `r`, read from its metrics at the end of the run:
+    entries planned, copied into host memory (`entries`) and their bytes, entries that failed, whether
+    it was done (every planned entry settled) and the seconds it took (0 until done), and the loads
+    planned from warmed entries (`hits`, over the engine's life); None where the engine had no warm
+    start (no host memory over files, or `warm_start` off: nothing planned)."""
+    got = {k: sum(v for n, _, v in r.metrics if n == name) for k, name in WARM_FIGURES.items()}
+    if not any(n == WARM_FIGURES["planned_entries"] for n, _, _ in r.metrics) or not got["planned_entries"]:
+        return None
+    return {k: (float(v) if k == "seconds" else int(v)) for k, v in got.items()}
+
+
+def warm_line(label: str, w: dict | None) -> str:
+    if w is None:
+        return f"warm start ({label}): none (no host memory over files, warm_start off, or nothing to read)"
+    state = f"done in {w['seconds']:.2f} s" if w["done"] else "not done when the run ended"
+    return (f"warm start ({label}): {w['entries']} of {w['planned_entries']} planned entries copied into host "
+            f"memory, {w['bytes'] / 2**20:.1f} MiB, {state}; {w['hits']} loads served from warmed entries; "
+            f"{w['failures']} failed")
 
 
 def verdict(run1: RunResult, run2: list[RunResult], planner: HybridOffloadPlanner) -> list[str]:
@@ -245,8 +279,8 @@ def warm_engine(args: argparse.Namespace, kv: dict, ids: list[list[int]]) -> int
     if args.json:
         runs = [run_report("no connector", ref, names, None)] if ref is not None else []
         runs.append(run_report("1" if args.verify else "warmup", run1, names, None, ref))
-        runs += [run_report(label, r, names, exp, run1)
-                 for label, r in zip(("2 after restart", "2 again (reset)"), run2)]
+        runs += [run_report(label, r, names, exp, run1, warm=not k)
+                 for k, (label, r) in enumerate(zip(("2 after restart", "2 again (reset)"), run2))]
         problems = verdict(run1, run2, planner) if args.verify else []
         doc: dict[str, Any] = {"prompts": len(ids), "prompt_tokens": total, "model": args.model,
                                "hybrid_chunk_size": chunk, "prefix_match_unit": plan.prefix_match_unit, "tiers": names,
@@ -269,7 +303,8 @@ def warm_engine(args: argparse.Namespace, kv: dict, ids: list[list[int]]) -> int
         print(row(label, r, names, exp, same(r, run1)[1]))
     problems = verdict(run1, run2, planner)
     r2 = run2[0]
-    print(f"\ncross-restart hit rate {r2.hit_rate:.1%} (expected at least {exp:.1%}); run 2 restored "
+    print("\n" + warm_line("run 2, its engine's figures", warm_start(r2)))
+    print(f"cross-restart hit rate {r2.hit_rate:.1%} (expected at least {exp:.1%}); run 2 restored "
           f"{r2.restored_tokens} of {r2.prompt_tokens} prompt tokens from its tiers; median TTFT "
           f"{run1.median_ttft_s / max(r2.median_ttft_s, 1e-9):.2f}x run 1's")
     if problems:

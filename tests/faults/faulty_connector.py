@@ -15,6 +15,8 @@ unchanged; only file-system calls of our store misbehave:
 - "enospc_while": a path; while it exists every file write fails with ENOSPC
   before writing (a full disk, where no small filesystem can be mounted).
 - "eio_read_keys": [hex, ...]: reads of these files fail with EIO (buffered and O_DIRECT reads).
+- "slow_read_s": every chunk file's payload read (buffered and O_DIRECT) first sleeps this long:
+  slow storage under a load or warm start.
 """
 
 from __future__ import annotations
@@ -73,10 +75,13 @@ def _install() -> None:
         files.FileStore.contains = faulty_contains
 
     eio = set(FAULTS.get("eio_read_keys", []))
-    if eio:
+    slow_read = float(FAULTS.get("slow_read_s", 0))
+    if eio or slow_read:
         read_file = copier.read_file
 
         def faulty_read(path, header_len, out, *args, **kwargs):
+            if slow_read:
+                time.sleep(slow_read)
             if os.path.basename(str(path)).removesuffix(".kv") in eio:
                 raise OSError(errno.EIO, "Input/output error (injected)", str(path))
             return read_file(path, header_len, out, *args, **kwargs)
@@ -84,6 +89,8 @@ def _install() -> None:
         read_file_direct = copier.read_file_direct
 
         def faulty_read_direct(path, *args, **kwargs):
+            if slow_read:
+                time.sleep(slow_read)
             if os.path.basename(str(path)).removesuffix(".kv") in eio:
                 raise OSError(errno.EIO, "Input/output error (injected)", str(path))
             return read_file_direct(path, *args, **kwargs)
