@@ -66,7 +66,8 @@ def make(vllm_config, tmp_path):
     def _make(store: str = "cpu", num_blocks: int = 128, **options) -> Engine:
         cpu = {"store": "cpu", "cpu_bytes": 4 << 20}  # 32 chunks: no eviction here
         fs = {"store": "fs", "path": str(tmp_path / "cache")}
-        extra = {"cpu": cpu, "fs": fs, "stack": {"tiers": [cpu, fs]}}[store] | options
+        toy = fs | {"store": "toy"}  # tests/toy_tier.py, where a test registers it
+        extra = {"cpu": cpu, "fs": fs, "toy": toy, "stack": {"tiers": [cpu, fs]}}[store] | options
         set_connector(vllm_config, extra)
         kcc = attention_kv_cache_config(LAYERS, block_size=BS, num_kv_heads=2, head_size=32, num_blocks=num_blocks)
         scheduler = create_scheduler(vllm_config, kcc)
@@ -153,7 +154,7 @@ def store_prompt(eng: Engine, req_id: str, tokens: list[int], tmp_path: Path) ->
     repeat can only hit our tier) and the KV cache scrambled (so only a load
     can restore it)."""
     snapshot = run_and_snapshot(eng, req_id, tokens, block_size=BS)
-    if eng.scheduler.connector.cfg.tiers[0].store == "fs":
+    if eng.scheduler.connector.cfg.tiers[0].holds_files:
         wait_for_files(tmp_path / "cache", entries(eng, len(tokens)))
     assert eng.scheduler.reset_prefix_cache()
     eng.worker.scramble()
@@ -1558,3 +1559,62 @@ def test_a_hit_no_longer_than_vllms_own_partial_block_is_not_deferred(models_dir
     finally:
         release.set()
         eng.worker.connector.shutdown()
+
+
+# ---- a new tier: one module and one registration line --------------------------------------------
+
+
+def test_a_toy_tier_registered_by_one_line_runs_through_the_stack_and_the_cli(make, tmp_path, monkeypatch, capsys):
+    """docs/tiers.md's recipe: tests/toy_tier.py and its line in TIERS are all a tier needs. The
+    connector stores and restores through it, check-config validates a config naming it (and
+    refuses a key it does not have, listing its own), and stats and fsck read its directory, which
+    they know of from its declaration."""
+    import json
+
+    import offload.store
+    from offload import cli
+
+    monkeypatch.setitem(offload.store.TIERS, "toy", "toy_tier:ToyOptions")
+    eng = make("toy")
+    assert type(eng.scheduler.connector.tiers[0]).__name__ == "ToyTier"
+    HIT = hit(eng)
+    tokens = prompt(1)
+    stored = store_prompt(eng, "a", tokens, tmp_path)
+    b = create_request("b", tokens, max_tokens=3, block_size=BS)
+    eng.scheduler.add_request(b)
+    eng.step()
+    assert eng.status("b") == WAITING_FOR_KV
+    dest = table(eng, "b")[:HIT // BS]
+    eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV and b.num_computed_tokens > HIT)
+    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored blocks")
+    eng.run_to_completion()
+    assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
+
+    cache = tmp_path / "cache"
+    ktc = {"kv_connector": "OffloadConnector", "kv_connector_module_path": "offload.connector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"tiers": [{"store": "cpu", "cpu_bytes": "4MiB"},
+                                                   {"store": "toy", "path": str(cache)}]}}
+    config = tmp_path / "toy.json"
+    config.write_text(json.dumps(ktc))
+    assert cli.main(["check-config", str(config)]) == 0
+    assert "valid OffloadConnector config" in capsys.readouterr().out
+    ktc["kv_connector_extra_config"]["tiers"][1]["fsync"] = True
+    config.write_text(json.dumps(ktc))
+    assert cli.main(["check-config", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "tiers[1].fsync: only for store 'fs'" in out
+    ktc["kv_connector_extra_config"]["tiers"][1]["store"] = "toys"
+    config.write_text(json.dumps(ktc))
+    assert cli.main(["check-config", str(config)]) == 1
+    assert "must be one of 'fs', 'cpu', 'lmcache', 'toy'" in capsys.readouterr().out
+
+    assert cli.main(["stats", str(cache), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert sum(g["files"] for d in report["fingerprints"] for g in d["groups"]) == entries(eng)
+    ktc["kv_connector_extra_config"]["tiers"][1]["store"] = "toy"
+    config.write_text(json.dumps(ktc))
+    assert cli.main(["stats", "--config", str(config)]) == 2  # no LMCache tier; it names the toy's files
+    assert f"its file tiers: `kvoffload stats {cache}`" in capsys.readouterr().err
+    assert cli.main(["fsck", str(cache)]) == 0
+    assert f"{entries(eng)} chunk files" in capsys.readouterr().out
+

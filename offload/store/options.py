@@ -230,11 +230,11 @@ def _cache_dir(v: str) -> str:
 
 # Field-level strictness (not the dataclass config's): a strict pydantic dataclass refuses dicts, and a tier
 # arrives as one. Strict fields keep JSON's "1" from passing for 1 or 1 for true.
-_CONFIG = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
+OPTIONS_CONFIG = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
 _FS_KEYS = ("fsync", "file_mode", "dir_mode", "orphan_tmp_age_s", "reconcile_interval_s")
 
 
-@dataclass(frozen=True, config=_CONFIG)
+@dataclass(frozen=True, config=OPTIONS_CONFIG)
 class StoreOptions:
     """What every store's options have: the tier's `store` kind and `name`.
 
@@ -275,7 +275,7 @@ class StoreOptions:
         return self
 
 
-@dataclass(frozen=True, config=_CONFIG)
+@dataclass(frozen=True, config=OPTIONS_CONFIG)
 class FsOptions(StoreOptions):
     """Options of the file tier (`"store": "fs"`); see docs/operations.md."""
 
@@ -325,7 +325,7 @@ class FsOptions(StoreOptions):
     store: Literal["fs"] = dataclasses.field(default="fs", kw_only=True)
 
 
-@dataclass(frozen=True, config=_CONFIG)
+@dataclass(frozen=True, config=OPTIONS_CONFIG)
 class CpuOptions(StoreOptions):
     """Options of the host-memory tier (`"store": "cpu"`)."""
 
@@ -345,7 +345,7 @@ class CpuOptions(StoreOptions):
     store: Literal["cpu"] = dataclasses.field(default="cpu", kw_only=True)
 
 
-@dataclass(frozen=True, config=_CONFIG)
+@dataclass(frozen=True, config=OPTIONS_CONFIG)
 class LMCacheOptions(StoreOptions):
     """Options of the LMCache tier (`"store": "lmcache"`); see docs/operations.md."""
 
