@@ -961,7 +961,8 @@ def test_a_store_dropped_for_backpressure_drops_the_entries_chained_behind_it(ma
     is full and the 9th chunk is dropped; then they land, and the rest of the
     prompt's entries (3 whole chunks, then a tail) come while the queue is
     empty: a binary search over those 12 chunks never probes the 9th."""
-    from offload.cli.cache import chunks, scan
+    from offload.cli.cache import scan
+    from offload.cli.chains import chunks
     from offload.store.fs import FsData
 
     eng = make("fs", num_blocks=256, max_pending_store_bytes=1 << 20)
@@ -1015,7 +1016,8 @@ def test_a_store_whose_parent_the_budget_evicted_while_it_waited_is_dropped_with
     wait; they are all dropped, and a repeat restores nothing and fails nothing.
     (A parent still queued is no hole: the other unit tests store chains whose
     entries are all queued at once.)"""
-    from offload.cli.cache import chunks, scan
+    from offload.cli.cache import scan
+    from offload.cli.chains import chunks
     from offload.store.fs import FsData
 
     eng = make("fs", num_blocks=256)
@@ -1062,7 +1064,8 @@ def test_on_a_hybrid_a_dropped_attention_store_drops_the_mamba_states_behind_it_
     the complete chunk before). On disk: attention chunks 0..a-1, states up
     to boundary a+1 at most, nothing below a hole; a repeat restores a
     chunks."""
-    from offload.cli.cache import chunks, scan
+    from offload.cli.cache import scan
+    from offload.cli.chains import chunks
     from offload.store.fs import FsData
 
     h_bs = 128

@@ -52,7 +52,6 @@ from offload.cli.cache import (
     Cache,
     FpDir,
     NotACache,
-    chunks,
     human,
     is_stale_tmp,
     ledger_view,
@@ -60,6 +59,7 @@ from offload.cli.cache import (
     scan,
     unlink,
 )
+from offload.cli.chains import chunks
 from offload.store.auth import AuthRef, KeyConfigError, Keyring, load_keyring
 from offload.store.cachedir.budget import DirBudget
 from offload.store.cachedir.paths import LAYOUT_DIR, quarantine_dir, quarantined_path

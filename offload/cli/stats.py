@@ -35,16 +35,15 @@ from pathlib import Path
 from offload.cli.cache import (
     LAYOUT_VERSION_DIR,
     Cache,
-    Chunk,
     FpDir,
     NotACache,
     age,
-    chunks,
     find_root,
     human,
     ledger_view,
     scan,
 )
+from offload.cli.chains import Chunk, chunks
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
