@@ -19,6 +19,7 @@ attention pages and the Mamba state at the hit boundary.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import threading
@@ -29,6 +30,7 @@ import pytest
 import torch
 from vllm.v1.request import RequestStatus
 
+import offload.store
 from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.cpu import CpuIndex
 from vllm_unit_utils import (
@@ -60,13 +62,15 @@ def vllm_config(models_dir):
 
 
 @pytest.fixture
-def make(vllm_config, tmp_path):
+def make(vllm_config, tmp_path, monkeypatch):
     workers: list[WorkerStep] = []
 
     def _make(store: str = "cpu", num_blocks: int = 128, **options) -> Engine:
         cpu = {"store": "cpu", "cpu_bytes": 4 << 20}  # 32 chunks: no eviction here
         fs = {"store": "fs", "path": str(tmp_path / "cache")}
-        toy = fs | {"store": "toy"}  # tests/toy_tier.py, where a test registers it
+        toy = fs | {"store": "toy"}  # tests/toy_tier.py
+        if store == "toy":  # a new tier's one registration line (docs/tiers.md), for this test only
+            monkeypatch.setitem(offload.store.TIERS, "toy", "toy_tier:ToyOptions")
         extra = {"cpu": cpu, "fs": fs, "toy": toy, "stack": {"tiers": [cpu, fs]}}[store] | options
         set_connector(vllm_config, extra)
         kcc = attention_kv_cache_config(LAYERS, block_size=BS, num_kv_heads=2, head_size=32, num_blocks=num_blocks)
@@ -197,7 +201,7 @@ def test_short_prompts_sharing_a_prefix_shorter_than_a_chunk_restore_what_vllms_
 
 
 
-@pytest.mark.parametrize("store", ["cpu", "fs"])
+@pytest.mark.parametrize("store", ["cpu", "fs", "toy"])
 def test_store_then_hit_restores_the_exact_bytes(make, tmp_path, store):
     eng = make(store)
     HIT = hit(eng)
@@ -1567,31 +1571,16 @@ def test_a_hit_no_longer_than_vllms_own_partial_block_is_not_deferred(models_dir
 # ---- a new tier: one module and one registration line --------------------------------------------
 
 
-def test_a_toy_tier_registered_by_one_line_runs_through_the_stack_and_the_cli(make, tmp_path, monkeypatch, capsys):
-    """docs/tiers.md's recipe: tests/toy_tier.py and its line in TIERS are all a tier needs. The
-    connector stores and restores through it, check-config validates a config naming it (and
-    refuses a key it does not have, listing its own), and stats and fsck read its directory, which
-    they know of from its declaration."""
-    import json
-
-    import offload.store
+def test_a_toy_tier_registered_by_one_line_runs_through_the_cli(make, tmp_path, capsys):
+    """docs/tiers.md's recipe: tests/toy_tier.py and its line in TIERS (set by `make`) are all a
+    tier needs. The connector stores and restores through it (the test above), check-config
+    validates a config naming it and refuses a key it does not have, and stats and fsck read its
+    directory, which they know of from its declaration."""
     from offload import cli
 
-    monkeypatch.setitem(offload.store.TIERS, "toy", "toy_tier:ToyOptions")
     eng = make("toy")
     assert type(eng.scheduler.connector.tiers[0]).__name__ == "ToyTier"
-    HIT = hit(eng)
-    tokens = prompt(1)
-    stored = store_prompt(eng, "a", tokens, tmp_path)
-    b = create_request("b", tokens, max_tokens=3, block_size=BS)
-    eng.scheduler.add_request(b)
-    eng.step()
-    assert eng.status("b") == WAITING_FOR_KV
-    dest = table(eng, "b")[:HIT // BS]
-    eng.run_until(lambda: eng.status("b") != WAITING_FOR_KV and b.num_computed_tokens > HIT)
-    assert_same_bytes(eng.worker.blocks_bytes(dest), stored, "restored blocks")
-    eng.run_to_completion()
-    assert tier_params(eng, "b") == {"restored_tokens": HIT, "load_failed": False}
+    store_prompt(eng, "a", prompt(1), tmp_path)
 
     cache = tmp_path / "cache"
     ktc = {"kv_connector": "OffloadConnector", "kv_connector_module_path": "offload.connector", "kv_role": "kv_both",
@@ -1604,8 +1593,7 @@ def test_a_toy_tier_registered_by_one_line_runs_through_the_stack_and_the_cli(ma
     ktc["kv_connector_extra_config"]["tiers"][1]["fsync"] = True
     config.write_text(json.dumps(ktc))
     assert cli.main(["check-config", str(config)]) == 1
-    out = capsys.readouterr().out
-    assert "tiers[1].fsync: only for store 'fs'" in out
+    assert "tiers[1].fsync: only for store 'fs'" in capsys.readouterr().out
     ktc["kv_connector_extra_config"]["tiers"][1]["store"] = "toys"
     config.write_text(json.dumps(ktc))
     assert cli.main(["check-config", str(config)]) == 1
@@ -1614,10 +1602,10 @@ def test_a_toy_tier_registered_by_one_line_runs_through_the_stack_and_the_cli(ma
     assert cli.main(["stats", str(cache), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert sum(g["files"] for d in report["fingerprints"] for g in d["groups"]) == entries(eng)
+    ktc["kv_connector_extra_config"]["tiers"][1].pop("fsync")
     ktc["kv_connector_extra_config"]["tiers"][1]["store"] = "toy"
     config.write_text(json.dumps(ktc))
     assert cli.main(["stats", "--config", str(config)]) == 2  # no LMCache tier; it names the toy's files
     assert f"its file tiers: `kvoffload stats {cache}`" in capsys.readouterr().err
     assert cli.main(["fsck", str(cache)]) == 0
     assert f"{entries(eng)} chunk files" in capsys.readouterr().out
-
