@@ -40,7 +40,8 @@ def tier_options() -> dict[str, type[StoreOptions]]:
 
 def tier_class(store: str) -> type[TierSpec]:
     """The spec class of tier `store` (a key of TIERS)."""
-    return _load(_load(TIERS[store]).tier)
+    options: type[StoreOptions] = _load(TIERS[store])
+    return _load(options.tier)
 
 
 def tier_spec(store: str, options: object, ctx: TierContext) -> TierSpec:
