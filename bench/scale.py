@@ -258,7 +258,7 @@ def run(files: int, reps: int, dir: str | None = None, out_dir: Path | None = No
         res["new: reconcile walk (every reconcile_interval_s, one instance)"] = {"s": recon_s}
         doc["reconcile_drift"] = drift
         ck_s, _ = timed(b.checkpoint)
-        res["new: checkpoint (snapshot of the index)"] = {"s": ck_s, "bytes": b._snap_bytes}
+        res["new: checkpoint (snapshot of the index)"] = {"s": ck_s, "bytes": b.tail.snap_bytes}
         print(f"ledger: start-up {statistics.median(load_s):.2f} s, pass {statistics.median(idle) * 1e3:.3f} ms, "
               f"{n_rec} records {t_rec * 1e3:.1f} ms, reconcile {recon_s:.2f} s, snapshot {ck_s:.2f} s", flush=True)
 

@@ -63,7 +63,8 @@ from offload.keys import ChunkKey, chunk_keys, fingerprint, request_root, tail_k
 from offload.plan.policy import prefix_match_unit
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, GroupSpec, HybridOffloadPlanner
 from offload.planner.worth import DEFAULT_STATE_POLICY, Admission, StateClass, StatePolicy, admission
-from offload.store.cpu import CpuIndex, CpuLayout
+from offload.store.arena import CpuLayout
+from offload.store.cpu import CpuIndex
 
 GB = 10**9
 POLICIES = ("all", "by_use", "tails", "attention_only")  # the default set

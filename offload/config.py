@@ -8,67 +8,85 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
-
-from offload.store.options import (
-    FROM_CONFIG,
-    STORE_HELP,
-    STORES,
-    AuthConfig,
-    ByteCount,
-    CpuOptions,
-    FsOptions,
-    LMCacheOptions,
-    keys,
-    misplaced,
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    create_model,
+    model_validator,
 )
 
+from offload.store import tier_options
+from offload.store.options import FROM_CONFIG, AuthConfig, ByteCount, StoreOptions
+
 EXTRA_CONFIG = "kv_connector_extra_config"
+
+# The registered stores' options classes by `store` name (offload.store.TIERS), read at each parse.
+Stores = dict[str, type[StoreOptions]]
 
 
 class ConfigError(ValueError):
     """A kv-transfer-config that cannot work; the message says how to fix it."""
 
 
-# The tier union's members are the stores' own options; `store` picks one.
-TierConfig = FsOptions | CpuOptions | LMCacheOptions
-TIER_KEYS = tuple(dict.fromkeys(k for o in STORES.values() for k in keys(o)))
-
-# Keys every tier took when one flat model held all stores' keys, kept on the stores that ignore them so
-# such configs still start: key -> the store whose field checks its value.
-_TOLERATED: dict[str, dict[str, str]] = {
-    "fs": {"remote_timeout_s": "lmcache"},
-    "cpu": {**dict.fromkeys(("fsync", "file_mode", "dir_mode", "orphan_tmp_age_s", "reconcile_interval_s"), "fs"),
-            "remote_timeout_s": "lmcache"},
-    "lmcache": dict.fromkeys(("fsync", "file_mode", "dir_mode", "orphan_tmp_age_s", "reconcile_interval_s"), "fs"),
-}
+def keys(options: type[StoreOptions]) -> dict[str, Any]:
+    """A store's keys as written in the config (aliases), each with its pydantic FieldInfo; `store` first."""
+    fields = options.__pydantic_fields__  # type: ignore[attr-defined]
+    out = {f.alias or n: f for n, f in fields.items()}
+    return {"store": out.pop("store"), **out}
 
 
-def _key_adapter(store: str, key: str) -> TypeAdapter:
-    info = keys(STORES[store])[key]
+def _tier_keys(stores: Stores) -> tuple[str, ...]:
+    """Every key of any store, each once."""
+    return tuple(dict.fromkeys(k for o in stores.values() for k in keys(o)))
+
+
+def _store_help(stores: Stores) -> str:
+    kinds = [f"'{s}' ({o.help})" for s, o in stores.items()]
+    return "tier backend: " + " or ".join(filter(None, (", ".join(kinds[:-1]), kinds[-1])))
+
+
+def _misplaced(stores: Stores, store: str, key: str) -> str | None:
+    """Why `key`, a key of another store, is not one of `store`'s (None: no store has it)."""
+    if key in stores[store].misplaced:
+        return stores[store].misplaced[key]
+    owners = [s for s, o in stores.items() if s != store and key in keys(o)]
+    if not owners:
+        return None
+    return f"only for store '{owners[0]}'; remove it, or set \"store\": \"{owners[0]}\""
+
+
+def tier_kind(tier: Any) -> type[StoreOptions] | None:
+    """The registered options class of a tier as written (None: no `store`, or one not registered)."""
+    store = tier.get("store") if isinstance(tier, dict) else None
+    return tier_options().get(store) if isinstance(store, str) else None
+
+
+def _key_adapter(options: type[StoreOptions], key: str) -> TypeAdapter:
+    info = keys(options)[key]
     form: Any = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
     return TypeAdapter(form)
 
 
-def _drop_tolerated(tier: Any) -> Any:
-    """A tier without the keys its store ignores (`_TOLERATED`), once their values pass their own store's check."""
-    if not isinstance(tier, dict) or not isinstance(tier.get("store"), str):
+def _drop_tolerated(stores: Stores, tier: Any) -> Any:
+    """A tier without the keys its store ignores (its `tolerated`), once their values pass their own store's check."""
+    if not isinstance(tier, dict) or tier.get("store") not in stores:
         return tier
-    tolerated = _TOLERATED.get(tier["store"], {})
+    tolerated = stores[tier["store"]].tolerated
     found = [k for k in tier if k in tolerated]
     for key in found:
         try:
-            _key_adapter(tolerated[key], key).validate_python(tier[key], context=FROM_CONFIG)
+            _key_adapter(stores[tolerated[key]], key).validate_python(tier[key], context=FROM_CONFIG)
         except ValidationError as e:
             msg = e.errors()[0]["msg"].removeprefix("Value error, ")
             raise ValueError(f"{key}={tier[key]!r}: {msg}; it has no effect on store '{tier['store']}': "
                              "remove it") from None
     return {k: v for k, v in tier.items() if k not in found} if found else tier
-
-
-Tier = Annotated[TierConfig, Field(discriminator="store"), BeforeValidator(_drop_tolerated)]
 
 
 class OffloadConfig(BaseModel):
@@ -77,7 +95,8 @@ class OffloadConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    tiers: list[Tier] = Field(
+    # Each a registered store's options; `parse_config` validates them as the union of those stores.
+    tiers: list[StoreOptions] = Field(
         min_length=1, max_length=8,
         description="the tier stack, fastest first, e.g. [{\"store\": \"cpu\", \"cpu_bytes\": ...}, "
         "{\"store\": \"fs\", \"path\": ...}]; or give one tier's keys at the top level instead")
@@ -135,7 +154,7 @@ class OffloadConfig(BaseModel):
             if n in names[:i]:
                 raise ValueError(f"tiers[{i}].name: tier name {n!r} is also tiers[{names.index(n)}]'s; "
                                  "give each tier a distinct 'name'")
-        paths = [t.path if isinstance(t, FsOptions) else None for t in self.tiers]
+        paths = [t.path if t.holds_files else None for t in self.tiers]  # type: ignore[attr-defined]
         for i, p in enumerate(paths):
             if p is not None and p in paths[:i]:
                 raise ValueError(f"tiers[{i}].path={p!r}: also tiers[{paths.index(p)}]'s; one directory per tier")
@@ -146,9 +165,18 @@ _EXTRA = ("extra_forbidden", "unexpected_keyword_argument")  # a model's and a d
 _CONNECTOR_KEYS = tuple(k for k in OffloadConfig.model_fields if k != "tiers")
 
 
-def _store_of(tier: Any) -> str | None:
+def _model(stores: Stores) -> type[OffloadConfig]:
+    """OffloadConfig with its tiers checked as the union of `stores`, `store` picking one. Made at
+    each parse from the registered stores (a millisecond), so a registration holds from the next."""
+    tier = Annotated[Union[tuple(stores.values())], Field(discriminator="store"),  # noqa: UP007
+                     BeforeValidator(lambda t: _drop_tolerated(stores, t))]
+    return create_model("OffloadConfig", __base__=OffloadConfig, __module__=__name__,
+                        tiers=(list[tier], OffloadConfig.model_fields["tiers"]))
+
+
+def _store_of(tier: Any, stores: Stores) -> str | None:
     store = tier.get("store") if isinstance(tier, dict) else None
-    return store if isinstance(store, str) and store in STORES else None
+    return store if isinstance(store, str) and store in stores else None
 
 
 def _written(doc: Any, path: list[Any], default: Any) -> Any:
@@ -172,7 +200,7 @@ def _line(key: str, err: Mapping[str, Any], fields: dict[str, Any], field: str, 
     return f"{EXTRA_CONFIG}.{key}={value!r}: {err['msg'].removeprefix('Value error, ')}{hint}"
 
 
-def _describe(err: Mapping[str, Any], flat: bool, doc: dict[str, Any]) -> str:
+def _describe(err: Mapping[str, Any], flat: bool, doc: dict[str, Any], stores: Stores) -> str:
     """One operator-facing line: the key path as the user wrote it, the
     value, and what would be valid. In the one-tier form (tier keys at the
     top level) `tiers[0].` is not what the user wrote, so it is dropped."""
@@ -187,18 +215,18 @@ def _describe(err: Mapping[str, Any], flat: bool, doc: dict[str, Any]) -> str:
             return (f"{EXTRA_CONFIG}.{prefix.rstrip('.')}={tier!r}: must be an object of tier keys, e.g. "
                     "{\"store\": \"fs\", \"path\": \"/var/cache/kvoffload\"}")
         if err["type"] == "union_tag_not_found":
-            return f"{EXTRA_CONFIG}.{prefix}store: required ({STORE_HELP})"
+            return f"{EXTRA_CONFIG}.{prefix}store: required ({_store_help(stores)})"
         if err["type"] == "union_tag_invalid":
-            kinds = ", ".join(repr(k) for k in STORES)
-            return f"{EXTRA_CONFIG}.{prefix}store={tier.get('store')!r}: must be one of {kinds} ({STORE_HELP})"
-        if len(loc) >= 3 and loc[2] in STORES:  # a key of the store `store` picked
+            kinds = ", ".join(repr(k) for k in stores)
+            return f"{EXTRA_CONFIG}.{prefix}store={tier.get('store')!r}: must be one of {kinds} ({_store_help(stores)})"
+        if len(loc) >= 3 and loc[2] in stores:  # a key of the store `store` picked
             store = str(loc[2])
-            fields = keys(STORES[store])
+            fields = keys(stores[store])
             loc = loc[3:]
         else:
             loc = loc[2:]
     elif flat:
-        store = _store_of(doc["tiers"][0])
+        store = _store_of(doc["tiers"][0], stores)
     if not loc:  # a rule across keys; its message starts with the key
         if flat and msg.startswith("tiers[0]."):
             msg = msg.removeprefix("tiers[0].")
@@ -210,32 +238,32 @@ def _describe(err: Mapping[str, Any], flat: bool, doc: dict[str, Any]) -> str:
         flat = False
     if err["type"] in _EXTRA:
         in_tier = written is not doc and len(loc) == 1
-        why = misplaced(store, str(loc[0])) if in_tier and store is not None else None
+        why = _misplaced(stores, store, str(loc[0])) if in_tier and store is not None else None
         if why is not None:
             return f"{EXTRA_CONFIG}.{key}: {why}"
         if flat:
-            valid = [*(keys(STORES[store]) if store is not None else TIER_KEYS), *_CONNECTOR_KEYS]
+            valid = [*(keys(stores[store]) if store is not None else _tier_keys(stores)), *_CONNECTOR_KEYS]
         else:
             valid = list(fields)
         return f"{EXTRA_CONFIG}.{key}: unknown key; valid keys are: {', '.join(valid)}"
     return _line(key, err, fields, str(loc[0]), written, path)
 
 
-def _storeless(tier: dict[str, Any], prefix: str) -> list[str]:
+def _storeless(tier: dict[str, Any], prefix: str, stores: Stores) -> list[str]:
     """Problems of a tier's other keys when its `store` is missing or unknown (the union then checks none):
     each key against the store that has it, as when every store's keys were checked at once."""
     lines = []
     for key, value in tier.items():
-        owners = [s for s, o in STORES.items() if key in keys(o)]
+        owners = [s for s, o in stores.items() if key in keys(o)]
         if key == "store":
             continue
         if not owners:
-            lines.append(f"{EXTRA_CONFIG}.{prefix}{key}: unknown key; valid keys are: {', '.join(TIER_KEYS)}")
+            lines.append(f"{EXTRA_CONFIG}.{prefix}{key}: unknown key; valid keys are: {', '.join(_tier_keys(stores))}")
             continue
         try:
-            _key_adapter(owners[0], key).validate_python(value, context=FROM_CONFIG)
+            _key_adapter(stores[owners[0]], key).validate_python(value, context=FROM_CONFIG)
         except ValidationError as e:
-            fields = keys(STORES[owners[0]])
+            fields = keys(stores[owners[0]])
             for err in e.errors():
                 sub = "".join(f".{p}" for p in err["loc"])
                 inner = dict(AuthConfig.model_fields) if sub else fields
@@ -253,25 +281,27 @@ def parse_config(extra: dict[str, Any] | None) -> OffloadConfig:
     """
     if not isinstance(extra, dict):
         raise ConfigError(f"{EXTRA_CONFIG} must be a JSON object, got {type(extra).__name__}")
+    stores = tier_options()
+    tier_keys = _tier_keys(stores)
     flat = "tiers" not in extra
     if flat:
-        doc: dict[str, Any] = {k: v for k, v in extra.items() if k not in TIER_KEYS}
-        doc["tiers"] = [{k: v for k, v in extra.items() if k in TIER_KEYS}]
+        doc: dict[str, Any] = {k: v for k, v in extra.items() if k not in tier_keys}
+        doc["tiers"] = [{k: v for k, v in extra.items() if k in tier_keys}]
     else:
-        mixed = sorted(k for k in extra if k in TIER_KEYS)
+        mixed = sorted(k for k in extra if k in tier_keys)
         if mixed:
             raise ConfigError(f"invalid OffloadConnector config:\n  {EXTRA_CONFIG}.{mixed[0]}: a tier key next to "
                               "'tiers'; move it into the tier it belongs to (tiers[i]) or drop 'tiers'") from None
         doc = extra
     try:
         # by_name=False: a key is what the docs call it (`remote_timeout_s`), not a store's attribute name.
-        cfg = OffloadConfig.model_validate(doc, by_alias=True, by_name=False, context=FROM_CONFIG)
+        cfg = _model(stores).model_validate(doc, by_alias=True, by_name=False, context=FROM_CONFIG)
     except ValidationError as e:
         lines = []
         for err in e.errors():
-            lines.append(_describe(err, flat, doc))
+            lines.append(_describe(err, flat, doc, stores))
             if err["type"] in ("union_tag_not_found", "union_tag_invalid"):
-                lines += _storeless(doc["tiers"][err["loc"][1]], "" if flat else f"tiers[{err['loc'][1]}].")
+                lines += _storeless(doc["tiers"][err["loc"][1]], "" if flat else f"tiers[{err['loc'][1]}].", stores)
         raise ConfigError("invalid OffloadConnector config:\n  " + "\n  ".join(lines)) from None
     return cfg
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from offload import cli
 from offload.cli.warmup import explicit_chunk_size
-from offload.config import tier_dicts
+from offload.config import tier_dicts, tier_kind
 from offload.plan.run import plan_for_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="cross-restart warm-up demo (kvoffload warmup --verify)")
     ap.add_argument("--model", default=str(REPO / ".models" / "qwen3-next-tiny"))
     ap.add_argument("--config", default=str(REPO / "configs" / "hybrid-tiered.json"), help="kv-transfer-config JSON")
-    ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "demo"), help="replaces the fs tier's path")
+    ap.add_argument("--cache-dir", default=str(REPO / ".cache" / "demo"), help="replaces the file tier's path")
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args(argv)
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(args.cache_dir).resolve()
     shutil.rmtree(cache, ignore_errors=True)  # run 1 must start cold
     for t in tier_dicts(kv):
-        if t.get("store") == "fs":
+        if getattr(tier_kind(t), "holds_files", False):
             t["path"] = str(cache / "fs")
     plan = plan_for_model(args.model, hybrid_chunk_size=explicit_chunk_size(kv))
     chunk = plan.hybrid_chunk_size

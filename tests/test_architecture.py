@@ -89,6 +89,40 @@ def test_every_module_imports_only_what_its_row_allows():
     assert problems == []
 
 
+# ---- module sizes -------------------------------------------------------------------------------
+# A module over MAX_LINES says why in its row of the module map, or is cut.
+
+MAX_LINES = 450
+SIZE_REASON = "past the size rule because"
+
+
+def jobs() -> dict[str, str]:
+    """Each module's job, as its row of the module map states it."""
+    out = {}
+    for line in (REPO / "docs" / "architecture.md").read_text().splitlines():
+        m = ROW.match(line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def oversized(lines: dict[str, int], jobs: dict[str, str]) -> list[str]:
+    """Modules over MAX_LINES whose row gives no reason."""
+    return [f"{path}: {n} lines, and its row in docs/architecture.md says not why" for path, n in sorted(lines.items())
+            if n > MAX_LINES and SIZE_REASON not in jobs.get(path, "")]
+
+
+def test_no_module_is_over_the_size_rule_without_its_reason_in_the_module_map():
+    lines = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in PKG.rglob("*.py")}
+    assert oversized(lines, jobs()) == []
+
+
+def test_the_size_checker_catches_a_long_module_without_a_reason():
+    rows = {"offload/a.py": "a job", "offload/b.py": f"a job; one module {SIZE_REASON} it must"}
+    assert oversized({"offload/a.py": 451, "offload/b.py": 900, "offload/c.py": 450}, rows) == [
+        "offload/a.py: 451 lines, and its row in docs/architecture.md says not why"]
+
+
 def test_the_checker_catches_a_forbidden_import():
     # The rule itself: a planner module importing the connector or vLLM is outside its row.
     assert not allowed("planner", set(), "offload.connector.worker")

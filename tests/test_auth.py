@@ -488,7 +488,7 @@ def test_lmcache_objects_carry_the_same_mac(tmp_path):
 
 def test_without_a_key_group_writable_dirs_and_other_writers_are_found(tmp_path):
     from offload.store.cachedir.hygiene import HOST_TAG
-    from offload.store.files import unauthenticated_risks
+    from offload.store.dir_checks import unauthenticated_risks
 
     path = tmp_path / "cache"
     s = store(tmp_path, None)

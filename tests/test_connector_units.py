@@ -19,6 +19,7 @@ attention pages and the Mamba state at the hit boundary.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import threading
@@ -29,6 +30,7 @@ import pytest
 import torch
 from vllm.v1.request import RequestStatus
 
+import offload.store
 from offload.store.cachedir.paths import LAYOUT_DIR
 from offload.store.cpu import CpuIndex
 from vllm_unit_utils import (
@@ -60,13 +62,16 @@ def vllm_config(models_dir):
 
 
 @pytest.fixture
-def make(vllm_config, tmp_path):
+def make(vllm_config, tmp_path, monkeypatch):
     workers: list[WorkerStep] = []
 
     def _make(store: str = "cpu", num_blocks: int = 128, **options) -> Engine:
         cpu = {"store": "cpu", "cpu_bytes": 4 << 20}  # 32 chunks: no eviction here
         fs = {"store": "fs", "path": str(tmp_path / "cache")}
-        extra = {"cpu": cpu, "fs": fs, "stack": {"tiers": [cpu, fs]}}[store] | options
+        toy = fs | {"store": "toy"}  # tests/toy_tier.py
+        if store == "toy":  # a new tier's one registration line (docs/tiers.md), for this test only
+            monkeypatch.setitem(offload.store.TIERS, "toy", "toy_tier:ToyOptions")
+        extra = {"cpu": cpu, "fs": fs, "toy": toy, "stack": {"tiers": [cpu, fs]}}[store] | options
         set_connector(vllm_config, extra)
         kcc = attention_kv_cache_config(LAYERS, block_size=BS, num_kv_heads=2, head_size=32, num_blocks=num_blocks)
         scheduler = create_scheduler(vllm_config, kcc)
@@ -153,7 +158,7 @@ def store_prompt(eng: Engine, req_id: str, tokens: list[int], tmp_path: Path) ->
     repeat can only hit our tier) and the KV cache scrambled (so only a load
     can restore it)."""
     snapshot = run_and_snapshot(eng, req_id, tokens, block_size=BS)
-    if eng.scheduler.connector.cfg.tiers[0].store == "fs":
+    if eng.scheduler.connector.cfg.tiers[0].holds_files:
         wait_for_files(tmp_path / "cache", entries(eng, len(tokens)))
     assert eng.scheduler.reset_prefix_cache()
     eng.worker.scramble()
@@ -196,7 +201,7 @@ def test_short_prompts_sharing_a_prefix_shorter_than_a_chunk_restore_what_vllms_
 
 
 
-@pytest.mark.parametrize("store", ["cpu", "fs"])
+@pytest.mark.parametrize("store", ["cpu", "fs", "toy"])
 def test_store_then_hit_restores_the_exact_bytes(make, tmp_path, store):
     eng = make(store)
     HIT = hit(eng)
@@ -960,7 +965,8 @@ def test_a_store_dropped_for_backpressure_drops_the_entries_chained_behind_it(ma
     is full and the 9th chunk is dropped; then they land, and the rest of the
     prompt's entries (3 whole chunks, then a tail) come while the queue is
     empty: a binary search over those 12 chunks never probes the 9th."""
-    from offload.cli.cache import chunks, scan
+    from offload.cli.cache import scan
+    from offload.cli.chains import chunks
     from offload.store.fs import FsData
 
     eng = make("fs", num_blocks=256, max_pending_store_bytes=1 << 20)
@@ -1014,7 +1020,8 @@ def test_a_store_whose_parent_the_budget_evicted_while_it_waited_is_dropped_with
     wait; they are all dropped, and a repeat restores nothing and fails nothing.
     (A parent still queued is no hole: the other unit tests store chains whose
     entries are all queued at once.)"""
-    from offload.cli.cache import chunks, scan
+    from offload.cli.cache import scan
+    from offload.cli.chains import chunks
     from offload.store.fs import FsData
 
     eng = make("fs", num_blocks=256)
@@ -1061,7 +1068,8 @@ def test_on_a_hybrid_a_dropped_attention_store_drops_the_mamba_states_behind_it_
     the complete chunk before). On disk: attention chunks 0..a-1, states up
     to boundary a+1 at most, nothing below a hole; a repeat restores a
     chunks."""
-    from offload.cli.cache import chunks, scan
+    from offload.cli.cache import scan
+    from offload.cli.chains import chunks
     from offload.store.fs import FsData
 
     h_bs = 128
@@ -1558,3 +1566,46 @@ def test_a_hit_no_longer_than_vllms_own_partial_block_is_not_deferred(models_dir
     finally:
         release.set()
         eng.worker.connector.shutdown()
+
+
+# ---- a new tier: one module and one registration line --------------------------------------------
+
+
+def test_a_toy_tier_registered_by_one_line_runs_through_the_cli(make, tmp_path, capsys):
+    """docs/tiers.md's recipe: tests/toy_tier.py and its line in TIERS (set by `make`) are all a
+    tier needs. The connector stores and restores through it (the test above), check-config
+    validates a config naming it and refuses a key it does not have, and stats and fsck read its
+    directory, which they know of from its declaration."""
+    from offload import cli
+
+    eng = make("toy")
+    assert type(eng.scheduler.connector.tiers[0]).__name__ == "ToyTier"
+    store_prompt(eng, "a", prompt(1), tmp_path)
+
+    cache = tmp_path / "cache"
+    ktc = {"kv_connector": "OffloadConnector", "kv_connector_module_path": "offload.connector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"tiers": [{"store": "cpu", "cpu_bytes": "4MiB"},
+                                                   {"store": "toy", "path": str(cache)}]}}
+    config = tmp_path / "toy.json"
+    config.write_text(json.dumps(ktc))
+    assert cli.main(["check-config", str(config)]) == 0
+    assert "valid OffloadConnector config" in capsys.readouterr().out
+    ktc["kv_connector_extra_config"]["tiers"][1]["fsync"] = True
+    config.write_text(json.dumps(ktc))
+    assert cli.main(["check-config", str(config)]) == 1
+    assert "tiers[1].fsync: only for store 'fs'" in capsys.readouterr().out
+    ktc["kv_connector_extra_config"]["tiers"][1]["store"] = "toys"
+    config.write_text(json.dumps(ktc))
+    assert cli.main(["check-config", str(config)]) == 1
+    assert "must be one of 'fs', 'cpu', 'lmcache', 'toy'" in capsys.readouterr().out
+
+    assert cli.main(["stats", str(cache), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert sum(g["files"] for d in report["fingerprints"] for g in d["groups"]) == entries(eng)
+    ktc["kv_connector_extra_config"]["tiers"][1].pop("fsync")
+    ktc["kv_connector_extra_config"]["tiers"][1]["store"] = "toy"
+    config.write_text(json.dumps(ktc))
+    assert cli.main(["stats", "--config", str(config)]) == 2  # no LMCache tier; it names the toy's files
+    assert f"its file tiers: `kvoffload stats {cache}`" in capsys.readouterr().err
+    assert cli.main(["fsck", str(cache)]) == 0
+    assert f"{entries(eng)} chunk files" in capsys.readouterr().out

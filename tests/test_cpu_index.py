@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from offload.planner import Admission, GroupKind, GroupSpec, HybridOffloadPlanner, StateClass
-from offload.store.cpu import CpuIndex, CpuLayout
+from offload.store.arena import CpuLayout
+from offload.store.cpu import CpuIndex
 
 MAMBA, FULL, SW = GroupKind.MAMBA, GroupKind.FULL_ATTENTION, GroupKind.SLIDING_WINDOW
 HOT, COLD, SKIP = Admission.HOT, Admission.COLD, Admission.SKIP

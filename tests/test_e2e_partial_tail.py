@@ -114,7 +114,8 @@ def test_tail_files_are_byte_identical_across_engines(runs):
 def test_fsck_takes_tails_for_leaves_not_corruption(runs):
     """`kvoffload fsck`'s scan verifies every file (payload CRCs too) and
     finds no problem and no hole: a tail is a leaf of its chunk's chain."""
-    from offload.cli.cache import chunks, scan
+    from offload.cli.cache import scan
+    from offload.cli.chains import chunks
 
     cache = scan(runs["d"], verify_payloads=True)
     [fp] = cache.dirs
@@ -211,7 +212,8 @@ def test_attention_only_restart_restores_every_block_vllms_own_cache_hits(prefet
         [(0, b - u, b) for b in ends], heads
     assert e == f, "two engines that stored the same prompts wrote different files"
     # fsck: every file verifies; A's tail entries chain from its chunk, one after the other; no hole.
-    from offload.cli.cache import chunks, scan
+    from offload.cli.cache import scan
+    from offload.cli.chains import chunks
 
     [fp] = scan(runs["e"], verify_payloads=True).dirs
     assert fp.files and [x.problem for x in fp.files if x.problem] == []

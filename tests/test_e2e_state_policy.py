@@ -364,7 +364,8 @@ def fsck(cache: Path) -> dict:
     holes of state files alone (a state whose chunk's attention KV and chain were evicted before it:
     no lookup reaches it, since a boundary is a hit only where every attention chunk before it is
     stored; `fsck` reports those as chain holes too)."""
-    from offload.cli.cache import chunks, scan
+    from offload.cli.cache import scan
+    from offload.cli.chains import chunks
     from offload.planner import GroupKind
 
     run = run_cli("fsck", str(cache))

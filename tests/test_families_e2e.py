@@ -143,7 +143,8 @@ def check_family(runs: dict) -> list[tuple[int, int]]:
     for rel, data in d_files.items():
         assert e_files.get(rel) == data, f"{rel}: differs between two engines that stored the same prefix"
     # fsck: every payload verifies, the chain is complete, nothing orphaned.
-    from offload.cli.cache import chunks, scan
+    from offload.cli.cache import scan
+    from offload.cli.chains import chunks
 
     [fp] = scan(runs["d"], verify_payloads=True).dirs
     assert fp.files and [x.problem for x in fp.files if x.problem] == []

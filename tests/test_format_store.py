@@ -687,7 +687,8 @@ def test_fsck_and_gc_take_attention_only_tail_entries_for_a_chain(tmp_path, caps
     links them into a chain; gc's eviction order takes the chain's last entry
     first; a range that is neither a chunk nor inside one is corrupt."""
     from offload import cli
-    from offload.cli.cache import chunks, scan
+    from offload.cli.cache import scan
+    from offload.cli.chains import chunks
     from offload.cli.gc import eviction_order
 
     store = FileStore.open(str(tmp_path), FP)

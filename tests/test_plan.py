@@ -210,7 +210,7 @@ def test_chunk_size_is_the_planners_and_files_follow_the_format(plans, geometry_
 
 @pytest.mark.parametrize("name", MODELS)
 def test_host_memory_tier_capacity_line(plans, geometry_models, name):
-    from offload.store.cpu import CpuLayout
+    from offload.store.arena import CpuLayout
 
     plan = plan_of(plans, name)
     exp = expected_layout(config(geometry_models, name))

@@ -52,7 +52,6 @@ from offload.cli.cache import (
     Cache,
     FpDir,
     NotACache,
-    chunks,
     human,
     is_stale_tmp,
     ledger_view,
@@ -60,6 +59,7 @@ from offload.cli.cache import (
     scan,
     unlink,
 )
+from offload.cli.chains import chunks
 from offload.store.auth import AuthRef, KeyConfigError, Keyring, load_keyring
 from offload.store.cachedir.budget import DirBudget
 from offload.store.cachedir.paths import LAYOUT_DIR, quarantine_dir, quarantined_path
@@ -101,13 +101,15 @@ def keyring_of(args: argparse.Namespace) -> Keyring | None:
     signs here). Raises KeyConfigError naming the option, never the key."""
     refs: list[AuthRef] = []
     if args.config:
-        from offload.config import tier_dicts
+        from offload.config import tier_dicts, tier_kind
 
         try:
             doc = json.loads(Path(args.config).read_text())
         except (OSError, ValueError) as e:
             raise KeyConfigError(f"--config={args.config!r}: cannot read it as JSON ({e})") from None
-        tiers = [t for t in tier_dicts(doc) if isinstance(t, dict) and t.get("store") in ("fs", None) and t.get("auth")]
+        # A tier that keeps files, or one without `store` (the config's check names that).
+        tiers = [t for t in tier_dicts(doc) if isinstance(t, dict) and t.get("auth")
+                 and (t.get("store") is None or getattr(tier_kind(t), "holds_files", False))]
         here = os.path.realpath(args.path)
         mine = [t for t in tiers if t.get("path") and here.startswith(os.path.realpath(t["path"]))] or tiers
         if not mine:

@@ -55,11 +55,9 @@ import sys
 
 from offload.cli.cache import (
     Cache,
-    Chunk,
     ChunkFile,
     FpDir,
     NotACache,
-    chunks,
     human,
     is_stale_tmp,
     record_removal,
@@ -67,6 +65,7 @@ from offload.cli.cache import (
     scan,
     unlink,
 )
+from offload.cli.chains import Chunk, chunks
 from offload.planner import GroupKind, is_cold
 from offload.store.cachedir.budget import DirBudget
 from offload.store.cachedir.paths import LAYOUT_DIR, rel_of

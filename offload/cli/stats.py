@@ -35,16 +35,15 @@ from pathlib import Path
 from offload.cli.cache import (
     LAYOUT_VERSION_DIR,
     Cache,
-    Chunk,
     FpDir,
     NotACache,
     age,
-    chunks,
     find_root,
     human,
     ledger_view,
     scan,
 )
+from offload.cli.chains import Chunk, chunks
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -218,7 +217,7 @@ class UsageError(Exception):
 
 def remote_from_config(config: str, url: str | None) -> tuple[str, list[Path]]:
     """(the remote URL to read, the file tiers' layout directories) of a kv-transfer-config."""
-    from offload.config import tier_dicts
+    from offload.config import tier_dicts, tier_kind
 
     try:
         doc = json.loads(Path(config).read_text())
@@ -226,11 +225,11 @@ def remote_from_config(config: str, url: str | None) -> tuple[str, list[Path]]:
         raise UsageError(f"--config {config}: cannot read JSON: {e}") from None
     if not isinstance(doc, dict):
         raise UsageError(f"--config {config}: must hold a JSON object (a kv-transfer-config)")
-    tiers = [t for t in tier_dicts(doc) if isinstance(t, dict)]
-    fs_dirs = [Path(t["path"]) / LAYOUT_VERSION_DIR for t in tiers
-               if t.get("store") == "fs" and isinstance(t.get("path"), str)]
-    lm = [t for t in tiers if t.get("store") == "lmcache"]
-    remotes = list(dict.fromkeys(t["remote_url"] for t in lm if isinstance(t.get("remote_url"), str)))
+    tiers = [(t, tier_kind(t)) for t in tier_dicts(doc) if isinstance(t, dict)]
+    fs_dirs = [Path(t["path"]) / LAYOUT_VERSION_DIR for t, kind in tiers
+               if kind is not None and kind.holds_files and isinstance(t.get("path"), str)]
+    lm = [(t, kind.remote_key) for t, kind in tiers if kind is not None and kind.remote_key]
+    remotes = list(dict.fromkeys(t[key] for t, key in lm if isinstance(t.get(key), str)))
     if not lm:
         where = f"; its file tiers: `kvoffload stats {fs_dirs[0].parent}`" if fs_dirs else ""
         raise UsageError(f"--config {config}: no tier with \"store\": \"lmcache\"{where}")

@@ -100,11 +100,10 @@ class SchedulerSide:
         # Requests holding vLLM blocks for a load this connector planned, until they run.
         self._loading: dict[str, _Req] = {}
         # Warm start where host memory sits above a file tier (offload/connector/warm.py).
-        stores = [t.store for t in cfg.tiers]
-        source = stores.index("fs") if "fs" in stores[1:] else None
+        source = next((i for i, t in enumerate(cfg.tiers) if t.holds_files), None)
         self.warm = (WarmPlanner(indices, [g.kind for g in planner.groups], source, cfg.warm_start_share,
                                  world_size, recorders[0])
-                     if cfg.warm_start and stores[0] == "cpu" and source is not None else None)
+                     if cfg.warm_start and cfg.tiers[0].in_host_memory and source is not None else None)
 
     # ---- lookup and load ----------------------------------------------------------
 

@@ -32,7 +32,8 @@ from offload.store.base import (
 )
 from offload.store.buffers import BufferPool, probe_o_direct
 from offload.store.cachedir.housekeeper import Housekeeper
-from offload.store.files import FileStore, check_directory, unauthenticated_risks
+from offload.store.dir_checks import check_directory, unauthenticated_risks
+from offload.store.files import FileStore
 from offload.store.format import ChunkHeader
 from offload.store.options import FsOptions
 

@@ -38,6 +38,7 @@ import torch
 
 from offload.keys import ChunkKey
 from offload.planner import Admission, StateClass, own_lru_admits
+from offload.store.arena import CpuLayout
 from offload.store.auth import Keyring, Unauthenticated, check_entry, frame, open_keyring
 from offload.store.base import (
     Backed,
@@ -180,8 +181,6 @@ class LMCacheIndex(TierIndex):
 
 def _max_entry_bytes(ctx: TierContext) -> list[int]:
     """Each group's largest payload (as the host tier sizes its slots)."""
-    from offload.store.cpu import CpuLayout
-
     layout = CpuLayout.plan(ctx.planner, 1 << 62)
     return [layout.slot_bytes(g) for g in range(len(ctx.planner.groups))]
 

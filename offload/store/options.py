@@ -1,10 +1,11 @@
 """The stores' options, as typed and validated as the tier keys users write.
 
-Each class is one store's options and, as it stands, one member of the tier
-union in the connector config (`offload/config.py`), discriminated by
-`store`: the keys of a tier are exactly the fields of its store's options,
-and a key of another store is refused naming the store it belongs to
-(`misplaced`). Defaults are declared here once; the stores import them.
+Each class is one store's options and its tier's declaration (`StoreOptions`),
+registered in `offload.store.TIERS`: the tier union of the connector config
+(`offload/config.py`) is made of the registered classes, discriminated by
+`store`, so the keys of a tier are exactly the fields of its store's options,
+and a key of another store is refused naming the store it belongs to.
+Defaults are declared here once; the stores import them.
 
 Byte sizes (`ByteCount`) take an integer or a string with a unit, the same
 way in the JSON config and on the command line (`parse_bytes`).
@@ -22,7 +23,7 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -229,14 +230,33 @@ def _cache_dir(v: str) -> str:
 
 # Field-level strictness (not the dataclass config's): a strict pydantic dataclass refuses dicts, and a tier
 # arrives as one. Strict fields keep JSON's "1" from passing for 1 or 1 for true.
-_CONFIG = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
-STORE_HELP = ("tier backend: 'fs' (files on a local or NFS directory), 'cpu' (host memory) or 'lmcache' "
-              "(LMCache's storage engine: a local CPU pool, optionally a remote)")
+OPTIONS_CONFIG = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True)
+_FS_KEYS = ("fsync", "file_mode", "dir_mode", "orphan_tmp_age_s", "reconcile_interval_s")
 
 
-@dataclass(frozen=True, config=_CONFIG)
+@dataclass(frozen=True, config=OPTIONS_CONFIG)
 class StoreOptions:
-    """What every store's options have: the tier's `store` kind and `name`."""
+    """What every store's options have: the tier's `store` kind and `name`.
+
+    A store's options class is its tier's declaration, registered once by a line in
+    `offload.store.TIERS`: its fields are the tier's keys, and these class attributes say the
+    rest, so the config, `check-config`, `stats`, `fsck` and the demo follow from it. It
+    imports no torch (the config and `check-config` load without it); `tier` names the
+    `TierSpec` that builds the tier, imported when a stack is built."""
+
+    tier: ClassVar[str]  # "module:Class" of the tier's TierSpec
+    help: ClassVar[str]  # what the store is, in the `store` key's help
+    # Its chunk files live in a cache directory at its `path` key: what `stats` and `fsck`
+    # read and the demo points at a fresh directory, and no two tiers may share it.
+    holds_files: ClassVar[bool] = False
+    in_host_memory: ClassVar[bool] = False  # this process's memory: what warm start fills
+    remote_key: ClassVar[str | None] = None  # the key of its LMCache remote, which `stats --config` reads
+    # Keys of other stores it takes and ignores (configs written when one flat model held every
+    # store's keys still start) -> the store whose field checks the value.
+    tolerated: ClassVar[dict[str, str]] = {}
+    # Keys of other stores written on it -> why they are refused and what to do instead
+    # (without a line here: "only for store X").
+    misplaced: ClassVar[dict[str, str]] = {}
 
     store: str = dataclasses.field(default="", kw_only=True)  # each store's own Literal, the union's tag
     # Keyword-only, as `store`: positional arguments stay each store's own options. Outside equality: a
@@ -255,9 +275,17 @@ class StoreOptions:
         return self
 
 
-@dataclass(frozen=True, config=_CONFIG)
+@dataclass(frozen=True, config=OPTIONS_CONFIG)
 class FsOptions(StoreOptions):
     """Options of the file tier (`"store": "fs"`); see docs/operations.md."""
+
+    tier: ClassVar[str] = "offload.store.fs:FsTier"
+    help: ClassVar[str] = "files on a local or NFS directory"
+    holds_files: ClassVar[bool] = True
+    tolerated: ClassVar[dict[str, str]] = {"remote_timeout_s": "lmcache"}
+    misplaced: ClassVar[dict[str, str]] = {
+        "cpu_bytes": "only for store 'cpu'; remove it, or set \"store\": \"cpu\" (the file tier's budget is "
+                     "max_bytes)"}
 
     path: Annotated[str, Strict(), AfterValidator(_cache_dir), Field(
         description="absolute cache directory, created if missing (required for store 'fs')")]
@@ -297,9 +325,18 @@ class FsOptions(StoreOptions):
     store: Literal["fs"] = dataclasses.field(default="fs", kw_only=True)
 
 
-@dataclass(frozen=True, config=_CONFIG)
+@dataclass(frozen=True, config=OPTIONS_CONFIG)
 class CpuOptions(StoreOptions):
     """Options of the host-memory tier (`"store": "cpu"`)."""
+
+    tier: ClassVar[str] = "offload.store.cpu:CpuTier"
+    help: ClassVar[str] = "host memory"
+    in_host_memory: ClassVar[bool] = True
+    tolerated: ClassVar[dict[str, str]] = {**dict.fromkeys(_FS_KEYS, "fs"), "remote_timeout_s": "lmcache"}
+    misplaced: ClassVar[dict[str, str]] = {
+        "auth": "not for store 'cpu': host memory is this process's own and needs no MAC; remove it",
+        "max_bytes": "only for store 'fs'; the host-memory budget is cpu_bytes",
+        "direct_reads": "only for store 'fs' (files); store 'cpu' reads no files, remove it"}
 
     cpu_bytes: Annotated[ByteCount, Field(
         ge=1 << 20, le=1 << 44,
@@ -308,9 +345,19 @@ class CpuOptions(StoreOptions):
     store: Literal["cpu"] = dataclasses.field(default="cpu", kw_only=True)
 
 
-@dataclass(frozen=True, config=_CONFIG)
+@dataclass(frozen=True, config=OPTIONS_CONFIG)
 class LMCacheOptions(StoreOptions):
     """Options of the LMCache tier (`"store": "lmcache"`); see docs/operations.md."""
+
+    tier: ClassVar[str] = "offload.store.lmcache:LMCacheTier"
+    help: ClassVar[str] = "LMCache's storage engine: a local CPU pool, optionally a remote"
+    remote_key: ClassVar[str | None] = "remote_url"
+    tolerated: ClassVar[dict[str, str]] = dict.fromkeys(_FS_KEYS, "fs")
+    misplaced: ClassVar[dict[str, str]] = {
+        "path": "not a key of store 'lmcache' (files are store 'fs': add a tier); remove it",
+        "cpu_bytes": "not a key of store 'lmcache' (its pool is local_cpu_bytes); remove it",
+        "max_bytes": "not a key of store 'lmcache' (its pool is local_cpu_bytes); remove it",
+        "direct_reads": "only for store 'fs' (files); store 'lmcache' reads no files, remove it"}
 
     local_cpu_bytes: Annotated[ByteCount, Field(
         ge=1 << 20, le=1 << 44,
@@ -327,37 +374,3 @@ class LMCacheOptions(StoreOptions):
     auth: Annotated[AuthOption | None, Field(
         description="the deployment key, by reference, as for store 'fs' (default: none, CRC only)")] = None
     store: Literal["lmcache"] = dataclasses.field(default="lmcache", kw_only=True)
-
-
-STORES: dict[str, type[StoreOptions]] = {"fs": FsOptions, "cpu": CpuOptions, "lmcache": LMCacheOptions}
-
-
-def keys(options: type[StoreOptions]) -> dict[str, Any]:
-    """A store's keys as written in the config (aliases), each with its pydantic FieldInfo; `store` first."""
-    fields = options.__pydantic_fields__  # type: ignore[attr-defined]
-    out = {f.alias or n: f for n, f in fields.items()}
-    return {"store": out.pop("store"), **out}
-
-
-# Keys of one store written on a tier of another: why it is refused there and what to do instead.
-_MISPLACED = {
-    ("fs", "cpu_bytes"): "only for store 'cpu'; remove it, or set \"store\": \"cpu\" (the file tier's budget is "
-                         "max_bytes)",
-    ("cpu", "auth"): "not for store 'cpu': host memory is this process's own and needs no MAC; remove it",
-    ("cpu", "max_bytes"): "only for store 'fs'; the host-memory budget is cpu_bytes",
-    ("lmcache", "path"): "not a key of store 'lmcache' (files are store 'fs': add a tier); remove it",
-    ("lmcache", "cpu_bytes"): "not a key of store 'lmcache' (its pool is local_cpu_bytes); remove it",
-    ("lmcache", "max_bytes"): "not a key of store 'lmcache' (its pool is local_cpu_bytes); remove it",
-}
-
-
-def misplaced(store: str, key: str) -> str | None:
-    """Why `key`, a key of another store, is not one of `store`'s (None: no store has it)."""
-    if (store, key) in _MISPLACED:
-        return _MISPLACED[(store, key)]
-    if key == "direct_reads" and store != "fs":
-        return f"only for store 'fs' (files); store '{store}' reads no files, remove it"
-    owners = [s for s, o in STORES.items() if s != store and key in keys(o)]
-    if not owners:
-        return None
-    return f"only for store '{owners[0]}'; remove it, or set \"store\": \"{owners[0]}\""

@@ -29,8 +29,9 @@ A write holds its bytes in the budget from before it starts
 (`offload.store.cachedir.inflight`): eviction makes room for it ahead, and
 what another instance cannot see of ours is bounded by `IN_FLIGHT_SHARE`.
 
-This class ties the parts together: it tails the logs, holds the lock, and
-decides when each part runs.
+This class ties the parts together: it holds the one lock over the index and
+decides when each part runs: the tail of the logs (`offload.store.cachedir.tail`),
+the walks, eviction (`offload.store.cachedir.eviction`) and compaction.
 """
 
 from __future__ import annotations
@@ -45,29 +46,23 @@ from pathlib import Path
 
 from offload.store.cachedir import compaction, hygiene
 from offload.store.cachedir.compaction import FOLDED_IDLE_S
+from offload.store.cachedir.eviction import Eviction
 from offload.store.cachedir.inflight import InFlight
 from offload.store.cachedir.lease import Lease
 from offload.store.cachedir.ledger import (
-    PUT,
-    End,
     LedgerWriter,
-    Record,
     Snapshot,
-    parse,
-    parse_header,
-    read_lines,
     read_snapshot,
 )
 from offload.store.cachedir.paths import (
     LEDGER_DIR,
-    LOG_NAME,
-    SNAPSHOT_NAME,
     ChunkRel,
     parse_chunk_rel,
     rel_of,
     valid_rel,
 )
 from offload.store.cachedir.reconcile import Reconciler, Walk
+from offload.store.cachedir.tail import LogTail
 from offload.store.cachedir.usage_index import UsageIndex
 from offload.store.options import DEFAULT_RECONCILE_S
 
@@ -102,32 +97,20 @@ class DirBudget:
         self.loaded = False
         self.index = UsageIndex()
         self.reconciler = Reconciler(self.top, self.index, self._lock, self.lease)
-        self._offsets: dict[str, int] = {}  # log name -> bytes consumed
-        self._log_sizes: dict[str, int] = {}
-        self._logs = 0
+        self.tail = LogTail(self.ledger_dir)
+        self.eviction = Eviction(self.top, self.index, self.ledger)
         self._folded_logs_at = float("-inf")  # the last checkpoint made for the number of logs
-        self._sealed: set[str] = set()
-        self._ignored: set[str] = set()  # logs of another version or damaged headers
         self._synced_at = 0.0
-        self._ledger_bytes = 0
         self._other_bytes = 0
-        self._pending_log_bytes = 0  # log bytes past the newest snapshot's offsets
-        self._snap: Snapshot | None = None  # head (no entries) of the newest snapshot known
-        self._snap_bytes = 0
-        self._snap_sizes: dict[str, int] = {}
         self._walked = 0.0  # start of the walk behind our index (ours, or an adopted snapshot's)
-        self.unreachable = 0  # passes that could not list the ledger directory
         self._troubles_walked = 0  # `troubles` when our last walk started
-        self._reachable = True  # the last pass listed the ledger directory
         self._adopt: str | None = None
         self._walk: Walk | None = None
         self._tombs_pruned_at = 0.0
         self._real_top = os.path.realpath(self.top)
-        self._safe_dirs: set[str] = set()
         self.in_flight = InFlight()
         self.evicted_files = 0
         self.evicted_bytes = 0
-        self.bad_lines = 0
         self.scan_s = 0.0  # the last sync (ledger tail)
         self.checkpoints = 0
 
@@ -145,7 +128,12 @@ class DirBudget:
 
     @property
     def ledger_bytes(self) -> int:
-        return self._ledger_bytes
+        return self.tail.ledger_bytes
+
+    @property
+    def bad_lines(self) -> int:
+        """Log lines torn or damaged, so far."""
+        return self.tail.bad_lines
 
     @property
     def files(self) -> int:
@@ -180,7 +168,7 @@ class DirBudget:
     @property
     def troubles(self) -> int:
         """Failed appends to our log and passes that could not list the ledger directory, so far."""
-        return self.ledger.failed + self.unreachable
+        return self.ledger.failed + self.tail.unreachable
 
     @property
     def last_drift(self) -> dict[str, int]:
@@ -189,11 +177,12 @@ class DirBudget:
     def describe(self) -> dict:
         """The ledger's state, for tools (`kvoffload stats`, benchmarks)."""
         now = time.time()
-        logs = [n for n in self._offsets if n not in self._ignored]
-        return {"bytes": self.usage, "files": self.files, "ledger_bytes": self._ledger_bytes,
-                "logs": len(logs), "sealed_logs": len(self._sealed & set(logs)),
-                "snapshot": self._snap.name if self._snap is not None else None,
-                "snapshot_age_s": round(now - self._snap.created, 1) if self._snap is not None else None,
+        tail, snap = self.tail, self.tail.snap
+        logs = [n for n in tail.offsets if n not in tail.ignored]
+        return {"bytes": self.usage, "files": self.files, "ledger_bytes": tail.ledger_bytes,
+                "logs": len(logs), "sealed_logs": len(tail.sealed & set(logs)),
+                "snapshot": snap.name if snap is not None else None,
+                "snapshot_age_s": round(now - snap.created, 1) if snap is not None else None,
                 "last_walk_age_s": round(now - self._walked, 1) if self._walked else None,
                 "bad_lines": self.bad_lines, "walked_to_load": self.walks > 0}
 
@@ -270,7 +259,7 @@ class DirBudget:
     def _install(self, snap: Snapshot) -> None:
         """Replace the index with a snapshot's; the caller syncs from its offsets."""
         self.index.install(snap.entries)
-        self._offsets = dict(snap.offsets)
+        self.tail.offsets = dict(snap.offsets)
         self._other_bytes = snap.other
         self._walked = snap.walked
 
@@ -282,11 +271,11 @@ class DirBudget:
         with self._load_lock:
             if self.loaded:
                 return True
-            snap = self._newest_snapshot(full=True)
+            snap = self.tail.newest_snapshot(full=True)
             if snap is not None:
                 with self._lock:
                     self._install(snap)
-                    self._snap, self._snap_bytes = snap, self._snap_sizes.get(snap.name, 0)
+                    self.tail.snap, self.tail.snap_bytes = snap, self.tail.snap_sizes.get(snap.name, 0)
                     snap.entries = []
                     self._sync_locked()
                 self.loaded = True
@@ -307,21 +296,6 @@ class DirBudget:
                 self.lease.release()
         return True
 
-    def _newest_snapshot(self, full: bool) -> Snapshot | None:
-        try:
-            names = sorted((n for n in os.listdir(self.ledger_dir) if SNAPSHOT_NAME.match(n)), reverse=True)
-        except OSError:
-            return None
-        for n in names:  # the newest readable one; an older one if the newest was just replaced
-            snap = read_snapshot(self.ledger_dir / n, head_only=not full)
-            if snap is not None:
-                try:
-                    self._snap_sizes[n] = (self.ledger_dir / n).stat().st_size
-                except OSError:
-                    continue
-                return snap
-        return None
-
     def sync(self) -> None:
         """Read every log's new lines into the index (the steady-state pass)."""
         with self._lock:
@@ -329,86 +303,11 @@ class DirBudget:
 
     def _sync_locked(self) -> None:
         t0 = time.perf_counter()
-        try:
-            names = os.listdir(self.ledger_dir)
-        except FileNotFoundError:
-            names = []
-        except OSError:
-            self.unreachable += 1
-            self._reachable = False
-            return  # unreachable now (a network filesystem without its server): keep every offset, tail later
-        total = pending = 0
-        seen = set()
-        newest = self._snap.name if self._snap is not None else ""
-        for name in names:
-            if LOG_NAME.match(name):
-                seen.add(name)
-                path = self.ledger_dir / name
-                off = self._offsets.get(name, 0)
-                if name in self._sealed and name in self._log_sizes and self._log_sizes[name] == off:
-                    total += off  # sealed and read to its end: it never changes again
-                    base = self._snap.offsets.get(name, 0) if self._snap is not None else 0
-                    pending += max(0, off - base)
-                    continue
-                if name in self._ignored:
-                    try:
-                        total += os.stat(path).st_size
-                    except OSError:
-                        pass
-                    continue
-                try:
-                    lines, new_off, size = read_lines(path, off)
-                except OSError:
-                    continue  # as above, for this log: read from the same offset next time
-                if size < 0:
-                    continue
-                total += size
-                self._log_sizes[name] = size
-                if off == 0 and lines:
-                    if parse_header(lines[0]) is None:
-                        self._ignored.add(name)
-                        continue
-                    lines = lines[1:]
-                self._offsets[name] = new_off
-                put, drop = self.index.put, self.index.drop
-                for line in lines:
-                    r = parse(line)
-                    if type(r) is Record:  # the common line first: once per file written anywhere
-                        op, t, size, parent, rel, cold = r
-                        if op == PUT:
-                            put(rel, t, size, parent, cold)
-                        else:
-                            drop(rel, t)
-                    elif r is None:
-                        self.bad_lines += 1  # torn or damaged: its file is found again by the next walk
-                    elif isinstance(r, End):
-                        self._sealed.add(name)
-                base = self._snap.offsets.get(name, 0) if self._snap is not None else 0
-                pending += max(0, size - base)
-            elif SNAPSHOT_NAME.match(name):
-                snap_size = self._snap_sizes.get(name)
-                if snap_size is None:
-                    try:
-                        snap_size = self._snap_sizes[name] = os.stat(self.ledger_dir / name).st_size
-                    except OSError:
-                        continue
-                total += snap_size
-                if name > newest:
-                    head = read_snapshot(self.ledger_dir / name, head_only=True)
-                    if head is not None:
-                        if head.walked > self._walked and self.loaded:
-                            self._adopt = name  # another instance walked: take its corrections
-                        self._snap, self._snap_bytes, newest = head, snap_size, name
-        for name in list(self._offsets):
-            if name not in seen:
-                del self._offsets[name]
-                self._sealed.discard(name)
-                self._log_sizes.pop(name, None)
-        self._logs = len(seen)
-        self._snap_sizes = {n: s for n, s in self._snap_sizes.items() if n in names}
-        self._ledger_bytes = total
-        self._pending_log_bytes = pending
-        self._reachable = True
+        adopt = self.tail.read(self.index, self._walked if self.loaded else None)
+        if not self.tail.reachable:
+            return  # a network filesystem without its server: every offset kept, tail later
+        if adopt is not None:
+            self._adopt = adopt  # another instance walked: take its corrections
         now = time.time()
         if now - self._tombs_pruned_at > 60:
             self.index.prune_tombs(min(now - TOMB_S, self._walk.started if self._walk is not None else now))
@@ -454,16 +353,16 @@ class DirBudget:
         let go of older snapshots and of logs it folded whose writers are done."""
         with self._lock:
             entries = self.index.snapshot_entries()
-            offsets = {n: o for n, o in self._offsets.items() if n not in self._ignored}
+            offsets = {n: o for n, o in self.tail.offsets.items() if n not in self.tail.ignored}
             walked, other = self._walked, self._other_bytes
         name, size = compaction.write(self.ledger_dir, entries, offsets, walked, other, self.file_mode,
                                       self.ledger.dir_mode)
         self.checkpoints += 1
         with self._lock:
-            self._snap = Snapshot(name, time.time(), walked, offsets, other, [], True)
-            self._snap_bytes = size
-            self._snap_sizes[name] = size
-        compaction.cleanup(self.ledger_dir, name, offsets, self._offsets, self._sealed, self.ledger.name,
+            self.tail.snap = Snapshot(name, time.time(), walked, offsets, other, [], True)
+            self.tail.snap_bytes = size
+            self.tail.snap_sizes[name] = size
+        compaction.cleanup(self.ledger_dir, name, offsets, self.tail.offsets, self.tail.sealed, self.ledger.name,
                            self.folded_idle_s)
         return name
 
@@ -494,18 +393,19 @@ class DirBudget:
                     self._install(snap)
                     self._sync_locked()
             return
-        newest_walk = max(self._walked, self._snap.walked if self._snap is not None else 0.0)
+        snap = self.tail.snap
+        newest_walk = max(self._walked, snap.walked if snap is not None else 0.0)
         # An outage now over (the directory unreachable, the ledger unwritable; records dropped from a full
         # backlog come only with one): only a walk accounts what went on meanwhile (a store whose rename
         # took effect though it reported an error, records the backlog could not keep).
-        after_outage = self.troubles > self._troubles_walked and not self.ledger.backlog and self._reachable
+        after_outage = self.troubles > self._troubles_walked and not self.ledger.backlog and self.tail.reachable
         if (self.reconcile_s > 0 and time.time() - newest_walk > self.reconcile_s) or after_outage:
             if self.lease.acquire():
                 self.reconciler.last_drift = {}
                 self._troubles_walked = self.troubles
                 self._walk = self.reconciler.start()
             return
-        due, many = compaction.due(self._logs, self._pending_log_bytes, self._snap_bytes, self._snap is not None,
+        due, many = compaction.due(self.tail.logs, self.tail.pending_log_bytes, self.tail.snap_bytes, snap is not None,
                                    self._folded_logs_at)
         if due and self.lease.acquire():
             if many:
@@ -533,74 +433,12 @@ class DirBudget:
         with self._lock:
             self.loaded = False
             self.index.clear()
-            self._offsets = {}
-            self._snap = None
-
-    # ---- eviction (under the lock) -------------------------------------------------------------
-
-    def _dir_safe(self, path: str) -> bool:
-        d = os.path.dirname(path)
-        if d in self._safe_dirs:
-            return True
-        if hygiene.escapes(Path(d), self._real_top):
-            return False
-        self._safe_dirs.add(d)
-        return True
-
-    def _current(self, rel: str) -> float | None:
-        e = self.index.get(rel)
-        return None if e is None else e.rank
+            self.tail.offsets = {}
+            self.tail.snap = None
 
     def _evict_locked(self) -> None:
-        """Evict the oldest leaves (`offload.store.evictor`) down to the low-water mark (writes in flight count)."""
-        freed = files = 0
-        rebuilt = False
-        top = str(self.top)
-        index = self.index
-        while self.usage + self.in_flight.bytes > self.target:
-            rel = index.queue.pop(self._current, index.link_of)
-            if rel is None:
-                if rebuilt or not len(index):
-                    break
-                index.rebuild_queue()  # parked parents whose counts drifted, or a queue emptied by stale pops
-                rebuilt = True
-                continue
-            e = index.get(rel)
-            assert e is not None
-            path = f"{top}/{rel}"
-            if not self._dir_safe(path):
-                index.remove(rel)
-                logger.warning("kvoffload: %s resolves outside the cache directory; not evicted", path)
-                continue
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                index.remove(rel)  # gone without a record we have read (yet)
-                continue
-            except OSError:
-                continue
-            if e.read_since(st.st_mtime):  # loaded since it was indexed: recency moves on
-                index.touch(rel, e, st.st_mtime)
-                continue
-            # The record's time is taken before the unlink: another instance may store the same key
-            # again right after it, and its record must fold in after ours (a time taken once this
-            # thread runs again could pass it, and the new file would go unaccounted).
-            now = time.time()
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                index.remove(rel)  # another instance evicted it: not ours to count
-                continue
-            except OSError as err:
-                logger.warning("kvoffload: eviction of %s failed: %s", path, err)
-                continue
-            index.remove(rel)
-            index.tombs[rel] = now
-            self.ledger.drop(rel, now)
-            freed += st.st_size
-            files += 1
-        if index.queue_bloated():
-            index.rebuild_queue()
+        """Evict the oldest leaves down to the low-water mark (writes in flight count)."""
+        files, freed = self.eviction.run(lambda: self.usage + self.in_flight.bytes > self.target)
         self.evicted_files += files
         self.evicted_bytes += freed
         if files:
