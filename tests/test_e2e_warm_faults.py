@@ -124,7 +124,9 @@ def _faults(models_dir, tmp_path):
     raw[-1] ^= 0xFF  # a payload byte: the header still reads, the CRC fails
     corrupt.write_bytes(raw)
     gone.unlink()  # the ledger still lists it
-    eio_env = {**FAULTS_ENV, "KVOFFLOAD_FAULTS": json.dumps({"eio_read_keys": [eio.name.removesuffix(".kv")]})}
+    # This one file (its group and shard): the same key names the chunk's state file too, which warm start reads.
+    eio_tail = str(eio.relative_to(eio.parents[2])).removesuffix(".kv")
+    eio_env = {**FAULTS_ENV, "KVOFFLOAD_FAULTS": json.dumps({"eio_read_keys": [eio_tail]})}
     small_kv = tiered(dirs["small"], cpu_bytes=SMALL_CPU, warm_start_share=SMALL_SHARE)
     small_files = sum(1 for _ in dirs["small"].glob(f"{LAYOUT_DIR}/*/g*/*/*.kv"))
     small_bytes = sum(p.stat().st_size for p in dirs["small"].glob(f"{LAYOUT_DIR}/*/g*/*/*.kv"))

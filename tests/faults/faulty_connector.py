@@ -14,7 +14,9 @@ unchanged; only file-system calls of our store misbehave:
   lookup and load.
 - "enospc_while": a path; while it exists every file write fails with ENOSPC
   before writing (a full disk, where no small filesystem can be mounted).
-- "eio_read_keys": [hex, ...]: reads of these files fail with EIO (buffered and O_DIRECT reads).
+- "eio_read_keys": [name, ...]: reads of the chunk files whose paths end in `name` + ".kv" fail with
+  EIO (buffered and O_DIRECT reads): a key names that key's file in every group, a path tail
+  ("g1/40/<key>") one file.
 - "slow_read_s": every chunk file's payload read (buffered and O_DIRECT) first sleeps this long:
   slow storage under a load or warm start.
 """
@@ -34,6 +36,10 @@ from offload.store import files, fs
 FAULTS = json.loads(os.environ.get("KVOFFLOAD_FAULTS", "{}"))
 _lock = threading.Lock()
 VANISHED: set[tuple[int, str]] = set()
+
+
+def _eio(path, names: tuple[str, ...]) -> bool:
+    return str(path).endswith(tuple(n + ".kv" for n in names))
 
 
 def _install() -> None:
@@ -74,7 +80,7 @@ def _install() -> None:
 
         files.FileStore.contains = faulty_contains
 
-    eio = set(FAULTS.get("eio_read_keys", []))
+    eio = tuple(FAULTS.get("eio_read_keys", []))
     slow_read = float(FAULTS.get("slow_read_s", 0))
     if eio or slow_read:
         read_file = copier.read_file
@@ -82,7 +88,7 @@ def _install() -> None:
         def faulty_read(path, header_len, out, *args, **kwargs):
             if slow_read:
                 time.sleep(slow_read)
-            if os.path.basename(str(path)).removesuffix(".kv") in eio:
+            if _eio(path, eio):
                 raise OSError(errno.EIO, "Input/output error (injected)", str(path))
             return read_file(path, header_len, out, *args, **kwargs)
 
@@ -91,7 +97,7 @@ def _install() -> None:
         def faulty_read_direct(path, *args, **kwargs):
             if slow_read:
                 time.sleep(slow_read)
-            if os.path.basename(str(path)).removesuffix(".kv") in eio:
+            if _eio(path, eio):
                 raise OSError(errno.EIO, "Input/output error (injected)", str(path))
             return read_file_direct(path, *args, **kwargs)
 
