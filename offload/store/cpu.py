@@ -57,7 +57,7 @@ from offload.store.base import (
     TierSpec,
     TierUsage,
 )
-from offload.store.buffers import BufferPool
+from offload.store.buffers import BufferPool, host_memory
 from offload.store.evictor import LeafQueue
 from offload.store.format import ChunkHeader
 from offload.store.options import CpuOptions
@@ -362,8 +362,9 @@ class CpuData(TierData):
 
     def __init__(self, layout: CpuLayout, device: torch.device) -> None:
         self.layout = layout
-        self.arena = torch.empty((layout.frames, layout.frame_bytes), dtype=torch.uint8,
-                                 pin_memory=device.type == "cuda")
+        # In huge pages: files are written from and read into its slots directly.
+        self.arena = host_memory(layout.frames * layout.frame_bytes, device.type == "cuda").view(
+            layout.frames, layout.frame_bytes)
         self.holding: dict[int, tuple[int, bytes, int]] = {}  # slot -> (group, key, pages)
 
     def _view(self, group: int, slot: int, n_pages: int) -> torch.Tensor:
