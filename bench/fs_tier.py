@@ -108,6 +108,23 @@ def _timed(fn, *args) -> tuple[float, float]:
     return time.perf_counter() - t0, cpu_seconds() - c0
 
 
+def _block_device(fs_desc: str) -> str | None:
+    """The /proc/diskstats name of the device in `filesystem_of`'s description (None: not a block device)."""
+    dev = fs_desc.split(" on ", 1)[1].split(" ", 1)[0] if " on " in fs_desc else ""
+    return os.path.basename(dev) if dev.startswith("/dev/") else None
+
+
+def _disk_counts(name: str | None) -> tuple[int, int, int, int] | None:
+    """(reads, sectors read, writes, sectors written) of device `name` so far."""
+    if name is None:
+        return None
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        f = line.split()
+        if f[2] == name:
+            return int(f[3]), int(f[5]), int(f[7]), int(f[9])
+    return None
+
+
 # ------------------------------------------------------------------ raw device
 def _raw_write(paths: list[str], nbytes: int, direct: bool) -> None:
     flag = os.O_DIRECT if direct else 0
@@ -407,7 +424,7 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
     work = Path(tempfile.mkdtemp(prefix="kvoffload-fsbench-", dir=dir))
     fs_desc = filesystem_of(work)
     key_file = work / "bench.key"  # a deployment key for the MAC rows
-    key_file.write_bytes(os.urandom(32))
+    key_file.write_bytes(os.urandom(48).hex().encode())  # text: a key file's trailing CR/LF is stripped
     os.chmod(key_file, 0o600)
     auth = AuthRef(key_file=str(key_file))
     direct_ok = probe_o_direct(work)
@@ -419,27 +436,35 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
     vp = VllmPages(kv) if have_vllm else None
     warm_buffers(kv, 2 * 16 + 2)  # the most staged at once: 16 store threads, 2 x threads queued
     rows: dict[str, list[tuple[float, float]]] = {}
+    io_rows: dict[str, list[dict]] = {}
+    disk = _block_device(fs_desc)
     cache_method = "?"
     verified: set[str] = set()
     direct_read_files = 0
     for r in range(reps):
-        def add(name, wall_cpu):
-            rows.setdefault(name, []).append(wall_cpu)
+        def timed(name, fn, *args):
+            before = _disk_counts(disk)
+            rows.setdefault(name, []).append(_timed(fn, *args))
+            after = _disk_counts(disk)
+            if before and after:  # KiB per device request: what a request was split into
+                d = [b - a for a, b in zip(before, after)]
+                io_rows.setdefault(name, []).append({"read_kib_per_request": d[1] / 2 / d[0] if d[0] else None,
+                                                     "write_kib_per_request": d[3] / 2 / d[2] if d[2] else None})
         # raw device, 1 and 4 streams
         for n in RAW_STREAMS:
             paths = [str(work / f"raw{r}.{i}") for i in range(n)]
-            add(f"raw write x{n}", _timed(_raw_write, paths, total, direct_ok))
+            timed(f"raw write x{n}", _raw_write, paths, total, direct_ok)
             cache_method = drop_page_cache(paths)
-            add(f"raw read x{n}", _timed(_raw_read, paths, direct_ok))
+            timed(f"raw read x{n}", _raw_read, paths, direct_ok)
             for p in paths:
                 os.unlink(p)
         if direct_ok:  # one O_DIRECT write/read per file, chunk-file sizes, 16 at a time
             sizes = [g.payload + HEADER_LEN for _, g in kv.files()]
             (work / f"rawf{r}").mkdir()
             paths = [str(work / f"rawf{r}" / f"{i}") for i in range(len(sizes))]
-            add("raw files write x16", _timed(_raw_files_write, paths, sizes, 16))
+            timed("raw files write x16", _raw_files_write, paths, sizes, 16)
             cache_method = drop_page_cache(paths)
-            add("raw files read x16", _timed(_raw_files_read, paths, sizes, 16))
+            timed("raw files read x16", _raw_files_read, paths, sizes, 16)
             shutil.rmtree(work / f"rawf{r}")
         # ours: store variants without a load after them
         for v, (variant, direct, nthreads) in enumerate((("ours, buffered writes", False, store_threads),
@@ -447,7 +472,7 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
             if direct is False and not direct_ok:
                 continue
             data = FsData(FileStore.open(str(work / f"ours{r}.{v}"), FP), direct=direct)
-            add(f"{variant} store", _timed(ours_store, kv, data, nthreads))
+            timed(f"{variant} store", ours_store, kv, data, nthreads)
             shutil.rmtree(work / f"ours{r}.{v}")
         # ours: each load variant reads files stored (with the connector's
         # defaults) right before it, from a cold page cache, as every vLLM
@@ -460,7 +485,7 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
         for v, (name, fn, direct_reads, mac) in enumerate(loads):
             path = str(work / f"load{r}.{v}")
             stored = FileStore.open(path, FP, options=FsOptions(path=path, auth=auth if mac else None))
-            add("ours store, MAC" if mac else "ours store", _timed(ours_store, kv, FsData(stored), store_threads))
+            timed("ours store, MAC" if mac else "ours store", ours_store, kv, FsData(stored), store_threads)
             files = [str(stored.file_path(g.index, kv.keys[c])) for c, g in kv.files()]
             assert sum(os.path.getsize(f) for f in files) == total + HEADER_LEN * len(files)
             if mac:
@@ -472,10 +497,10 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
             if want is not None:
                 kv.zero()
             if worker is not None:
-                add(name, _timed(ours_load_parallel, kv, worker))
+                timed(name, ours_load_parallel, kv, worker)
                 worker.shutdown()
             else:
-                add(name, _timed(fn, data))
+                timed(name, fn, data)
             if want is not None:
                 assert _fingerprint_kv(kv) == want, f"{name}: restored pages differ from the stored ones"
                 verified.add(name)
@@ -486,27 +511,28 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
         if vp is not None:
             for t in vllm_threads:
                 root = work / f"vllm{r}.{t}"
-                add(f"vLLM x{t} store", _timed(vllm_store, kv, vp, root, t, direct_ok))
+                timed(f"vLLM x{t} store", vllm_store, kv, vp, root, t, direct_ok)
                 files = [vp.paths(root, kv, c, g) for c, g in kv.files()]
                 cache_method = drop_page_cache(files)
-                add(f"vLLM x{t} load", _timed(vllm_load, kv, vp, root, t, direct_ok))
+                timed(f"vLLM x{t} load", vllm_load, kv, vp, root, t, direct_ok)
                 shutil.rmtree(root)
             # The whole way from and to the KV cache: its CPU-tier copy, then its file I/O.
             t = vllm_threads[0]
             root = work / f"vllm{r}.full"
-            add(f"vLLM x{t} + CPU-tier copy store",
-                _timed(vllm_full_store, kv, vp, root, t, direct_ok))
+            timed(f"vLLM x{t} + CPU-tier copy store",
+                vllm_full_store, kv, vp, root, t, direct_ok)
             files = [vp.paths(root, kv, c, g) for c, g in kv.files()]
             cache_method = drop_page_cache(files)
-            add(f"vLLM x{t} + CPU-tier copy load",
-                _timed(vllm_full_load, kv, vp, root, t, direct_ok))
+            timed(f"vLLM x{t} + CPU-tier copy load",
+                vllm_full_load, kv, vp, root, t, direct_ok)
             shutil.rmtree(root)
     shutil.rmtree(work, ignore_errors=True)
 
     med = {k: {"wall_s": median(w for w, _ in v), "cpu_s": median(c for _, c in v),
                "gb_s": total / median(w for w, _ in v) / GB, "runs_wall_s": [w for w, _ in v],
                "runs_cpu_s": [c for _, c in v], "runs_gb_s": [total / w / GB for w, _ in v],
-               "cpu_s_per_gb": median(c for _, c in v) / (total / GB)} for k, v in rows.items()}
+               "cpu_s_per_gb": median(c for _, c in v) / (total / GB), "runs_device_requests": io_rows.get(k)}
+           for k, v in rows.items()}
     # The device's limit, as measured in this run: the fastest path that only moves bytes
     # (our raw writers/readers, and vLLM's file I/O, which does nothing else).
     def pure_io(k: str, op: str) -> bool:
@@ -528,8 +554,12 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
     for k, v in med.items():
         base = raw_w if is_write(k) else raw_r
         runs = v["runs_gb_s"]
+        per_req = [io["write_kib_per_request" if is_write(k) else "read_kib_per_request"]
+                   for io in v["runs_device_requests"] or ()]
+        per_req = [x for x in per_req if x is not None]
         table_rows.append([k, f"{v['gb_s']:.2f}", f"{min(runs):.2f}-{max(runs):.2f}", f"{v['gb_s'] / base:.0%}",
-                           f"{v['cpu_s']:.2f}", f"{v['cpu_s_per_gb']:.2f}"])
+                           f"{v['cpu_s']:.2f}", f"{v['cpu_s_per_gb']:.2f}",
+                           f"{median(per_req):.0f}" if per_req else "-"])
     if vp is not None:
         for op in ("store", "load"):
             best = max((k for k in med if k.startswith("vLLM") and k.endswith(op) and "CPU-tier" not in k),
@@ -569,7 +599,7 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
           f"CRC-32C path {doc['crc32c']}; median of {reps} (range: min-max)")
     print(f"device limit (fastest pure I/O in this run): write {raw_w:.2f} GB/s ({doc_base['device_write']}), "
           f"read {raw_r:.2f} GB/s ({doc_base['device_read']})")
-    print(table(["path", "GB/s", "range", "of device", "CPU s", "CPU s/GB"], table_rows))
+    print(table(["path", "GB/s", "range", "of device", "CPU s", "CPU s/GB", "KiB per device request"], table_rows))
     for op in ("store", "load"):
         for key in (f"vs_vllm_{op}", f"vs_vllm_full_{op}"):
             if key in doc:

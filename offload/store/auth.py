@@ -45,7 +45,9 @@ GMAC_KEY_ID_CONTEXT = "kvoffload 2026-11-28 key id v2"
 NONCE_LEN = 16
 TAG_LEN = MAC_LEN - NONCE_LEN
 _GCM_IV = bytes(12)  # each entry key signs one entry, so a fixed IV never repeats under a key
-KEY_HINT = "e.g. 'head -c 32 /dev/urandom > FILE && chmod 600 FILE' or 'openssl rand -base64 48'"
+# Text, not raw bytes: a trailing CR/LF is stripped from a key file, so 32 raw random bytes
+# would come up short once in 128 keys.
+KEY_HINT = "e.g. 'openssl rand -base64 48 > FILE && chmod 600 FILE'"
 
 
 class KeyConfigError(ValueError):
