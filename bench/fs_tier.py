@@ -167,6 +167,25 @@ def _raw_read(paths: list[str], direct: bool) -> None:
         _raw_done(b)
 
 
+def device_read_limit(directory: str | os.PathLike, nbytes: int = 1 << 30) -> float:
+    """The device's read limit under `directory` in GB/s: the fastest of `RAW_STREAMS` cold
+    O_DIRECT (where taken) streams reading `nbytes` written there first."""
+    work = Path(tempfile.mkdtemp(prefix="kvoffload-readlimit-", dir=directory))
+    try:
+        direct = probe_o_direct(work)
+        best = 0.0
+        for n in RAW_STREAMS:
+            paths = [str(work / f"raw.{i}") for i in range(n)]
+            _raw_write(paths, nbytes, direct)
+            drop_page_cache(paths)
+            best = max(best, nbytes / _timed(_raw_read, paths, direct)[0] / GB)
+            for p in paths:
+                os.unlink(p)
+        return best
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _raw_files_write(paths: list[str], sizes: list[int], threads: int) -> None:
     """One O_DIRECT write per file, of the chunk files' sizes (4 KiB rounded),
     `threads` at a time: the device at the queue depth a file tier gives it."""

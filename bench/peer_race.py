@@ -81,6 +81,7 @@ from typing import Any
 
 import harness.server
 from bench.common import REPO, drop_page_cache, filesystem_of, median, table, write_results
+from bench.fs_tier import device_read_limit
 from harness.client import Samples, metric_sum, wait_until
 
 CONFIGS = ("ours", "vllm", "none")
@@ -173,7 +174,8 @@ def server(model: str, kv: dict | None, serve_args: list[str], max_model_len: in
     if blocks:
         args += ["--num-gpu-blocks-override", str(blocks)]
     defaults = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
-                "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
+                "VLLM_SERVER_DEV_MODE": "1"}  # for /reset_prefix_cache (the host-memory floor); every config alike
     if bind is not None:
         defaults["VLLM_CPU_OMP_THREADS_BIND"] = bind
     with harness.server.vllm_server(model, args, log, kv=kv, served=SERVED, env={**defaults, **(env or {})},
@@ -233,7 +235,7 @@ def measure(s: Server, ids: list[int], flush: list[int], max_tokens: int = 1, lo
            "external_tokens": int(delta(m0, m2, "vllm:external_prefix_cache_hits_total")),
            "first_token": (choice.get("token_ids") or [None])[0], "text": choice.get("text", ""),
            "output_ids": choice.get("token_ids") or [],
-           "restored_bytes": {}, "read_s": {}, "scatter_s": {},
+           "restored_bytes": {}, "read_s": {}, "scatter_s": {}, "restored_tokens_by_tier": {},
            "load_s": delta(m0, m2, "kvoffload_load_seconds_sum"),
            # vLLM's connector: bytes it copied into the KV cache, and its copy time
            "vllm_load_bytes": delta(m0, m2, "vllm:kv_offload_load_bytes_total"),
@@ -242,6 +244,9 @@ def measure(s: Server, ids: list[int], flush: list[int], max_tokens: int = 1, lo
         row["top_logprobs"] = [{k.removeprefix("token_id:"): v for k, v in top.items()}
                                for top in choice["logprobs"]["top_logprobs"]]
     for n, lab, _ in m2:
+        if n == "kvoffload_restored_tokens_total":
+            t = lab.get("tier", "?")
+            row["restored_tokens_by_tier"][t] = delta(m0, m2, n, tier=t)
         if n == "kvoffload_restored_bytes_total":
             k = lab.get("group_kind", "?")
             row["restored_bytes"][k] = delta(m0, m2, n, group_kind=k)
@@ -439,12 +444,20 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
             # vLLM's own prefix cache in this process: each prompt again, on the server that
             # just computed it (no connector: every cached token is vLLM's own hit).
             own = serve_long(s, long_p, flush) if c == "none" else None
+            host = None
+            if c == "ours":
+                # The floor a load from files is held to: the same prompts from our host-memory
+                # tier, which the load from files filled, once vLLM's own prefix cache is empty.
+                s.reset_prefix_cache()
+                host = serve_long(s, long_p, flush)
             if mr.with_load and not separate_load:
                 load = bench_serve(s, mr.model, mr.load, log_dir, mr.seed + 1)
         out = {"ttft": rows, "start_s": start_s, "page_cache": method,
                "worker_counters": worker_counters(log.read_text(errors="replace"))}
         if own is not None:
             out["own_cache"] = own
+        if host is not None:
+            out["host_memory"] = host
         if not mr.with_load:
             return out
         if separate_load:
@@ -457,6 +470,7 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         out["load"] = load
         return out
 
+    doc["device_read_gb_s"] = device_read_limit(work)
     doc["store"] = each(tuple(pristine), store, parallel or parallel_store)
     cs = mr.configs
     for r in range(mr.rounds):
@@ -507,6 +521,22 @@ def _own_cache(own: list[dict], per_round: list[dict[str, dict]]) -> dict[str, A
     return out
 
 
+def _files_vs_host(files: list[dict], host: list[dict], read_gb_s: float) -> dict[str, Any]:
+    """A restore from files against the same prompt from our host memory, per round: the files'
+    TTFT may exceed host memory's by what reading the bytes at the device's speed costs, with 20%
+    to spare (`bound_s`: host TTFT + 1.2 x bytes loaded / the device's read limit)."""
+    loaded = [sum(f["restored_bytes"].values()) for f in files]
+    bound = [h["ttft_s"] + 1.2 * b / (read_gb_s * 1e9) for h, b in zip(host, loaded)]
+    return {"files_ttft_s": [f["ttft_s"] for f in files], "host_ttft_s": [h["ttft_s"] for h in host],
+            "files_restored_tokens": [f["external_tokens"] for f in files],
+            "host_restored_tokens": [h["external_tokens"] for h in host],
+            "host_restored_tokens_by_tier": [h["restored_tokens_by_tier"] for h in host],
+            "bytes_loaded": loaded, "device_read_gb_s": read_gb_s, "bound_s": bound,
+            "within_bound": [f["ttft_s"] <= b for f, b in zip(files, bound)],
+            "excess_over_host_s": median([f["ttft_s"] - h["ttft_s"] for f, h in zip(files, host)]),
+            "identical_first_token": all(f["first_token"] == h["first_token"] for f, h in zip(files, host))}
+
+
 def summarize(doc: dict) -> dict:
     """Medians and spreads over the rounds; ratios only between configurations
     the run had (`configs`, all three unless a run says otherwise)."""
@@ -534,6 +564,9 @@ def summarize(doc: dict) -> dict:
             "scatter_s": {k: median([o["scatter_s"].get(k, 0) for o in ours]) for k in ours[0]["scatter_s"]},
             "load_s": median([o["load_s"] for o in ours]),
             "ttft_s": median([o["ttft_s"] for o in ours])}
+        if "ours" in configs and doc.get("device_read_gb_s") and all("host_memory" in r["ours"] for r in rounds):
+            row["files_vs_host_memory"] = _files_vs_host(ours, [r["ours"]["host_memory"][i] for r in rounds],
+                                                         doc["device_read_gb_s"])
         for v in (c for c in VLLM_CONFIGS if c in configs):
             vl = [r[v]["ttft"][i] for r in rounds]
             row[f"{v}_restore"] = {"load_bytes": median([x.get("vllm_load_bytes", 0) for x in vl]),
@@ -625,6 +658,14 @@ def print_tables(doc: dict) -> None:
               + (f"; vLLM's own in-process cache hit {median(row['vllm_own_cache_tokens']):.0f}, restored at"
                  f" least that: {row['restored_at_least_own_cache']}" if "vllm_own_cache_tokens" in row else "")
               + _own_cache_line(row))
+        fh = row.get("files_vs_host_memory")
+        if fh:
+            print(f"  {doc['label']} {n} tok, from files against from our host memory: TTFT "
+                  f"{median(fh['files_ttft_s']) * 1e3:.0f} ms against {median(fh['host_ttft_s']) * 1e3:.0f} ms"
+                  f" ({median(fh['host_restored_tokens']):.0f} tokens restored), bound (host + 1.2 x"
+                  f" {median(fh['bytes_loaded']) / 1e6:.0f} MB at {fh['device_read_gb_s']:.2f} GB/s)"
+                  f" {median(fh['bound_s']) * 1e3:.0f} ms; within it in {sum(fh['within_bound'])} of"
+                  f" {len(fh['within_bound'])} rounds")
     print_wait_tail_table(doc)
 
 

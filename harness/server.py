@@ -87,6 +87,16 @@ class Server:
     def complete(self, ids: list[int], max_tokens: int = 4, timeout_s: float = 300, **body: Any) -> dict:
         return complete(self.base, ids, max_tokens, model=self.served, timeout_s=timeout_s, **body)
 
+    def reset_prefix_cache(self, timeout_s: float = 60) -> None:
+        """Empty vLLM's own prefix cache, not the connector's (the server needs
+        VLLM_SERVER_DEV_MODE=1). vLLM refuses while blocks are held, e.g. by stores in
+        flight: asked again until `timeout_s`."""
+        def reset() -> bool:
+            req = urllib.request.Request(f"{self.base}/reset_prefix_cache", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return bool(json.loads(r.read()).get("success"))
+        wait_until(reset, timeout_s, "vLLM to reset its prefix cache", interval_s=0.5)
+
 
 S = TypeVar("S", bound=Server)
 
