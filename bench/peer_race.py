@@ -100,7 +100,9 @@ SERVED = "m"
 
 # ---------------------------------------------------------------- configurations
 
-def kv_config(name: str, path: Path) -> dict | None:
+def kv_config(name: str, path: Path, warm_start: bool = True) -> dict | None:
+    """`warm_start=False`: ours without warm start, so that a restart's loads read the files (with
+    it, the files' entries are in host memory again before the first long prompt)."""
     if name == "none":
         return None
     if name == "ours":
@@ -108,6 +110,8 @@ def kv_config(name: str, path: Path) -> dict | None:
         for t in cfg["kv_connector_extra_config"]["tiers"]:
             if t.get("store") == "fs":
                 t["path"] = str(path)
+        if not warm_start:
+            cfg["kv_connector_extra_config"]["warm_start"] = False
         return cfg
     # vLLM's tiering with its own defaults for the fs tier (threads, O_DIRECT).
     cfg = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -370,6 +374,7 @@ class ModelRun:
     configs: tuple[str, ...] = CONFIGS  # ("ours", "none"): restore vs compute only
     results: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # per server, e.g. a smaller VLLM_CPU_KVCACHE_SPACE
+    warm_start: bool = True  # ours after a restart; False: its loads read the files
 
 
 def each(configs: tuple[str, ...], fn: Any, parallel: bool) -> dict[str, Any]:
@@ -402,6 +407,7 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
     doc: dict[str, Any] = {"model": mr.model, "label": mr.label, "plan": plan.to_json(), "serve_args": args,
                            "max_model_len": max_len, "load_max_model_len": load_len if separate_load else max_len,
                            "load_num_gpu_blocks_override": blocks, "parallel": parallel,
+                           "ours_warm_start": mr.warm_start,
                            "prompt_tokens": mr.prompt_tokens, "load": mr.load if mr.with_load else None,
                            "configs": list(mr.configs), "store": {}, "rounds": []}
     pristine = {c: work / mr.label / c / "store" for c in mr.configs if c != "none"}
@@ -438,7 +444,7 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
         method = method or drop_page_cache(files)
         log = log_dir / f"{mr.label}-r{r}-{c}.log"
         print(f"[{mr.label}] round {r}: {c}", flush=True)
-        with server(mr.model, kv_config(c, d), args, max_len, log, env=mr.env, warm=warm) as s:
+        with server(mr.model, kv_config(c, d, mr.warm_start), args, max_len, log, env=mr.env, warm=warm) as s:
             start_s = s.start_s
             rows = serve_long(s, long_p, flush)
             # vLLM's own prefix cache in this process: each prompt again, on the server that
@@ -464,7 +470,8 @@ def run_model(mr: ModelRun, work: Path, plan: Any, log_dir: Path, parallel: bool
             # A server of its own: a KV cache too small for the load's prefixes needs the load's
             # max_model_len, not the long prompts'.
             log = log_dir / f"{mr.label}-r{r}-{c}-load.log"
-            with server(mr.model, kv_config(c, d), args, load_len, log, blocks, env=mr.env, warm=warm[:32]) as s:
+            with server(mr.model, kv_config(c, d, mr.warm_start), args, load_len, log, blocks, env=mr.env,
+                        warm=warm[:32]) as s:
                 load = bench_serve(s, mr.model, mr.load, log_dir, mr.seed + 1)
             out["load_worker_counters"] = worker_counters(log.read_text(errors="replace"))
         out["load"] = load
@@ -521,20 +528,23 @@ def _own_cache(own: list[dict], per_round: list[dict[str, dict]]) -> dict[str, A
     return out
 
 
-def _files_vs_host(files: list[dict], host: list[dict], read_gb_s: float) -> dict[str, Any]:
-    """A restore from files against the same prompt from our host memory, per round: the files'
-    TTFT may exceed host memory's by what reading the bytes at the device's speed costs, with 20%
-    to spare (`bound_s`: host TTFT + 1.2 x bytes loaded / the device's read limit)."""
-    loaded = [sum(f["restored_bytes"].values()) for f in files]
+def _restart_vs_host(restart: list[dict], host: list[dict], read_gb_s: float) -> dict[str, Any]:
+    """The restore after a restart (from files, or from host memory where warm start had filled it:
+    `restart_restored_tokens_by_tier`) against the same prompt from our host memory on the same
+    server, per round. From files, the TTFT may exceed host memory's by what reading the bytes at
+    the device's speed costs, with 20% to spare (`bound_s`: host TTFT + 1.2 x bytes loaded / the
+    device's read limit)."""
+    loaded = [sum(f["restored_bytes"].values()) for f in restart]
     bound = [h["ttft_s"] + 1.2 * b / (read_gb_s * 1e9) for h, b in zip(host, loaded)]
-    return {"files_ttft_s": [f["ttft_s"] for f in files], "host_ttft_s": [h["ttft_s"] for h in host],
-            "files_restored_tokens": [f["external_tokens"] for f in files],
+    return {"restart_ttft_s": [f["ttft_s"] for f in restart], "host_ttft_s": [h["ttft_s"] for h in host],
+            "restart_restored_tokens": [f["external_tokens"] for f in restart],
+            "restart_restored_tokens_by_tier": [f["restored_tokens_by_tier"] for f in restart],
             "host_restored_tokens": [h["external_tokens"] for h in host],
             "host_restored_tokens_by_tier": [h["restored_tokens_by_tier"] for h in host],
             "bytes_loaded": loaded, "device_read_gb_s": read_gb_s, "bound_s": bound,
-            "within_bound": [f["ttft_s"] <= b for f, b in zip(files, bound)],
-            "excess_over_host_s": median([f["ttft_s"] - h["ttft_s"] for f, h in zip(files, host)]),
-            "identical_first_token": all(f["first_token"] == h["first_token"] for f, h in zip(files, host))}
+            "within_bound": [f["ttft_s"] <= b for f, b in zip(restart, bound)],
+            "excess_over_host_s": median([f["ttft_s"] - h["ttft_s"] for f, h in zip(restart, host)]),
+            "identical_first_token": all(f["first_token"] == h["first_token"] for f, h in zip(restart, host))}
 
 
 def summarize(doc: dict) -> dict:
@@ -565,7 +575,7 @@ def summarize(doc: dict) -> dict:
             "load_s": median([o["load_s"] for o in ours]),
             "ttft_s": median([o["ttft_s"] for o in ours])}
         if "ours" in configs and doc.get("device_read_gb_s") and all("host_memory" in r["ours"] for r in rounds):
-            row["files_vs_host_memory"] = _files_vs_host(ours, [r["ours"]["host_memory"][i] for r in rounds],
+            row["restart_vs_host_memory"] = _restart_vs_host(ours, [r["ours"]["host_memory"][i] for r in rounds],
                                                          doc["device_read_gb_s"])
         for v in (c for c in VLLM_CONFIGS if c in configs):
             vl = [r[v]["ttft"][i] for r in rounds]
@@ -658,14 +668,15 @@ def print_tables(doc: dict) -> None:
               + (f"; vLLM's own in-process cache hit {median(row['vllm_own_cache_tokens']):.0f}, restored at"
                  f" least that: {row['restored_at_least_own_cache']}" if "vllm_own_cache_tokens" in row else "")
               + _own_cache_line(row))
-        fh = row.get("files_vs_host_memory")
+        fh = row.get("restart_vs_host_memory")
         if fh:
-            print(f"  {doc['label']} {n} tok, from files against from our host memory: TTFT "
-                  f"{median(fh['files_ttft_s']) * 1e3:.0f} ms against {median(fh['host_ttft_s']) * 1e3:.0f} ms"
-                  f" ({median(fh['host_restored_tokens']):.0f} tokens restored), bound (host + 1.2 x"
-                  f" {median(fh['bytes_loaded']) / 1e6:.0f} MB at {fh['device_read_gb_s']:.2f} GB/s)"
-                  f" {median(fh['bound_s']) * 1e3:.0f} ms; within it in {sum(fh['within_bound'])} of"
-                  f" {len(fh['within_bound'])} rounds")
+            tiers = sorted({t for by in fh["restart_restored_tokens_by_tier"] for t, v in by.items() if v > 0})
+            print(f"  {doc['label']} {n} tok, after the restart (from {', '.join(tiers) or 'nothing'}) against"
+                  f" from our host memory: TTFT {median(fh['restart_ttft_s']) * 1e3:.0f} ms against"
+                  f" {median(fh['host_ttft_s']) * 1e3:.0f} ms ({median(fh['host_restored_tokens']):.0f} tokens"
+                  f" restored); bound (host + 1.2 x {median(fh['bytes_loaded']) / 1e6:.0f} MB at"
+                  f" {fh['device_read_gb_s']:.2f} GB/s) {median(fh['bound_s']) * 1e3:.0f} ms, met in"
+                  f" {sum(fh['within_bound'])} of {len(fh['within_bound'])} rounds")
     print_wait_tail_table(doc)
 
 
@@ -1012,6 +1023,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-wait-tail", action="store_true",
                     help=f"add the what-if contender {WAIT_TAIL}: vLLM's tiering with its partial-tail search "
                     "waiting for its pending lookup (bench/vllm_wait_tail.py); same as adding it to --configs")
+    ap.add_argument("--no-warm-start", action="store_true",
+                    help="ours without warm start after each restart: its restores read the files (the shipped "
+                         "default warms host memory from them first)")
     ap.add_argument("--load-on-ttft-server", action="store_true",
                     help="no separate load server (no KV cache override: nothing is evicted)")
     mt = ap.add_argument_group("multi-turn race (--multi-turn)", "a conversation per configuration on servers "
@@ -1082,6 +1096,7 @@ def main(argv: list[str] | None = None) -> int:
             r.blocks = a.blocks
         r.with_load = not a.no_load
         r.configs = configs
+        r.warm_start = not a.no_warm_start
     run(runs, a.dir, a.out_dir, a.name or "peer_race", a.parallel, not a.load_on_ttft_server, a.parallel_store)
     return 0
 

@@ -269,8 +269,8 @@ def test_bench_peer_race_small(prefetched) -> None:
         assert row["restored_at_least_own_cache"]["ours"] is True, (n, row)
         # The floor of a load from files: the same prompt from our host memory, which that load
         # filled, once vLLM's own cache is emptied: as many tokens, all from host memory, same token.
-        fh = row["files_vs_host_memory"]
-        assert fh["host_restored_tokens"] == fh["files_restored_tokens"], (n, fh)
+        fh = row["restart_vs_host_memory"]
+        assert fh["host_restored_tokens"] == fh["restart_restored_tokens"], (n, fh)
         assert all({t for t, v in by.items() if v > 0} == {"cpu"} for by in fh["host_restored_tokens_by_tier"]), fh
         assert fh["identical_first_token"] is True and fh["device_read_gb_s"] > 0, fh
 
