@@ -158,7 +158,7 @@ class SchedulerSide:
             self.recorder.inc("kvoffload_hits_deferred")
             st.defer(num_tokens, num_computed_tokens, found)
             return None, False  # no room to finish yet: vLLM asks again next step
-        if reused and not all(self.indices[t].contains(g, k) for (g, k), t in st.found_in.items()):
+        if reused and any(self._stored_in(g, k, (t,)) is None for (g, k), t in st.found_in.items()):
             # A tier evicted an entry while the hit waited: look up afresh (a shorter hit, or none)
             # rather than offer one whose load would fail and cost the request all of it.
             return self.get_num_new_matched_tokens(request, num_computed_tokens)
@@ -195,11 +195,20 @@ class SchedulerSide:
 
     def _probe(self, st: _Req, group: int, key: ChunkKey) -> bool:
         """Whether a tier holds the entry; the fastest that does is noted for its load's pin."""
-        for t, ix in enumerate(self.indices):
-            if ix.contains(group, key):
-                st.found(group, key, t)
-                return True
-        return False
+        t = self._stored_in(group, key)
+        if t is not None:
+            st.found(group, key, t)
+        return t is not None
+
+    def _stored_in(self, group: int, key: ChunkKey, tiers: tuple[int, ...] | None = None) -> int | None:
+        """The fastest of `tiers` (all by default) whose index holds the entry,
+        else None: where this half asks whether an entry is stored (a lookup's
+        probes, a deferred hit's check). The pin and the worker's read ask again
+        later, as guards: a tier may lose the entry in between."""
+        for t in range(len(self.indices)) if tiers is None else tiers:
+            if self.indices[t].contains(group, key):
+                return t
+        return None
 
     def _count_lookup(self, st: _Req, num_tokens: int, computed: int, hit: int) -> None:
         """Once per request: vLLM asks again while a request waits for room."""
