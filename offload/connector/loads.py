@@ -4,9 +4,10 @@ Contract: `start(job)` reads a request's files entirely on the load threads,
 one task per file, so a request's files are read at once; it never blocks
 the forward path. A request waits for its load in WAITING_FOR_REMOTE_KVS, so
 its destination blocks are ours alone. Each file is read (from the pooled
-copy of a write still queued to its tier, else from the tier), verified by
-the tier, and scattered into the KV cache; the bytes read from a slower tier
-are put into the faster tiers the scheduler reserved (promotion), from the
+copy of a write still queued to its tier, which `WritesInFlight` holds,
+else from the tier), verified by the tier, and scattered into the KV cache;
+the bytes read from a slower tier are handed to the store path, which puts
+them into the faster tiers the scheduler reserved (promotion), from the
 same read. A request is a hit only if every file was restored; all its files
 are read regardless, so every bad one is found (and quarantined) in the same
 pass, and a failed request is reported with the gravest of its reasons. A
@@ -23,15 +24,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
+from offload.connector.in_flight import WritesInFlight
 from offload.connector.metadata import LoadJob, TierSlot
 from offload.connector.registration import KVCache
-from offload.connector.stores import StorePath
 from offload.connector.warm import WarmReader
 from offload.metrics import Recorder
 from offload.store.base import ChunkMiss, HostChunk, MissReason, Placement
@@ -63,9 +65,12 @@ class _LoadRun:
 
 
 class LoadPipeline:
-    def __init__(self, cfg: OffloadConfig, kv: KVCache, stores: StorePath, recorders: list[Recorder]) -> None:
+    def __init__(self, cfg: OffloadConfig, kv: KVCache, writes: WritesInFlight,
+                 promote: Callable[[TierSlot, ChunkHeader, HostChunk], bool], recorders: list[Recorder]) -> None:
         self.kv = kv
-        self.stores = stores
+        self.writes = writes  # a write still queued: its copy is read instead
+        # A promotion is a store: handed to the store path (`StorePath.promote`), True where it was put.
+        self._promote = promote
         self.recorders = recorders
         self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvoffload-load")
         # Requests whose load is in flight or finished and not yet reported, by id.
@@ -136,7 +141,7 @@ class LoadPipeline:
         # load uses its copy, or takes the read over and fills warm start's slot from it (`fill`).
         warmed, fill, tier = self.warm.serve(src.tier, header) if self.warm is not None else (None, None, src.tier)
         try:
-            chunk = warmed or self.stores.queued_copy(tier, header) or self.kv.tiers[tier].get_to_scatter(
+            chunk = warmed or self.writes.queued_copy(tier, header) or self.kv.tiers[tier].get_to_scatter(
                 header, Placement(src.slot if tier == src.tier else None), self.kv.buffers)
         except ChunkMiss as e:
             if fill is not None and self.warm is not None:
@@ -214,16 +219,3 @@ class LoadPipeline:
             tier, reason = failed
             self.recorders[tier].inc("kvoffload_failed_loads", reason=reason.value)
         run.result.set_result(failed[1] if failed is not None else None)
-
-    def _promote(self, up: TierSlot, header: ChunkHeader, chunk: HostChunk) -> bool:
-        """Put a loaded entry into a faster tier; a failure costs only the promotion."""
-        t0 = time.perf_counter()
-        try:
-            self.stores.wait_reading(up, header.group)
-            if self.kv.tiers[up.tier].put(header, chunk, Placement(up.slot)):
-                self.stores.stored(up.tier, header, chunk.payload.numel(), t0)
-            return True
-        except Exception as e:
-            logger.warning("kvoffload: promotion of %s dropped: %s", header.key.hex()[:16], e)
-            self.stores.drop_promotion(up.tier, header)
-            return False

@@ -2,7 +2,9 @@
 
 `_Req` is what the scheduler half knows of one request between its lookup and
 its end: its chunk keys, how far it is stored, the hit it was offered and the
-load planned for it. `Requests` holds them by request id (created on a
+load planned for it. The lookup, load and store planning read its fields
+and tell it what happened through its methods (`found_stored`,
+`load_planned`, `planned_stores`, ...), the only writers. `Requests` holds them by request id (created on a
 request's first lookup, dropped when it finishes) and derives the keys: the
 chained chunk keys of its prompt (computed once per request, as far as asked),
 a partial tail's key, and for a planned entry (`GroupChunk`) its key, the key
@@ -59,6 +61,92 @@ class _Req:
     restored_by_tier: dict[int, int] = field(default_factory=dict)
     load_failed: bool = False
     counted: bool = False  # its lookup is in the metrics (once per request)
+
+    # What happened to it, told by the lookup, load and store planning: they
+    # read its fields, and only these methods write them.
+
+    def take_deferred(self) -> tuple[int, int, Lookup] | None:
+        """The hit held back for room, if any; it is held no longer."""
+        deferred, self.deferred = self.deferred, None
+        return deferred
+
+    def new_lookup(self) -> None:
+        """Its tiers are probed afresh: where the last probes found entries is forgotten."""
+        self.found_in = {}
+
+    def found(self, group: int, key: ChunkKey, tier: int) -> None:
+        """A probe found the entry, fastest in `tier`."""
+        self.found_in[(group, key)] = tier
+
+    def found_stored(self, chunks: int) -> None:
+        """The first `chunks` chunks are stored (a lookup saw them, or a load restores them)."""
+        self.stored_chunks = max(self.stored_chunks, chunks)
+
+    def branch_found(self, at: int) -> None:
+        """Its first lookup found the stored (or vLLM-cached) prefix ending at `at`."""
+        if not self.counted:
+            self.branch_at = at
+
+    def count_lookup(self) -> bool:
+        """True the first time only: its lookup is counted once."""
+        first, self.counted = not self.counted, True
+        return first
+
+    def no_hit(self) -> None:
+        self.pending_hit = None
+
+    def defer(self, tokens: int, computed: int, found: Lookup) -> None:
+        """Its hit is held back for room (`no_hit` too: none is offered now)."""
+        self.pending_hit = None
+        self.deferred = (tokens, computed, found)
+
+    def offer(self, chunks: int, computed: int, tail: int) -> None:
+        self.pending_hit = (chunks, computed, tail)
+
+    def take_offer(self) -> tuple[tuple[int, int, int] | None, dict[tuple[int, ChunkKey], int]]:
+        """vLLM allocated for it: (the hit offered, where its entries were
+        found); both are forgotten, and so is a hit held back."""
+        offer, found_in = self.pending_hit, self.found_in
+        self.pending_hit, self.found_in, self.deferred = None, {}, None
+        return offer, found_in
+
+    def nothing_restored(self) -> None:
+        """Admitted from its start with no load of ours (again, if preempted)."""
+        self.restored_end = 0
+
+    def load_planned(self, tokens: int, hit_tier: int, by_tier: dict[int, int], chunks: int, end: int,
+                     tail_to: int) -> None:
+        """Its load of `tokens` (`by_tier`, from tiers up to `hit_tier`) was
+        planned: chunks below `chunks` and its tail up to `tail_to` are
+        stored, and the restore ends at `end` (0: the load fails)."""
+        self.loading_tokens = tokens
+        self.hit_tier = hit_tier
+        self.loading_by_tier = by_tier
+        self.found_stored(chunks)
+        self.restored_end = end
+        self.tail_stored_to = max(self.tail_stored_to, tail_to)
+
+    def load_finished(self, ok: bool) -> dict[int, int]:
+        """Its load ended: the tokens restored, by tier ({} where it failed:
+        its retry must not be offered the same hit, and what was known stored is forgotten)."""
+        restored = self.loading_by_tier if ok else {}
+        for t, tokens in restored.items():
+            self.restored_by_tier[t] = self.restored_by_tier.get(t, 0) + tokens
+        if not ok:
+            self.load_failed = True
+            self.stored_chunks = 0
+            self.tail_stored_to = 0
+        self.loading_tokens = 0
+        self.loading_by_tier = {}
+        return restored
+
+    def planned_stores(self, chunks: int) -> None:
+        """The stores of its chunks below `chunks` are planned (or were not worth planning)."""
+        self.stored_chunks = chunks
+
+    def planned_tail(self, end: int) -> None:
+        """The store of its tail up to `end` is planned."""
+        self.tail_stored_to = end
 
     def may_store(self, chunk: int) -> bool:
         """Whether entries of `chunk` may be stored: not at or past the chunk

@@ -123,7 +123,7 @@ class SchedulerSide:
         if max_n == 0 and not (unit is not None and min(prompt, num_tokens - 1) >= unit):
             self._count_lookup(st, num_tokens, num_computed_tokens, 0)
             return 0, False
-        deferred, st.deferred = st.deferred, None
+        deferred = st.take_deferred()
         reused = deferred is not None and deferred[:2] == (num_tokens, num_computed_tokens)
         if deferred is not None and reused:
             # Held back for room last time, asked again unchanged: the same hit, not looked up again
@@ -131,7 +131,7 @@ class SchedulerSide:
             found = deferred[2]
         else:
             keys, tail_key = self.requests.keys(st, max_n), self.requests.tail_key
-            st.found_in = {}
+            st.new_lookup()
             found = self.planner.lookup(
                 num_tokens, lambda g, ch: ch < len(keys) and self._probe(st, g, keys[ch]), num_computed_tokens,
                 prompt, present_tail=(lambda g, end: self._probe(st, g, tail_key(st, end))) if tails else None,
@@ -139,18 +139,16 @@ class SchedulerSide:
         # Attention chunks the search saw stored are not stored again. It only
         # probes past vLLM's own hit, so it vouches for a prefix only from 0.
         if num_computed_tokens < self.planner.chunk_size:
-            st.stored_chunks = max(st.stored_chunks, found.full_prefix)
-        n, tail = found.chunks, found.tail
-        if not st.counted:
-            st.branch_at = max(found.full_prefix, num_computed_tokens // self.planner.chunk_size) \
-                * self.planner.chunk_size
+            st.found_stored(found.full_prefix)
+        n, tail, c = found.chunks, found.tail, self.planner.chunk_size
+        st.branch_found(max(found.full_prefix, num_computed_tokens // c) * c)
         hit = max(0, n * self.planner.chunk_size + tail - num_computed_tokens)
         self._count_lookup(st, num_tokens, num_computed_tokens, hit)
         if hit == 0:
-            st.pending_hit = None
+            st.no_hit()
             return 0, False
         if self.room is not None and not self.room.fits(request, num_computed_tokens + hit, self._loads_waiting()):
-            st.pending_hit = None
+            st.no_hit()
             if hit < self._block_lcm:
                 # vLLM shows us its own hit cut to its block (the blocks' LCM) and keeps the part
                 # inside the next block over ours unless ours is longer. A hit that ends inside that
@@ -158,13 +156,13 @@ class SchedulerSide:
                 # blocks others may evict meanwhile: offer nothing, vLLM starts from its own hit now.
                 return 0, False
             self.recorder.inc("kvoffload_hits_deferred")
-            st.deferred = (num_tokens, num_computed_tokens, found)
+            st.defer(num_tokens, num_computed_tokens, found)
             return None, False  # no room to finish yet: vLLM asks again next step
-        if reused and not all(self.indices[t].contains(g, k) for (g, k), t in st.found_in.items()):
+        if reused and any(self._stored_in(g, k, (t,)) is None for (g, k), t in st.found_in.items()):
             # A tier evicted an entry while the hit waited: look up afresh (a shorter hit, or none)
             # rather than offer one whose load would fail and cost the request all of it.
             return self.get_num_new_matched_tokens(request, num_computed_tokens)
-        st.pending_hit = (n, num_computed_tokens, tail)
+        st.offer(n, num_computed_tokens, tail)
         return hit, True
 
     def _loads_waiting(self) -> list[tuple[Request, int]]:
@@ -197,17 +195,25 @@ class SchedulerSide:
 
     def _probe(self, st: _Req, group: int, key: ChunkKey) -> bool:
         """Whether a tier holds the entry; the fastest that does is noted for its load's pin."""
-        for t, ix in enumerate(self.indices):
-            if ix.contains(group, key):
-                st.found_in[(group, key)] = t
-                return True
-        return False
+        t = self._stored_in(group, key)
+        if t is not None:
+            st.found(group, key, t)
+        return t is not None
+
+    def _stored_in(self, group: int, key: ChunkKey, tiers: tuple[int, ...] | None = None) -> int | None:
+        """The fastest of `tiers` (all by default) whose index holds the entry,
+        else None: where this half asks whether an entry is stored (a lookup's
+        probes, a deferred hit's check). The pin and the worker's read ask again
+        later, as guards: a tier may lose the entry in between."""
+        for t in range(len(self.indices)) if tiers is None else tiers:
+            if self.indices[t].contains(group, key):
+                return t
+        return None
 
     def _count_lookup(self, st: _Req, num_tokens: int, computed: int, hit: int) -> None:
         """Once per request: vLLM asks again while a request waits for room."""
-        if st.counted:
+        if not st.count_lookup():
             return
-        st.counted = True
         self.recorder.inc("kvoffload_lookups")
         self.recorder.inc("kvoffload_lookup_hit_tokens", hit)
         self.recorder.inc("kvoffload_lookup_miss_tokens", max(0, num_tokens - 1 - computed - hit))
@@ -216,13 +222,12 @@ class SchedulerSide:
         st = self.reqs.get(request.request_id)
         if st is None or num_external_tokens == 0:
             if st is not None:
-                st.pending_hit, st.found_in, st.deferred = None, {}, None
+                st.take_offer()
                 if request.num_computed_tokens == 0:
-                    st.restored_end = 0  # admitted after a lookup (again, if preempted): nothing of ours restored
+                    st.nothing_restored()  # admitted after a lookup (again, if preempted)
             return
         block_ids = blocks.get_block_ids()
-        hit, found_in = st.pending_hit, st.found_in
-        st.pending_hit, st.found_in, st.deferred = None, {}, None
+        hit, found_in = st.take_offer()
         c = self.planner.chunk_size
         if hit is None or hit[0] * c + hit[2] != hit[1] + num_external_tokens:
             # The scheduler took a different count than we offered: refuse to
@@ -268,21 +273,18 @@ class SchedulerSide:
                 break
         if fail:
             self._unpin(request.request_id)
-        st.loading_tokens = num_external_tokens
-        st.hit_tier = max((e.source.tier for e in entries), default=0)
-        st.loading_by_tier = {}
+        by_tier: dict[int, int] = {}
         for chunk in range(n + (1 if tail else 0)):  # a hit's tokens, by the tier its chunk comes from
             chunk_end = min((chunk + 1) * c, end)
             tokens = min(chunk_end - chunk * c, chunk_end - computed) if chunk_end > computed else 0
             if tokens:
                 t = chunk_tier.get(chunk, 0)
-                st.loading_by_tier[t] = st.loading_by_tier.get(t, 0) + tokens
-        st.stored_chunks = max(st.stored_chunks, n)
-        st.restored_end = end if not fail else 0
-        if tail and (self.planner.chained_tails
-                     or end == self.planner.tail_boundary(len(request.prompt_token_ids or []))):
-            # Its own tail's attention up to `end` is what was just restored.
-            st.tail_stored_to = max(st.tail_stored_to, end)
+                by_tier[t] = by_tier.get(t, 0) + tokens
+        # Its own tail's attention up to `end` is what is restored (where the tail is its prompt's).
+        own_tail = tail and (self.planner.chained_tails
+                             or end == self.planner.tail_boundary(len(request.prompt_token_ids or [])))
+        st.load_planned(num_external_tokens, max((e.source.tier for e in entries), default=0), by_tier,
+                        n, end if not fail else 0, end if own_tail else 0)
         if not fail:
             self._loading[request.request_id] = st
         self._loads.append(LoadJob(request.request_id, tuple(entries), fail_reason=fail[0] if fail else None,
@@ -338,16 +340,8 @@ class SchedulerSide:
             st = self.reqs.get(req_id)
             if st is None:
                 continue
-            if req_id in failed:
-                st.load_failed = True  # its retry must not be offered the same hit
-                st.stored_chunks = 0
-                st.tail_stored_to = 0
-            else:
-                for t, tokens in st.loading_by_tier.items():
-                    st.restored_by_tier[t] = st.restored_by_tier.get(t, 0) + tokens
-                    self.recorders[t].inc("kvoffload_restored_tokens", tokens)
-            st.loading_tokens = 0
-            st.loading_by_tier = {}
+            for t, tokens in st.load_finished(req_id not in failed).items():
+                self.recorders[t].inc("kvoffload_restored_tokens", tokens)
 
     def report(self) -> None:
         """Tier usage into the metrics; called once per step."""

@@ -124,7 +124,7 @@ class StorePlanner:
                 if NULL_BLOCK in ids:
                     continue  # windowed blocks vLLM already dropped: nothing to store
                 self._store(meta, st, g, chunk, ids)
-        st.stored_chunks = end
+        st.planned_stores(end)
 
     def _plan_tail_store(self, meta: OffloadMetadata, st: _Req, before: int, after: int,
                          table: tuple[list[int], ...]) -> None:
@@ -147,7 +147,7 @@ class StorePlanner:
         chunk = end // self.planner.chunk_size
         if not st.may_store(chunk):
             return  # computed over the incompletely copied block (and its parent chunk is not stored)
-        st.tail_stored_to = end
+        st.planned_tail(end)
         self.requests.keys(st, chunk)
         for g in self._storable:
             gc = self.planner.stored_tail(GroupIndex(g), ChunkIndex(chunk), end)
@@ -181,7 +181,7 @@ class StorePlanner:
             for gc, block_ids in zip(gcs, ids):
                 assert block_ids is not None
                 self._store(meta, st, gc.group, chunk, block_ids, gc)
-            st.tail_stored_to = b
+            st.planned_tail(b)
 
     def _plan_state_stores(self, meta: OffloadMetadata, st: _Req, entries: list[tuple[int, int, int]]) -> None:
         c = self.planner.chunk_size

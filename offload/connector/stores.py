@@ -16,13 +16,14 @@ What it keeps so the tiers stay prefix-closed and loads stay right:
   the store is planned and again before its write;
 - backpressure: gathered bytes waiting for the store threads are bounded by
   `max_pending_store_bytes`; past it a store is dropped, never queued;
-- the in-flight registry: every entry on its way to a tier below, by
-  (tier, group, key) -> its write (`queued_write`, which a file tier
-  consults so that a child whose parent was evicted while it waited is
-  dropped, while a parent still queued counts as present); the pooled host
-  copy of a queued write (`queued_copy`), which a load planned meanwhile
-  reads instead of racing the write; host slots a write-through still reads
-  (`wait_reading`), which a later gather or promotion into the slot awaits.
+- the writes in flight: each write is registered, as it is queued, in the
+  `WritesInFlight` the worker shares with the load pipeline (in_flight.py),
+  and forgotten when it lands; a gather into a host slot awaits a
+  write-through still reading it.
+
+A load's promotion (the bytes it read from a slower tier, into the faster
+tiers the scheduler reserved) is a store too: the load pipeline hands it
+over whole (`promote`).
 
 The store pool is made here, with its threads' priority: store threads run
 SCHED_IDLE (Linux) so they yield the CPU to the model, and `drain` lifts
@@ -38,13 +39,13 @@ import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from functools import partial
 from typing import NamedTuple
 
 import torch
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
+from offload.connector.in_flight import WritesInFlight
 from offload.connector.metadata import FileRef, StoreJob, TierSlot
 from offload.connector.registration import KVCache
 from offload.metrics import Recorder
@@ -104,9 +105,10 @@ class _Direct(NamedTuple):
 
 
 class StorePath:
-    def __init__(self, cfg: OffloadConfig, kv: KVCache, recorders: list[Recorder]) -> None:
+    def __init__(self, cfg: OffloadConfig, kv: KVCache, writes: WritesInFlight, recorders: list[Recorder]) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.writes = writes
         self.recorders = recorders
         # Reads before writes: loads have their own pool (loads.py); stores get
         # fewer threads (`store_threads`), at idle priority, and overflow is dropped by
@@ -115,18 +117,6 @@ class StorePath:
         self.pool = ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvoffload-store",
                                        initializer=_background_priority, initargs=(self.store_tids,))
         self._lock = threading.Lock()
-        self.in_flight: set[Future[None]] = set()
-        # Host slots a write-through is still copying out of: a later gather
-        # into the same slot (after the scheduler evicted and reused it) waits.
-        self._reading: dict[tuple[int, int, int | None], Future[None]] = {}
-        # Entries queued for the lower tiers, by (tier, group, key): a load the
-        # scheduler planned from its reservation (a ledger tier records a store
-        # when it plans it) reads these bytes instead of racing the write.
-        self._writing: dict[tuple[int, int, bytes], HostChunk] = {}
-        # Every entry on its way to a lower tier, either path, by (tier, group,
-        # key) -> the write: a child's write finds its parent here (not yet a
-        # file) or in the tier, and is dropped where it finds neither.
-        self._queued_keys: dict[tuple[int, int, bytes], Future[None]] = {}
         self._pending_bytes = 0
         # Chunks whose attention store to a tier was dropped: (tier, key[:8])
         # -> the groups dropped. Every entry chained behind one is dropped
@@ -138,6 +128,11 @@ class StorePath:
         self._dropped: list[tuple[int, int, bytes]] = []
         self.closed = False
         self.share: SharedGathers | None = None
+
+    @property
+    def in_flight(self) -> set[Future[None]]:
+        """The writes queued or running."""
+        return self.writes.futures
 
     @property
     def pending_bytes(self) -> int:
@@ -220,7 +215,7 @@ class StorePath:
     def _gather_direct(self, job: StoreJob, header: ChunkHeader, direct: _Direct, shared: HostChunk | None,
                        n: int, t0: float) -> None:
         """Gather into a host tier's slot: that tier's store is done."""
-        self.wait_reading(direct.slot, header.group)
+        self.writes.wait_reading(direct.slot, header.group)
         if self._gather(job, direct.buffer, shared) and self.share is not None:
             # A pooled copy, not the slot: a later store or promotion may reuse the slot.
             copy = HostChunk.pooled(self.kv.buffers, n)
@@ -241,7 +236,7 @@ class StorePath:
             raise
         return chunk
 
-    # ---- backpressure and the in-flight registry -------------------------------------
+    # ---- backpressure and dispatch ------------------------------------------------------
 
     def _admit(self, nbytes: int) -> bool:
         """Count a store's bytes as pending, unless that passes max_pending_store_bytes."""
@@ -258,59 +253,35 @@ class StorePath:
     def _dispatch_write(self, header: ChunkHeader, chunk: HostChunk, targets: list[TierSlot], n: int,
                         t0: float) -> None:
         """Write a pooled host copy to `targets` on the store threads; a load
-        planned meanwhile reads the queued copy (`queued_copy`)."""
-        with self._lock:
-            for t in targets:
-                self._writing[(t.tier, header.group, bytes(header.key))] = chunk
-        self._track(self.pool.submit(self._write, header, chunk, targets, n, t0), header, targets)
+        planned meanwhile reads the queued copy (`WritesInFlight.queued_copy`)."""
+        self.writes.copy_queued(header, chunk, targets)
+        self.writes.track(self.pool.submit(self._write, header, chunk, targets, n, t0), header, targets)
 
     def _dispatch_write_through(self, header: ChunkHeader, direct: _Direct, targets: list[TierSlot], n: int,
                                 t0: float) -> None:
         """Write a host tier's slot through to `targets` on the store threads;
-        a later gather into the same slot waits for it (`wait_reading`)."""
+        a later gather into the same slot waits for it (`WritesInFlight.wait_reading`)."""
         fut = self.pool.submit(self._write_through, header, direct.buffer, targets, n, t0)
-        with self._lock:
-            self._reading[(direct.slot.tier, header.group, direct.slot.slot)] = fut
-        self._track(fut, header, targets)
+        self.writes.slot_read(direct.slot, header.group, fut)
+        self.writes.track(fut, header, targets)
 
-    def queued_write(self, tier: int) -> partial[Future[None] | None]:
-        """Tier `tier`'s view of the registry: (group, key) -> the write still
-        taking that entry to it, if one is queued or running."""
-        return partial(self._queued_write, tier)
+    # ---- a load's promotion -------------------------------------------------------------
 
-    def _queued_write(self, tier: int, group: int, key: bytes) -> Future[None] | None:
-        with self._lock:
-            fut = self._queued_keys.get((tier, group, key))
-        return fut if fut is not None and not fut.done() else None
-
-    def queued_copy(self, tier: int, header: ChunkHeader) -> HostChunk | None:
-        """The entry's bytes while its write to `tier` is still queued (held), else None."""
-        with self._lock:
-            chunk = self._writing.get((tier, header.group, bytes(header.key)))
-            return chunk.hold() if chunk is not None else None
-
-    def _track(self, fut: Future[None], header: ChunkHeader, targets: list[TierSlot]) -> None:
-        keys = [(t.tier, header.group, bytes(header.key)) for t in targets]
-        with self._lock:
-            self.in_flight.add(fut)
-            # Registered before any later store is submitted: a child finds its parent's write.
-            for k in keys:
-                self._queued_keys[k] = fut
-        fut.add_done_callback(partial(self._forget, keys=keys))
-
-    def _forget(self, fut: Future[None], keys: list[tuple[int, int, bytes]]) -> None:
-        with self._lock:
-            self.in_flight.discard(fut)
-            for k in keys:
-                if self._queued_keys.get(k) is fut:
-                    del self._queued_keys[k]
-
-    def wait_reading(self, t: TierSlot, group: int) -> None:
-        """Wait for a write-through still reading host slot `t` (before a gather or promotion into it)."""
-        with self._lock:
-            fut = self._reading.pop((t.tier, group, t.slot), None)
-        if fut is not None:
-            fut.result()  # rare: the slot was evicted and reused while its write-through ran
+    def promote(self, up: TierSlot, header: ChunkHeader, chunk: HostChunk) -> bool:
+        """Put a loaded entry into a faster tier (on the load thread that read
+        it); a failure costs only the promotion, reported like a dropped store."""
+        t0 = time.perf_counter()
+        try:
+            self.writes.wait_reading(up, header.group)
+            if self.kv.tiers[up.tier].put(header, chunk, Placement(up.slot)):
+                self.stored(up.tier, header, chunk.payload.numel(), t0)
+            return True
+        except Exception as e:
+            logger.warning("kvoffload: promotion of %s dropped: %s", header.key.hex()[:16], e)
+            self.drop(up.tier, "error")
+            with self._lock:
+                self._dropped.append((up.tier, header.group, bytes(header.key)))
+            return False
 
     # ---- the store threads ------------------------------------------------------------
 
@@ -345,11 +316,7 @@ class StorePath:
                     logger.exception("kvoffload: store of %s failed", header.key.hex()[:16])
                     self.drop_store(t.tier, header, "error")
         finally:
-            with self._lock:
-                for t in targets:
-                    k = (t.tier, header.group, bytes(header.key))
-                    if self._writing.get(k) is chunk:
-                        del self._writing[k]
+            self.writes.copy_written(header, chunk, targets)
             chunk.release()
             self._release(nbytes)
 
@@ -366,12 +333,6 @@ class StorePath:
                 self._holes.setdefault((tier, bytes(entry.key[:8])), set()).add(entry.group)
                 while len(self._holes) > _MAX_HOLES:
                     self._holes.popitem(last=False)
-
-    def drop_promotion(self, tier: int, header: ChunkHeader) -> None:
-        """A load's promotion of `header` into `tier` failed: counted, and reported like a dropped store."""
-        self.drop(tier, "error")
-        with self._lock:
-            self._dropped.append((tier, header.group, bytes(header.key)))
 
     def _behind_hole(self, tier: int, header: ChunkHeader) -> bool:
         """Is the chunk this entry chains from incomplete on `tier` by a
@@ -410,8 +371,7 @@ class StorePath:
 
     def drain(self, timeout_s: float) -> int:
         """Wait (at most `timeout_s`) for the stores queued so far; returns how many are still pending."""
-        with self._lock:
-            pending = set(self.in_flight)
+        pending = self.writes.pending()
         if not pending:
             return 0
         # Someone now waits on these stores (shutdown, or a caller between passes): idle

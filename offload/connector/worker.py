@@ -9,8 +9,11 @@ rooms that do the work, each in its own module:
 - `loads.py` (`LoadPipeline`): `start_load_kv`'s loads on the load threads,
   reported by `get_transfer_results`;
 - `stores.py` (`StorePath`): `wait_for_save`'s gathers and the writes on the
-  store threads, broken chains, backpressure, the registry of writes in
-  flight, the store threads' priority; `take_dropped` reports its drops;
+  store threads, broken chains, backpressure, the store threads' priority,
+  and the loads' promotions (`promote`); `take_dropped` reports its drops;
+- `in_flight.py` (`WritesInFlight`): the writes on their way to the tiers
+  below, which the store path registers and the loads and the tiers ask
+  about; made here and handed to both, so neither reaches into the other;
 - `warm.py` (`WarmReader`): warm start's copies into host memory.
 
 Every event is counted once, in the tier's `Recorder` (offload/metrics.py):
@@ -28,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
+from offload.connector.in_flight import WritesInFlight
 from offload.connector.kv_gate import GatedPages
 from offload.connector.loads import LoadPipeline
 from offload.connector.metadata import OffloadMetadata, WorkerReport
@@ -83,8 +87,9 @@ class WorkerSide:
                              "kvoffload_load_read_seconds", "kvoffload_load_scatter_seconds"):
                     rec.declare(name, group_kind=kind)
         self.kv = KVCache(planner, fingerprint, make_data, layer_names, token_map)
-        self.stores = StorePath(cfg, self.kv, recorders)
-        self.loads = LoadPipeline(cfg, self.kv, self.stores, recorders)
+        self.writes = WritesInFlight()
+        self.stores = StorePath(cfg, self.kv, self.writes, recorders)
+        self.loads = LoadPipeline(cfg, self.kv, self.writes, self.stores.promote, recorders)
         # Warm start's reads, behind every request's load (offload/connector/warm.py).
         self.warm = WarmReader(self.kv, lambda: self.loads.busy > 0, recorders[0])
         self.loads.warm = self.warm
@@ -126,7 +131,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                            layout: dict) -> None:
-        self.kv.register(kv_caches, num_blocks, layout, self.stores.queued_write)
+        self.kv.register(kv_caches, num_blocks, layout, self.writes.queued_write)
 
     @property
     def token_mapped_groups(self) -> list[int]:
