@@ -15,6 +15,21 @@ engine's first pass. Then start-up to the first served token: an engine that ser
 prompt, from launch to exit, `--reps` times each, on and off interleaved (median).
 
 Writes bench/results/warm_start.json (or --out-dir).
+
+`--trace conversation|branching`: a restart in the middle of a trace-derived workload instead. The
+requests are the slice tests/test_e2e_state_policy.py serves (bench/trace_slice.py: the Mooncake
+conversation trace sampled by conversation, or the branching trace by context; each trace block id
+one chunk of deterministic token ids), one at a time, in trace order, with vLLM's own KV cache held
+to a few requests (`num_gpu_blocks_override`: its prefix cache keeps little, as on a busy server) and
+host memory at `--cpu-bytes` (default 64 MiB: under the first part's files, so warm start chooses
+what it reads). A first engine serves the first `--restart-after` requests (default: half) and
+stops; its directory is copied; a new engine on each copy (warm start on, then off; `--order` swaps
+them between runs) serves the short prompt, waits PAUSE_S, and serves the rest of the slice.
+Reported for the first 20 requests after the restart: the share of their restored tokens that came
+from host memory, their median TTFT against the median of the last 20 before the restart (the
+steady state), warm start's figures, and how many of them (and of the whole rest) gave the tokens
+of a reference engine with the do-nothing connector (tests/noop_connector.py) that reads no prefix
+cache. Writes bench/results/warm_start_trace.json (or --out-dir, --name).
 """
 
 from __future__ import annotations
@@ -22,7 +37,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,10 +65,12 @@ def prompt_set(chunk: int, n: int, vocab: int, seed: int = 11) -> list[list[int]
     return out[:n]
 
 
-def kv_config(path: Path, warm: bool) -> dict:
+def kv_config(path: Path, warm: bool, cpu_bytes: int | None = None) -> dict:
     kv = json.loads((REPO / "configs" / "hybrid-tiered.json").read_text())
     extra = kv["kv_connector_extra_config"]
     extra["tiers"][1]["path"] = str(path)
+    if cpu_bytes is not None:
+        extra["tiers"][0]["cpu_bytes"] = cpu_bytes
     extra["warm_start"] = warm
     return kv
 
@@ -112,6 +131,113 @@ def run(model: str, n: int, reps: int, work: Path) -> dict:
     return doc
 
 
+TRACE_CPU_BYTES = 64 << 20
+GPU_REQUESTS = 2  # requests' worth of vLLM's own KV cache in the trace mode
+
+
+def warm_figures(r) -> dict:
+    return {k: r.metric(f"kvoffload_warm_{m}", tier="cpu") for k, m in (
+        ("warm_planned_entries", "planned_entries"), ("warm_entries", "entries_total"),
+        ("warm_bytes", "bytes_total"), ("warm_failures", "failures_total"), ("warm_seconds", "seconds"),
+        ("warm_hits", "hits_total"))}
+
+
+def run_trace(model: str, trace: str, requests: int, restart_after: int | None, cpu_bytes: int, work: Path,
+              order: str = "on-off") -> dict:
+    """The trace mode (module doc)."""
+    from bench.trace_slice import CASES, prompt_of, trace_slice
+    from offload.plan.run import plan_for_model
+
+    sys.path.insert(0, str(REPO / "tests"))
+    from noop_connector import KV as NOOP
+    from noop_connector import pythonpath
+
+    plan = plan_for_model(model)
+    chunk = plan.hybrid_chunk_size
+    case = CASES[trace]
+    items = trace_slice(chunk, case, requests)
+    blocks: dict[int, list[int]] = {}
+    prompts = [prompt_of(it, chunk, blocks) for it in items]
+    cut = restart_after if restart_after is not None else len(prompts) // 2
+    if not FIRST <= cut <= len(prompts) - FIRST:
+        raise ValueError(f"--restart-after {cut}: needs {FIRST} requests before the restart and {FIRST} after it "
+                         f"(the slice has {len(prompts)}); give a value in [{FIRST}, {len(prompts) - FIRST}]")
+    # As the state-policy test sizes them: the longest prompt, and vLLM's KV cache for a few requests.
+    max_len = case.max_chunks * chunk + (plan.prefix_match_unit or chunk)
+    mamba_groups = sum(1 for g in plan.groups if g.kind == "mamba")
+    gpu_blocks = GPU_REQUESTS * (-(-max_len // max(plan.block_sizes)) + 2 * mamba_groups) + 8
+    args = {**plan.engine_kwargs, "enable_prefix_caching": True, "enforce_eager": True, "max_model_len": max_len,
+            "num_gpu_blocks_override": gpu_blocks}
+    kick = prompts[0][: chunk // 2]
+    kick_i = len(prompts)
+    before, rest = list(range(cut)), list(range(cut, len(prompts)))
+    cache = work / "cache"
+    first = run_engine(RunSpec(model, [*prompts, kick], kv_config(cache, True, cpu_bytes), MAX_TOKENS, args,
+                               order=[before]), timeout_s=1800)
+    steady = [first.by_pass(0)[i] for i in before[-FIRST:]]
+    files = [f for f in cache.rglob("*.kv") if f.is_file()]
+    doc: dict = {
+        "model": Path(model).name, "chunk": chunk, "bytes_per_chunk": plan.bytes_per_chunk,
+        "trace": {"name": trace, "file": case.trace.name, "requests": len(prompts), "restart_after": cut,
+                  "prompt_tokens": sum(map(len, prompts)),
+                  "minutes_at_restart": round(items[cut]["timestamp_ms"] / 60000, 1),
+                  "max_chunks": case.max_chunks},
+        "measured": FIRST, "pause_s": PAUSE_S, "max_tokens": MAX_TOKENS, "order": order,
+        "engine_args": args, "cpu_bytes": cpu_bytes,
+        "files_at_restart": {"count": len(files), "bytes": sum(f.stat().st_size for f in files)},
+        "steady": {"median_ttft_s": statistics.median(r.ttft_s for r in steady),
+                   "from_cpu": from_tier(steady, "cpu"), "from_fs": from_tier(steady, "fs")},
+    }
+    dirs = {"on": cache, "off": work / "cache-off"}
+    shutil.copytree(cache, dirs["off"])  # the same files for both: each run stores into its own copy
+    runs = {}
+    for k in order.split("-"):
+        runs[k] = run_engine(RunSpec(model, [*prompts, kick], kv_config(dirs[k], k == "on", cpu_bytes), MAX_TOKENS,
+                                     args, order=[[kick_i], rest], pause_s=PAUSE_S), timeout_s=1800)
+    distinct = list({tuple(prompts[i]): None for i in rest})
+    ref = run_engine(RunSpec(model, [list(p) for p in distinct], NOOP, MAX_TOKENS, args, skip_prefix_cache=True),
+                     env={"PYTHONPATH": pythonpath()}, timeout_s=1800)
+    want = {p: r.output_ids for p, r in zip(distinct, ref.results)}
+    for k, r in runs.items():
+        after = r.by_pass(1)
+        rows = [after[i] for i in rest[:FIRST]]
+        cpu, fs = from_tier(rows, "cpu"), from_tier(rows, "fs")
+        whole = [after[i] for i in rest]
+        rest_cpu, rest_fs = from_tier(whole, "cpu"), from_tier(whole, "fs")
+        doc[k] = {
+            "from_cpu": cpu, "from_fs": fs, "share_from_cpu": round(cpu / max(1, cpu + fs), 4),
+            "median_ttft_s": statistics.median(x.ttft_s for x in rows),
+            "ttft_vs_steady": round(statistics.median(x.ttft_s for x in rows) / doc["steady"]["median_ttft_s"], 3),
+            "identical_to_reference": sum(x.output_ids == want[tuple(prompts[i])] for i, x in zip(rest, rows)),
+            "rest": {"requests": len(rest), "from_cpu": rest_cpu, "from_fs": rest_fs,
+                     "share_from_cpu": round(rest_cpu / max(1, rest_cpu + rest_fs), 4),
+                     "median_ttft_s": statistics.median(x.ttft_s for x in whole),
+                     "identical_to_reference": sum(after[i].output_ids == want[tuple(prompts[i])] for i in rest)},
+            "load_failed": sum(x.load_failed for x in whole),
+            **warm_figures(r),
+        }
+    return doc
+
+
+def print_trace(doc: dict) -> None:
+    s = doc["steady"]
+    rows = [["steady state (the 20 before the restart)", s["from_cpu"], s["from_fs"], "-",
+             f"{s['median_ttft_s'] * 1e3:.1f}", "1.00", "-"]]
+    for k in ("on", "off"):
+        d = doc[k]
+        rows.append([f"after the restart, warm start {k}", d["from_cpu"], d["from_fs"], f"{d['share_from_cpu']:.0%}",
+                     f"{d['median_ttft_s'] * 1e3:.1f}", f"{d['ttft_vs_steady']:.2f}",
+                     f"{d['identical_to_reference']}/{FIRST}"])
+    print(table(["first 20 requests", "from cpu", "from fs", "share cpu", "median TTFT ms", "vs steady",
+                 "= reference"], rows))
+    for k in ("on", "off"):
+        d = doc[k]
+        print(f"warm start {k}: {d['warm_entries']:.0f} of {d['warm_planned_entries']:.0f} entries, "
+              f"{d['warm_bytes'] / 2**20:.1f} MiB in {d['warm_seconds']:.2f} s, {d['warm_hits']:.0f} hits; "
+              f"the whole rest ({d['rest']['requests']}): {d['rest']['share_from_cpu']:.0%} from host memory, "
+              f"{d['rest']['identical_to_reference']} identical to the reference, {d['load_failed']} failed loads")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(REPO / ".models" / "qwen3-next-80b-state-ratio"))
@@ -119,10 +245,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where the cache directory goes (default: $TMPDIR)")
     ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument("--trace", choices=("conversation", "branching"), default=None,
+                    help="a restart in the middle of this trace's slice instead (module doc)")
+    ap.add_argument("--requests", type=int, default=120, help="--trace: requests of the slice")
+    ap.add_argument("--restart-after", type=int, default=None, help="--trace: requests before the restart")
+    ap.add_argument("--cpu-bytes", type=int, default=TRACE_CPU_BYTES, help="--trace: host memory")
+    ap.add_argument("--order", choices=("on-off", "off-on"), default="on-off",
+                    help="--trace: which restart runs first")
+    ap.add_argument("--name", default=None, help="the results file's name (default warm_start, warm_start_trace)")
     a = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="kvoffload-warm-", dir=a.dir))
+    if a.trace is not None:
+        try:
+            doc = run_trace(a.model, a.trace, a.requests, a.restart_after, a.cpu_bytes, work, a.order)
+        except ValueError as e:
+            ap.error(str(e))
+        print_trace(doc)
+        print(f"wrote {write_results(a.name or 'warm_start_trace', doc, a.out_dir)}")
+        return 0
     if a.prompts < FIRST:
         ap.error(f"--prompts must be at least {FIRST} (the requests measured after the restart)")
-    doc = run(a.model, a.prompts, a.reps, Path(tempfile.mkdtemp(prefix="kvoffload-warm-", dir=a.dir)))
+    doc = run(a.model, a.prompts, a.reps, work)
     s = doc["steady"]
     rows = [["steady state (before the restart)", s["from_cpu"], s["from_fs"], "-", f"{s['median_ttft_s'] * 1e3:.1f}",
              "1.00", "-"]]
@@ -140,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     st = doc["startup_to_first_token_s"]
     print(f"start-up to the first served token (launch to exit, median of {a.reps}): on {st['on']['median']:.2f} s, "
           f"off {st['off']['median']:.2f} s")
-    print(f"wrote {write_results('warm_start', doc, a.out_dir)}")
+    print(f"wrote {write_results(a.name or 'warm_start', doc, a.out_dir)}")
     return 0
 
 

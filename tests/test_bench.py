@@ -358,6 +358,25 @@ def test_bench_warm_start_small(models_dir, tmp_path: Path) -> None:
     assert len(doc["startup_to_first_token_s"]["on"]["runs"]) == 1
 
 
+@pytest.mark.e2e
+@pytest.mark.long  # four engine starts
+def test_bench_warm_start_trace_small(models_dir, tmp_path: Path) -> None:
+    from bench import warm_start
+
+    # 50 requests of the conversation slice, the restart after 25; 16 MiB of host memory (8 MiB for
+    # warm start) under the first part's files, so warm start chooses among them.
+    doc = warm_start.run_trace(str(models_dir / "qwen3-next-tiny"), "conversation", 50, 25, 16 << 20, tmp_path)
+    on, off = doc["on"], doc["off"]
+    assert doc["files_at_restart"]["bytes"] > 8 << 20
+    assert on["from_cpu"] + on["from_fs"] == off["from_cpu"] + off["from_fs"] > 0, (on, off)
+    assert on["share_from_cpu"] > off["share_from_cpu"], (on, off)
+    assert on["identical_to_reference"] == off["identical_to_reference"] == warm_start.FIRST
+    assert on["rest"]["identical_to_reference"] == off["rest"]["identical_to_reference"] == 25
+    assert on["warm_failures"] == 0 and on["warm_entries"] == on["warm_planned_entries"] > 0
+    assert 0 < on["warm_bytes"] <= 8 << 20 and off["warm_planned_entries"] == 0
+    assert on["load_failed"] == off["load_failed"] == 0
+
+
 @pytest.mark.parametrize("name", ["peer_race_hybrid", "peer_race_hybrid_load", "peer_race_llama8b", "peer_race_llama",
                                   "peer_race_llama_aligned", "peer_race_hybrid_unit"])
 def test_peer_race_summary_is_recomputed_from_the_committed_rounds(name: str, capsys) -> None:

@@ -159,6 +159,49 @@ def test_the_capacity_table_equals_its_json():
     assert altered != doc and len(capacity_mismatches(altered)) == 1
 
 
+# --- warm start after a restart in the middle of a trace: every run's figures from its JSON --------------
+
+WARM_TRACE_ROW = "| after a restart in the middle of a trace"
+WARM_TRACE_RUN = re.compile(r"\[(?P<name>[^\]]+)\]\(\.\./(?P<json>bench/results/warm_start_trace[\w-]*\.json)\): "
+                            r"(?P<on>\d+)% / (?P<off>\d+)% from host memory, median TTFT "
+                            r"(?P<ttft_on>[0-9.]+)× / (?P<ttft_off>[0-9.]+)×, tokens identical "
+                            r"(?P<same_on>\d+)/20 / (?P<same_off>\d+)/20")
+
+
+def warm_trace_mismatches(doc: str, results: Path = RESULTS) -> list[str]:
+    """Every figure of performance.md's warm-start trace row (per run: the share of restored tokens
+    from host memory, on / off; median TTFT against the steady state, on / off; tokens identical to
+    the reference, on / off) that differs from its JSON by more than its rounding, and every
+    warm_start_trace JSON under bench/results/ the row does not quote."""
+    rows = [ln for ln in doc.splitlines() if ln.startswith(WARM_TRACE_ROW)]
+    if len(rows) != 1:
+        return [f"{len(rows)} rows start with {WARM_TRACE_ROW!r}"]
+    problems, seen = [], set()
+    for m in WARM_TRACE_RUN.finditer(rows[0]):
+        seen.add(Path(m["json"]).name)
+        d = json.loads((results.parent.parent / m["json"]).read_text())
+        want = {"on": 100 * d["on"]["share_from_cpu"], "off": 100 * d["off"]["share_from_cpu"],
+                "ttft_on": d["on"]["ttft_vs_steady"], "ttft_off": d["off"]["ttft_vs_steady"],
+                "same_on": d["on"]["identical_to_reference"], "same_off": d["off"]["identical_to_reference"]}
+        for k, value in want.items():
+            printed = m[k]
+            decimals = len(printed.split(".")[1]) if "." in printed else 0
+            if abs(value - float(printed)) > 0.5 * 10 ** -decimals + 1e-9:
+                problems.append(f"{m['json']} {k}: prints {printed}, JSON {value}")
+    problems += [f"{p.name}: not quoted" for p in sorted(results.glob("warm_start_trace*.json")) if p.name not in seen]
+    return problems
+
+
+def test_the_warm_start_trace_figures_equal_their_json():
+    doc = (REPO / "docs" / "performance.md").read_text()
+    assert warm_trace_mismatches(doc) == []
+    row = next(ln for ln in doc.splitlines() if ln.startswith(WARM_TRACE_ROW))
+    m = WARM_TRACE_RUN.search(row)
+    assert m is not None
+    altered = doc.replace(m.group(0), m.group(0).replace(f"{m['on']}% /", f"{int(m['on']) + 7}% /", 1), 1)
+    assert altered != doc and len(warm_trace_mismatches(altered)) == 1
+
+
 # --- links -------------------------------------------------------------------------------------
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")

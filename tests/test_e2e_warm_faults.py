@@ -14,11 +14,20 @@ each meet one kind of fault while a new engine warm-starts on it:
   again on the same directory: `kvoffload fsck` finds nothing damaged before and after, and the
   second warm start completes, serving the prompts from host memory;
 * a small host memory (8 MiB, a quarter of it for warm start): warm start stops at its share of it,
-  and the engine serves every prompt.
+  and the engine serves every prompt;
+* a full disk while warm start reads: every store to the files fails with ENOSPC
+  (tests/faults/faulty_connector.py's `enospc_while`, injected at the file tier's write: a CI runner
+  may not mount a small filesystem) while warm start's reads, slowed to SLOW_READ_S each, are still
+  running. The engine serves new prompts (stored in host memory only: the stores to the files
+  counted `no_space`, no file written), warm start completes with no failure, and a pass after it
+  serves the cold engine's prompts and the new ones from host memory with the reference's tokens;
+  `kvoffload fsck` finds the directory sound. (The injection fails the chunk files' writes only:
+  the ledger's appends still land, as they would on a disk with a little room left.)
 
 The reference is an engine with the do-nothing connector (tests/noop_connector.py), every prompt
 computed. Engine starts: 6 (the cold engine beside the reference, then the three faults side by
-side, then the restart after the kill).
+side, then the restart after the kill), and 3 for the full disk (its own cold engine, reference and
+restart, one after the other).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import json
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -45,10 +55,12 @@ rng = random.Random(4646)
 PROMPTS = [random_prompt(rng, n) for n in (650, 820, 1000)]
 KICK = random_prompt(rng, CHUNK // 2)  # shorter than a chunk: nothing to look up, nothing stored
 HITS = [(len(p) - 1) // CHUNK * CHUNK for p in PROMPTS]
+NEW = [random_prompt(rng, n) for n in (700, 900)]  # drawn after the rest: theirs stay as they were
 ATTN = 1  # Qwen3-Next's groups: 0 the GDN states, 1 full attention
 MAX_TOKENS = 12
 SMALL_CPU, SMALL_SHARE = 8 << 20, 0.25
 SLOW_READ_S = 0.5
+FULL_SLOW_READ_S = 0.2  # the full disk's warm start: ~20 entries, ~4 s, the new prompts' pass well inside
 FAULTS_ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
 
 
@@ -238,3 +250,105 @@ def test_warm_start_in_a_small_host_memory_stops_at_its_share_and_the_engine_ser
     assert [r.output_ids for r in served] == want, "tokens differ from the reference's"
     assert not any(r.load_failed for r in run.results)
     assert [r.restored_tokens for r in served] == HITS, "host memory and the files restore every prompt's hit"
+
+
+# ---- a full disk while warm start reads -------------------------------------------------------------------
+
+ALL = [*PROMPTS, KICK, *NEW]
+NEW_I = [len(PROMPTS) + 1 + j for j in range(len(NEW))]
+
+
+def full_spec(models_dir, kv: dict, order: list[list[int]], **kw) -> RunSpec:
+    return RunSpec(str(models_dir / "qwen3-next-tiny"), ALL, kv, MAX_TOKENS, engine_args(True), order=order, **kw)
+
+
+def kv_files(cache: Path) -> set[str]:
+    return {str(p.relative_to(cache)) for p in cache.glob(f"{LAYOUT_DIR}/*/g*/*/*.kv")}
+
+
+def _full_disk(models_dir, tmp_path):
+    """The cold engine stores PROMPTS; the reference computes every prompt; then a restart whose file
+    writes fail with ENOSPC (the flag file stays for its whole run) and whose reads are slowed: pass 0
+    the short prompt (warm start plans), pass 1 the new prompts while warm start reads, pass 2 the
+    short prompt again (its steps publish what the workers counted until then: a worker's counts reach
+    the metrics with the next step's output), pass 3 (once warm start had time to finish) everything.
+    Its metrics are read at the end of each pass."""
+    from noop_connector import KV as NOOP
+    from noop_connector import pythonpath
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    # One engine at a time: the full disk's timing needs the warm start slowed, not the machine.
+    cold = run_engine(full_spec(models_dir, tiered(cache), [[0, 1, 2]]))
+    every = [0, 1, 2, *NEW_I]
+    ref = run_engine(full_spec(models_dir, NOOP, [every], skip_prefix_cache=True), env={"PYTHONPATH": pythonpath()})
+    files_before = kv_files(cache)
+    flag = tmp_path / "disk-full"
+    flag.touch()
+    faults = {"KVOFFLOAD_FAULTS": json.dumps({"enospc_while": str(flag), "slow_read_s": FULL_SLOW_READ_S})}
+    d = start_engine(full_spec(models_dir, tiered(cache, faulty=True), [[3], NEW_I, [3], every], gated=True,
+                               pass_metrics=True), {**FAULTS_ENV, **faults}, tmp_path / "full-engine")
+    at_pass: list = []
+
+    def between(p: int) -> None:
+        at_pass.append(d.metrics())
+        if p == 2:  # let warm start finish its reads (one slowed read each) before the last pass
+            planned = metric_sum(at_pass[-1], "kvoffload_warm_planned_entries", tier="cpu")
+            time.sleep(planned * FULL_SLOW_READ_S + 3.0)
+
+    run = d.wait(between=between)
+    return {"cold": cold, "ref": ref, "run": run, "at_pass": at_pass, "files_before": files_before,
+            "files_after": kv_files(cache), "fsck": fsck(cache), "every": every}
+
+
+@pytest.mark.prefetch.with_args(_full_disk)
+def test_a_full_disk_during_warm_start_drops_the_stores_and_the_engine_serves_from_sound_host_memory(prefetched):
+    r = prefetched(_full_disk)
+    ref = r["ref"].by_pass(0)
+    assert all(x.cached_tokens == 0 for x in ref.values()), "the reference computes every prompt"
+    assert [x.output_ids for x in r["cold"].results] == [ref[i].output_ids for i in range(3)]
+    run = r["run"]
+    full = r["at_pass"][2]  # the steps right after the new prompts' pass: the disk full, warm start reading
+
+    def at(samples, name: str, **labels: str) -> float:
+        return metric_sum(samples, name, **labels)
+
+    print(f"\nfull disk: after the new prompts: warm start {at(full, 'kvoffload_warm_entries_total', tier='cpu'):.0f}"
+          f" of {at(full, 'kvoffload_warm_planned_entries', tier='cpu'):.0f} entries, stores dropped "
+          f"{metric_by_label(full, 'kvoffload_stores_dropped_total', 'reason')}; at the end: warm start "
+          f"{warm(run, 'entries_total'):.0f} of {warm(run, 'planned_entries'):.0f}, failures "
+          f"{warm(run, 'failures_total'):.0f}; restored per prompt, last pass "
+          f"{[x.restored_by_tier for x in run.by_pass(3).values()]}; files {len(r['files_before'])} before, "
+          f"{len(r['files_after'])} after; fsck exit {r['fsck'][0]}")
+    # The new prompts' stores had failed when their pass ended (a gated pass lands its stores
+    # before it reports itself done); at the short prompt's steps after it they are counted
+    # `no_space`, and warm start had not finished: the disk was full while warm start read.
+    assert at(full, "kvoffload_stores_dropped_total", tier="fs", reason="no_space") > 0
+    assert at(full, "kvoffload_warm_done", tier="cpu") == 0
+    assert at(full, "kvoffload_warm_entries_total", tier="cpu") < at(full, "kvoffload_warm_planned_entries",
+                                                                     tier="cpu")
+    # At the end: `no_space` on the file tier (and the entries chained behind those
+    # `parent_dropped`); no store dropped for another reason, no load failed, no entry missed.
+    dropped = {k: v for k, v in metric_by_label(run.metrics, "kvoffload_stores_dropped_total", "reason").items() if v}
+    assert run.metric("kvoffload_stores_dropped_total", tier="fs", reason="no_space") > 0, dropped
+    assert set(dropped) <= {"no_space", "parent_dropped"}, dropped
+    assert run.metric("kvoffload_stores_dropped_total", tier="cpu") == 0, dropped
+    assert run.metric("kvoffload_failed_loads_total") == 0
+    assert run.metric("kvoffload_chunk_misses_total") == 0
+    assert not any(x.load_failed for x in run.results)
+    # Warm start completed: every planned entry read, verified and put into host memory.
+    planned = warm(run, "planned_entries")
+    assert planned > 0 and warm(run, "entries_total") == planned and warm(run, "failures_total") == 0
+    assert warm(run, "done") == 1
+    # No file was written while the disk was full; what was there is sound.
+    assert r["files_after"] == r["files_before"]
+    assert r["fsck"][0] == 0, r["fsck"][1]
+    # The engine served throughout, with the reference's tokens: the new prompts while the disk was
+    # full, then everything from host memory (the warmed prompts, and the new ones their first pass
+    # stored there), every hit whole.
+    new = run.by_pass(1)
+    assert [new[i].output_ids for i in NEW_I] == [ref[i].output_ids for i in NEW_I]
+    last = run.by_pass(3)
+    assert [last[i].output_ids for i in r["every"]] == [ref[i].output_ids for i in r["every"]]
+    hits = [*HITS, *((len(p) - 1) // CHUNK * CHUNK for p in NEW)]
+    assert [last[i].restored_by_tier.get("cpu", 0) for i in r["every"]] == hits
