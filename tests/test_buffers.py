@@ -25,17 +25,30 @@ def _thp_mode() -> str:
     return text.split("[", 1)[1].split("]", 1)[0]
 
 
-def _huge_bytes(t: torch.Tensor) -> int:
-    """AnonHugePages of the mapping that holds `t` (from /proc/self/smaps)."""
-    addr, found = t.data_ptr(), None
+def _smaps(t: torch.Tensor, field: str) -> int:
+    """`field` (e.g. AnonHugePages, Rss) summed over the mappings that hold `t`'s bytes (from
+    /proc/self/smaps: advising huge pages splits a mapping in two)."""
+    lo_t = t.data_ptr()
+    hi_t = lo_t + t.numel() * t.element_size()
+    total, inside, seen = 0, False, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
-            found = lo <= addr < hi
-        elif found and line.startswith("AnonHugePages:"):
-            return int(line.split()[1]) << 10
-    raise AssertionError("no mapping holds the tensor")
+            inside = lo < hi_t and lo_t < hi
+            seen |= inside
+        elif inside and line.startswith(field + ":"):
+            total += int(line.split()[1]) << 10
+    assert seen, "no mapping holds the tensor"
+    return total
+
+
+def _huge_bytes(t: torch.Tensor) -> int:
+    return _smaps(t, "AnonHugePages")
+
+
+def _resident_bytes(t: torch.Tensor) -> int:
+    return _smaps(t, "Rss")
 
 
 needs_thp = pytest.mark.skipif(_thp_mode() not in ("always", "madvise"),
@@ -70,3 +83,28 @@ def test_the_host_tiers_arena_is_backed_by_huge_pages():
     data.arena.fill_(7)
     assert data.arena.shape == (3, 5 << 20)
     assert _huge_bytes(data.arena) >= (3 * (5 << 20)) // HUGE_PAGE * HUGE_PAGE
+
+
+def test_prefault_makes_memory_resident_and_keeps_its_bytes():
+    from offload.store.buffers import Prefault
+
+    t = host_memory(40 << 20)
+    t[:4096].fill_(7)  # in use already: a prefault must not change it
+    before = _resident_bytes(t)
+    pf = Prefault(t)
+    assert pf.done.wait(30)
+    pf.stop()
+    if _resident_bytes(t) == before:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert _resident_bytes(t) >= 40 << 20
+    assert int(t[:4096].sum()) == 7 * 4096 and int(t[4096:].sum()) == 0
+
+
+def test_reserve_makes_touched_buffers_that_get_hands_out():
+    pool = BufferPool(max_free_bytes=64 << 20)
+    assert pool.reserve([4194496, 1000], 3) == 6
+    assert pool.allocated == 0  # made by reserve, not by a get
+    bufs = [pool.get(4194496) for _ in range(3)]
+    assert pool.reused == 3 and pool.allocated == 0
+    assert all(_resident_bytes(b) >= b.numel() for b in bufs)
+    assert pool.reserve([30 << 20], 5) == 2  # max_free_bytes (64 MiB) bounds what is kept

@@ -30,7 +30,7 @@ from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind, HybridOffloadPlanner
 from offload.store.base import TierData
 from offload.store.buffers import BufferPool
-from offload.store.format import ChunkHeader
+from offload.store.format import HEADER_LEN, ChunkHeader
 from offload.tailmask import TokenMap
 
 logger = init_logger(__name__)
@@ -112,6 +112,14 @@ class KVCache:
     def token_mapped_groups(self) -> list[int]:
         """Attention groups whose partial-tail token maps are built."""
         return sorted(g for g, m in self._token_maps.items() if m is not None)
+
+    def file_bytes(self) -> list[int]:
+        """Each group's whole-chunk file size (header and payload): the load buffers most used."""
+        out = []
+        for g, spec in enumerate(self.planner.groups):
+            pages = len(self.planner.stored(g, 0).blocks) or 1  # Mamba: one state page
+            out.append(HEADER_LEN + pages * spec.page_bytes)
+        return out
 
     def header(self, ref: FileRef) -> ChunkHeader:
         """The chunk header of entry `ref` of this KV cache."""

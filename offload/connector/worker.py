@@ -132,6 +132,9 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                            layout: dict) -> None:
         self.kv.register(kv_caches, num_blocks, layout, self.writes.queued_write)
+        # One touched load buffer per load thread and group: reads into memory faulted in under
+        # them ran a restart's first loads at a third of the device's speed (see Prefault).
+        self.kv.buffers.reserve(self.kv.file_bytes(), self.cfg.io_threads)
 
     @property
     def token_mapped_groups(self) -> list[int]:

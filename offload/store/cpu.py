@@ -57,7 +57,7 @@ from offload.store.base import (
     TierSpec,
     TierUsage,
 )
-from offload.store.buffers import BufferPool, host_memory
+from offload.store.buffers import BufferPool, Prefault, host_memory
 from offload.store.evictor import LeafQueue
 from offload.store.format import ChunkHeader
 from offload.store.options import CpuOptions
@@ -366,6 +366,13 @@ class CpuData(TierData):
         self.arena = host_memory(layout.frames * layout.frame_bytes, device.type == "cuda").view(
             layout.frames, layout.frame_bytes)
         self.holding: dict[int, tuple[int, bytes, int]] = {}  # slot -> (group, key, pages)
+        # Pinned memory is resident already; pageable memory is faulted in ahead of the loads,
+        # promotions and stores that would otherwise pay each page's first touch.
+        self.prefault = None if device.type == "cuda" else Prefault(self.arena)
+
+    def close(self) -> None:
+        if self.prefault is not None:
+            self.prefault.stop()
 
     def _view(self, group: int, slot: int, n_pages: int) -> torch.Tensor:
         frame, i = divmod(slot, self.layout.stride)
