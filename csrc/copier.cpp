@@ -833,7 +833,7 @@ bool write_file_direct_impl(const std::string& tmp, const std::string& fin, uint
     if (fd < 0) return e.set(errno, tmp);
   }
   auto fail = [&](int err, const std::string& p) {
-    ::close(fd);
+    if (fd >= 0) ::close(fd);
     ::unlink(tmp.c_str());
     return e.set(err, p);
   };
@@ -842,13 +842,23 @@ bool write_file_direct_impl(const std::string& tmp, const std::string& fin, uint
     const size_t head = file_len / kDirectAlign * kDirectAlign;
     bool ok = write_all(fd, p, head, e, tmp);
     if (ok && head != file_len) {
-      const int fl = ::fcntl(fd, F_GETFL);
-      if (fl < 0 || ::fcntl(fd, F_SETFL, fl & ~O_DIRECT) != 0) return fail(errno, tmp);
-      ok = write_all(fd, p + head, file_len - head, e, tmp);
+      // The partial last block through a second, buffered descriptor. Clearing O_DIRECT on this
+      // one with fcntl is not enough everywhere: GlusterFS keeps O_DIRECT for the open file on
+      // its bricks and fails the close (EINVAL) once the unaligned tail is flushed.
+      const int closed = ::close(fd);
+      fd = -1;
+      if (closed != 0) {
+        ok = e.set(errno, tmp);
+      } else if ((fd = ::open(tmp.c_str(), O_WRONLY | O_CLOEXEC)) < 0 ||
+                 ::lseek(fd, static_cast<off_t>(head), SEEK_SET) < 0) {
+        ok = e.set(errno, tmp);
+      } else {
+        ok = write_all(fd, p + head, file_len - head, e, tmp);
+      }
     }
     if (!ok && e.err == EINVAL) {
-      // Accepted at open, refused at write (some FUSE/NFS): redo buffered.
-      ::close(fd);
+      // Accepted at open, refused at a write or its close (some FUSE/NFS): redo buffered.
+      if (fd >= 0) ::close(fd);
       ::unlink(tmp.c_str());
       used_direct = false;
       fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, mode);

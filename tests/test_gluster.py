@@ -328,3 +328,30 @@ def test_a_volume_outage_is_a_miss_that_keeps_the_file_and_the_account_resumes_w
     assert bool((out == 1).all())
     acct_b.sync()
     assert acct_b.usage == true_bytes(b / LAYOUT_DIR) and acct_b.bad_lines == 0
+
+
+@pytest.mark.parametrize("payload", [4 << 20, (4 << 20) + 1000])
+def test_a_direct_store_with_a_partial_last_block_lands_on_the_mount_and_reads_back(shared, payload):
+    """The file tier's default store (O_DIRECT for the aligned head, the partial last block
+    buffered) on a FUSE mount, which refuses to take a file out of O_DIRECT: the store falls back
+    to a buffered write, and the other node reads the bytes back."""
+    from offload.store.base import HostChunk
+    from offload.store.buffers import BufferPool
+
+    a, b = shared
+    writer = FsData(FileStore.open(str(a), FP))
+    reader = FsData(FileStore.open(str(b), FP))
+    k = key("direct", 0, 0)
+    h = ChunkHeader(FP, k, ATTN, GroupKind.FULL_ATTENTION, 0, 256, 1, payload, parent=bytes(8))
+    chunk = HostChunk.pooled(BufferPool(), payload)
+    chunk.payload.copy_(torch.arange(payload, dtype=torch.int64).to(torch.uint8))
+    try:
+        assert writer.put(h, chunk, Placement()) is True
+    finally:
+        chunk.release()
+    gluster.wait_until(lambda: reader.store.contains(h.group, h.key), 5, "the file on the other mount")
+    got = reader.get(h, Placement(), BufferPool())
+    try:
+        assert torch.equal(got.payload, torch.arange(payload, dtype=torch.int64).to(torch.uint8))
+    finally:
+        got.release()
