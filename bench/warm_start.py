@@ -219,15 +219,20 @@ def run_trace(model: str, trace: str, requests: int, restart_after: int | None, 
     return doc
 
 
-def print_trace(doc: dict) -> None:
+def _first_rows(doc: dict, steady: str, after: str, same: str) -> list[list]:
+    """The steady state's row, then the first requests' after the restart, warm start on and off
+    (`same`: the key of their count of outputs equal to the reference)."""
     s = doc["steady"]
-    rows = [["steady state (the 20 before the restart)", s["from_cpu"], s["from_fs"], "-",
-             f"{s['median_ttft_s'] * 1e3:.1f}", "1.00", "-"]]
+    rows = [[steady, s["from_cpu"], s["from_fs"], "-", f"{s['median_ttft_s'] * 1e3:.1f}", "1.00", "-"]]
     for k in ("on", "off"):
         d = doc[k]
-        rows.append([f"after the restart, warm start {k}", d["from_cpu"], d["from_fs"], f"{d['share_from_cpu']:.0%}",
-                     f"{d['median_ttft_s'] * 1e3:.1f}", f"{d['ttft_vs_steady']:.2f}",
-                     f"{d['identical_to_reference']}/{FIRST}"])
+        rows.append([f"{after}, warm start {k}", d["from_cpu"], d["from_fs"], f"{d['share_from_cpu']:.0%}",
+                     f"{d['median_ttft_s'] * 1e3:.1f}", f"{d['ttft_vs_steady']:.2f}", f"{d[same]}/{FIRST}"])
+    return rows
+
+
+def print_trace(doc: dict) -> None:
+    rows = _first_rows(doc, "steady state (the 20 before the restart)", "after the restart", "identical_to_reference")
     print(table(["first 20 requests", "from cpu", "from fs", "share cpu", "median TTFT ms", "vs steady",
                  "= reference"], rows))
     for k in ("on", "off"):
@@ -266,14 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.prompts < FIRST:
         ap.error(f"--prompts must be at least {FIRST} (the requests measured after the restart)")
     doc = run(a.model, a.prompts, a.reps, work)
-    s = doc["steady"]
-    rows = [["steady state (before the restart)", s["from_cpu"], s["from_fs"], "-", f"{s['median_ttft_s'] * 1e3:.1f}",
-             "1.00", "-"]]
-    for k in ("on", "off"):
-        d = doc[k]
-        rows.append([f"after a restart, warm start {k}", d["from_cpu"], d["from_fs"], f"{d['share_from_cpu']:.0%}",
-                     f"{d['median_ttft_s'] * 1e3:.1f}", f"{d['ttft_vs_steady']:.2f}",
-                     f"{d['identical_to_first_pass']}/{FIRST}"])
+    rows = _first_rows(doc, "steady state (before the restart)", "after a restart", "identical_to_first_pass")
     print(table(["first 20 requests", "from cpu", "from fs", "share cpu", "median TTFT ms", "vs steady",
                  "identical"], rows))
     on = doc["on"]
