@@ -57,7 +57,7 @@ from offload.store.base import (
     TierSpec,
     TierUsage,
 )
-from offload.store.buffers import BufferPool, Prefault, host_memory
+from offload.store.buffers import BufferPool, Prefault
 from offload.store.evictor import LeafQueue
 from offload.store.format import ChunkHeader
 from offload.store.options import CpuOptions
@@ -362,9 +362,10 @@ class CpuData(TierData):
 
     def __init__(self, layout: CpuLayout, device: torch.device) -> None:
         self.layout = layout
-        # In huge pages: files are written from and read into its slots directly.
-        self.arena = host_memory(layout.frames * layout.frame_bytes, device.type == "cuda").view(
-            layout.frames, layout.frame_bytes)
+        # Small pages, unlike the I/O buffers: on a VM that returns free memory to its host, a huge
+        # page's first touch cost 3-6x a small page's (bench.tier_stack's stores into fresh slots).
+        self.arena = torch.empty((layout.frames, layout.frame_bytes), dtype=torch.uint8,
+                                 pin_memory=device.type == "cuda")
         self.holding: dict[int, tuple[int, bytes, int]] = {}  # slot -> (group, key, pages)
         # Pinned memory is resident already; pageable memory is faulted in ahead of the loads,
         # promotions and stores that would otherwise pay each page's first touch.
