@@ -27,7 +27,7 @@ from offload.connector.kv_gate import GatedPages, KVGate
 from offload.connector.metadata import FileRef
 from offload.copier import GroupPages, LayerPages
 from offload.keys import ChunkKey, Fingerprint
-from offload.planner import GroupKind, HybridOffloadPlanner
+from offload.planner import ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner
 from offload.store.base import TierData
 from offload.store.buffers import BufferPool
 from offload.store.format import HEADER_LEN, ChunkHeader
@@ -117,7 +117,7 @@ class KVCache:
         """Each group's whole-chunk file size (header and payload): the load buffers most used."""
         out = []
         for g, spec in enumerate(self.planner.groups):
-            pages = len(self.planner.stored(g, 0).blocks) or 1  # Mamba: one state page
+            pages = len(self.planner.stored(GroupIndex(g), ChunkIndex(0)).blocks) or 1  # Mamba: one state page
             out.append(HEADER_LEN + pages * spec.page_bytes)
         return out
 
