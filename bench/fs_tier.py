@@ -253,13 +253,8 @@ def _header_key_id(path: str) -> bytes:
 
 
 def warm_buffers(kv: HybridKV, count: int) -> None:
-    """`count` faulted-in buffers of each file size in `BUFFERS`."""
-    for g in kv.groups:
-        bufs = [BUFFERS.get(HEADER_LEN + g.payload) for _ in range(count)]
-        for b in bufs:
-            b.fill_(0)
-        for b in bufs:
-            BUFFERS.put(b)
+    """`count` faulted-in buffers of each file size in `BUFFERS` (as a worker reserves them)."""
+    BUFFERS.reserve([HEADER_LEN + g.payload for g in kv.groups], count)
 
 
 def ours_store(kv: HybridKV, data: FsData, threads: int) -> None:

@@ -132,8 +132,8 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                            layout: dict) -> None:
         self.kv.register(kv_caches, num_blocks, layout, self.writes.queued_write)
-        # One touched load buffer per load thread and group: reads into memory faulted in under
-        # them ran a restart's first loads at a third of the device's speed (see Prefault).
+        # One touched load buffer per load thread and group: a restart's first loads would
+        # otherwise read into memory faulted in under them (see Prefault).
         self.kv.buffers.reserve(self.kv.file_bytes(), self.cfg.io_threads)
 
     @property

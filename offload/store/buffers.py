@@ -13,9 +13,9 @@ read or write is one device request only if its buffer is made of few
 physically contiguous runs: the block layer merges adjacent pages into one
 segment, and a virtio disk takes at most `max_segments` (254 here) per
 request. Memory taken from a fragmented free list is 4 KiB pages scattered
-over the host, so a 4 MiB read became four 1 MiB requests and ran at 55% of
-the device (1.8 against 3.4 GB/s), depending on how fragmented memory was
-when the buffer was made; in 2 MiB pages it is one request, every time.
+over the host, which splits a 4 MiB read into several requests, as slow as
+memory was fragmented when the buffer was made; in 2 MiB pages it is one
+request, every time.
 """
 
 from __future__ import annotations
@@ -66,9 +66,8 @@ _PREFAULT_STEP = 64 << 20
 class Prefault:
     """Faults a tensor's pages in on a thread of its own, in steps, leaving its bytes as they are
     (`MADV_POPULATE_WRITE`; nothing happens on kernels without it), while it is in use. Memory
-    first touched by a load costs that load: on a VM that reports free pages to its host, a
-    direct read into pages never touched ran at a third of the device's speed, and copies into
-    them pay the same. `stop()` ends it early (the owner's close)."""
+    first touched by a load costs that load (most on a VM that reports free pages to its host,
+    for direct reads and copies alike). `stop()` ends it early (the owner's close)."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self._addr, self._len = t.data_ptr(), t.numel() * t.element_size()

@@ -363,7 +363,7 @@ class CpuData(TierData):
     def __init__(self, layout: CpuLayout, device: torch.device) -> None:
         self.layout = layout
         # Small pages, unlike the I/O buffers: on a VM that returns free memory to its host, a huge
-        # page's first touch cost 3-6x a small page's (bench.tier_stack's stores into fresh slots).
+        # page's first touch costs several times a small page's, and slots are filled by copies.
         self.arena = torch.empty((layout.frames, layout.frame_bytes), dtype=torch.uint8,
                                  pin_memory=device.type == "cuda")
         self.holding: dict[int, tuple[int, bytes, int]] = {}  # slot -> (group, key, pages)
