@@ -186,6 +186,33 @@ def device_read_limit(directory: str | os.PathLike, nbytes: int = 1 << 30) -> fl
         shutil.rmtree(work, ignore_errors=True)
 
 
+def device_request_read_s(directory: str | os.PathLike, sizes: list[int], threads: int, reps: int = 5) -> float:
+    """The device's time to read one request of files of `sizes` bytes under `directory`, cold, with
+    `threads` O_DIRECT readers (where taken): the median of `reps`. A request of tens of MB is read at
+    a fraction of the streaming limit (`device_read_limit`): latency, not bandwidth, sets its time."""
+    work = Path(tempfile.mkdtemp(prefix="kvoffload-requestread-", dir=directory))
+    try:
+        paths = [str(work / str(i)) for i in range(len(sizes))]
+        direct = probe_o_direct(work)
+        times = []
+        for _ in range(reps):
+            if direct:
+                _raw_files_write(paths, sizes, threads)
+            else:
+                for p, n in zip(paths, sizes):
+                    Path(p).write_bytes(os.urandom(n))
+            drop_page_cache(paths)
+            times.append(_timed(_raw_files_read if direct else _buffered_files_read, paths, sizes, threads)[0])
+        return median(times)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _buffered_files_read(paths: list[str], sizes: list[int], threads: int) -> None:
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(lambda p: Path(p).read_bytes(), paths))
+
+
 def _raw_files_write(paths: list[str], sizes: list[int], threads: int) -> None:
     """One O_DIRECT write per file, of the chunk files' sizes (4 KiB rounded),
     `threads` at a time: the device at the queue depth a file tier gives it."""

@@ -327,8 +327,9 @@ def copy_crc(dst: torch.Tensor, src: torch.Tensor, seed: int = 0) -> int:
 
 
 def memcpy(dst: torch.Tensor, src: torch.Tensor, num_threads: int = 1) -> None:
-    """Contiguous copy of ``src`` into ``dst`` (same byte count), split across
-    threads as PageTable copies are: the baseline the CPU-tier benchmark uses."""
+    """Contiguous copy of ``src`` into ``dst`` (host tensors, same byte count), split across
+    threads as PageTable copies are. The tiers' host-to-host copy: torch's ``copy_`` of the same
+    bytes costs twice the CPU and starts an OpenMP team on every I/O thread that calls it."""
     _check_cpu_u8(dst, "dst")
     _check_cpu_u8(src, "src")
     if dst.numel() != src.numel():

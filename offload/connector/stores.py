@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 from vllm.logger import init_logger
 
+from offload import copier
 from offload.config import OffloadConfig
 from offload.connector.in_flight import WritesInFlight
 from offload.connector.metadata import FileRef, StoreJob, TierSlot
@@ -206,7 +207,7 @@ class StorePath:
         step where there is one, else one gather from the KV cache (a partial
         tail masked). True where it gathered."""
         if shared is not None:
-            out.copy_(shared.payload)
+            copier.memcpy(out, shared.payload)
             return False
         self.kv.pages[job.file.group].gather(job.block_ids, out=out)
         self.kv.mask_tail(job.file, out)
@@ -219,7 +220,7 @@ class StorePath:
         if self._gather(job, direct.buffer, shared) and self.share is not None:
             # A pooled copy, not the slot: a later store or promotion may reuse the slot.
             copy = HostChunk.pooled(self.kv.buffers, n)
-            copy.payload.copy_(direct.buffer)
+            copier.memcpy(copy.payload, direct.buffer)
             self.share.offer(header.group, header.key, copy)
             copy.release()
         self.kv.tiers[direct.slot.tier].gathered(header, Placement(direct.slot.slot))

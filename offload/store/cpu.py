@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload import copier
 from offload.keys import ChunkKey
 from offload.planner import (
     Admission,
@@ -396,7 +397,7 @@ class CpuData(TierData):
     def put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
         """A promotion: copy a payload read from a tier below into the slot."""
         view = self.gather_target(header, placement)
-        view.copy_(chunk.payload)
+        copier.memcpy(view, chunk.payload)
         self.gathered(header, placement)
         return True
 

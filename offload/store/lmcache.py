@@ -36,6 +36,7 @@ from dataclasses import replace
 
 import torch
 
+from offload import copier
 from offload.keys import ChunkKey
 from offload.planner import Admission, StateClass, own_lru_admits
 from offload.store.arena import CpuLayout
@@ -211,7 +212,7 @@ class LMCacheData(TierData):
             return False
         if chunk.buf is None:  # a host-memory slot: frame it (a memcpy, off the forward path)
             framed = HostChunk.pooled(BufferPool(), n)
-            framed.payload.copy_(chunk.payload)
+            copier.memcpy(framed.payload, chunk.payload)
             chunk = framed
         assert chunk.buf is not None
         raw = frame(header, chunk.payload, self.keyring)
