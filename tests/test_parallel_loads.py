@@ -341,3 +341,51 @@ def test_the_default_reads_with_o_direct_where_the_filesystem_takes_it_and_buffe
             subprocess.run(["umount", "-l", str(ram)], check=False)  # lazily: a ledger log may close late
     if why is not None:
         pytest.skip(f"the disk half ran; {why}")
+
+
+@pytest.mark.parametrize("yield_s", [30.0, 0.05], ids=["waits_for_the_load", "never_starves"])
+def test_a_store_starts_its_write_only_once_the_loads_reading_now_end(kv, tmp_path, monkeypatch, yield_s):
+    """Reads first: a store queued while a request's load reads does not start its write to a
+    file tier until the load has ended (up to `YIELD_TO_LOADS_S`), and is never starved: with
+    the load held longer than that, the write lands anyway."""
+    import threading
+
+    from offload.connector import stores as store_path
+
+    monkeypatch.setattr(store_path, "YIELD_TO_LOADS_S", yield_s)
+    worker, _ = build(kv, [{"store": "fs", "path": str(tmp_path / "c")}], 4)
+    try:
+        first = {(c, g) for c, g in kv.entries() if c < CHUNKS // 2}
+        store(kv, worker, 0, first)
+        tier = worker.tiers[0]
+        release = threading.Event()
+        read = tier.get_to_scatter
+
+        def held_read(*args, **kwargs):  # the real read, once the test lets the load go on
+            release.wait(30)
+            return read(*args, **kwargs)
+        monkeypatch.setattr(tier, "get_to_scatter", held_read)
+        job = LoadJob("r", tuple(e for e in job_from(kv, 0).entries
+                                 if (e.file.token_start // CHUNK, e.file.group) in first))
+        worker.start_load_kv(OffloadMetadata(loads=[job]))
+        c, g = CHUNKS - 1, 1
+        later = OffloadMetadata(stores=[StoreJob("s", kv.ref(c, g), tuple(kv.ids[g][c]), (TierSlot(0),))])
+        worker.wait_for_save(later)
+        path = file_of(worker, kv, c, g)
+        deadline = time.monotonic() + 10
+        if yield_s > 1:
+            end = time.monotonic() + 0.3
+            while time.monotonic() < end:  # a write of a few KiB would have landed in milliseconds
+                assert not path.exists(), "the store wrote while a load was reading"
+                time.sleep(0.005)
+            release.set()
+        while not path.exists():
+            assert time.monotonic() < deadline, "the store never landed"
+            time.sleep(0.005)
+        release.set()
+        while "r" not in worker.get_transfer_results().finished_recving:
+            assert time.monotonic() < deadline, "the load never finished"
+            time.sleep(0.005)
+    finally:
+        release.set()
+        worker.shutdown()

@@ -28,7 +28,7 @@ from typing import ClassVar, Generic, NamedTuple, TypeVar
 
 import torch
 
-from offload.copier import copy_crc, crc32c
+from offload.copier import copy_crc, crc32c, memcpy
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import Admission, HybridOffloadPlanner, StateClass
 from offload.store.buffers import BufferPool
@@ -84,6 +84,13 @@ class Placement:
 
     slot: int | None = None
     cold: bool = False
+
+
+def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy one host tensor's bytes into another of the same size (contiguous uint8): the tiers'
+    copy between host buffers, on the copier (torch's `copy_` costs twice the CPU, and starts an
+    OpenMP team on every I/O thread that calls it)."""
+    memcpy(dst, src)
 
 
 @dataclass

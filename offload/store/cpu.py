@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload import copier
 from offload.keys import ChunkKey
 from offload.planner import (
     Admission,
@@ -57,6 +56,7 @@ from offload.store.base import (
     TierIndex,
     TierSpec,
     TierUsage,
+    host_copy,
 )
 from offload.store.buffers import BufferPool, Prefault
 from offload.store.evictor import LeafQueue
@@ -397,7 +397,7 @@ class CpuData(TierData):
     def put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
         """A promotion: copy a payload read from a tier below into the slot."""
         view = self.gather_target(header, placement)
-        copier.memcpy(view, chunk.payload)
+        host_copy(view, chunk.payload)
         self.gathered(header, placement)
         return True
 

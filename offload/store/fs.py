@@ -16,7 +16,6 @@ from concurrent.futures import wait
 
 import torch
 
-from offload import copier
 from offload.keys import ChunkKey
 from offload.planner import Admission, StateClass, enters_cold, time_rank
 from offload.store.auth import open_keyring
@@ -30,6 +29,7 @@ from offload.store.base import (
     TierSpec,
     TierUsage,
     WarmCandidate,
+    host_copy,
 )
 from offload.store.buffers import BufferPool, probe_o_direct
 from offload.store.cachedir.housekeeper import Housekeeper
@@ -137,7 +137,7 @@ class FsData(TierData):
     def put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
         if chunk.buf is None:  # a host-memory slot: frame it first (a memcpy, off the forward path)
             framed = HostChunk.pooled(BufferPool(), chunk.payload.numel())
-            copier.memcpy(framed.payload, chunk.payload)
+            host_copy(framed.payload, chunk.payload)
             chunk = framed
         if self.direct is None:
             final = self.store.file_path(header.group, header.key)

@@ -36,7 +36,6 @@ from dataclasses import replace
 
 import torch
 
-from offload import copier
 from offload.keys import ChunkKey
 from offload.planner import Admission, StateClass, own_lru_admits
 from offload.store.arena import CpuLayout
@@ -53,6 +52,7 @@ from offload.store.base import (
     TierIndex,
     TierSpec,
     TierUsage,
+    host_copy,
 )
 from offload.store.buffers import BufferPool
 from offload.store.cachedir.owners import CacheDirs
@@ -212,7 +212,7 @@ class LMCacheData(TierData):
             return False
         if chunk.buf is None:  # a host-memory slot: frame it (a memcpy, off the forward path)
             framed = HostChunk.pooled(BufferPool(), n)
-            copier.memcpy(framed.payload, chunk.payload)
+            host_copy(framed.payload, chunk.payload)
             chunk = framed
         assert chunk.buf is not None
         raw = frame(header, chunk.payload, self.keyring)
