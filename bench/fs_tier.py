@@ -35,6 +35,10 @@ Per repetition, on the same filesystem:
   gather, no scatter and no checksum. So a second vLLM row adds the copy its
   own pipeline makes between the KV cache and its CPU tier (done with our
   copier): KV cache -> file and back, like ours.
+- a load during stores: one request's files (about 40 MB, cold) loaded by the
+  connector's worker alone and while the same worker stores the rest of the
+  cache through its own store path, in a cache whose directories exist and in
+  a new one (`load_under_stores`).
 Stores end with a sync, so every figure is bytes on the device.
 """
 
@@ -61,7 +65,7 @@ from bench.kvsynth import CHUNK, TINY, HybridKV, Shape
 from bench.tier_stack import planner_for
 from offload import _copier, copier
 from offload.config import parse_config
-from offload.connector.metadata import FileRef, LoadEntry, LoadJob, OffloadMetadata, TierSlot
+from offload.connector.metadata import FileRef, LoadEntry, LoadJob, OffloadMetadata, StoreJob, TierSlot
 from offload.connector.worker import WorkerSide
 from offload.keys import Fingerprint
 from offload.metrics import Recorder
@@ -347,6 +351,66 @@ def ours_load_parallel(kv: HybridKV, worker: WorkerSide) -> None:
     assert r.finished_recving == {"bench"} and not r.failed_recving, r
 
 
+REQUEST_BYTES = 40 << 20  # one request's restore: the 80B geometry's 16K-token prompt reads ~42 MB
+
+
+def _ref(kv: HybridKV, c: int, g) -> FileRef:
+    return FileRef(g.index, g.kind, kv.keys[c], c * CHUNK, (c + 1) * CHUNK, len(g.ids[c]))
+
+
+def load_under_stores(kv: HybridKV, root: Path, threads: int, reps: int, dirs_exist: bool = True) -> dict:
+    """One request's load (its first chunks, about `REQUEST_BYTES`, cold) on the connector's worker
+    alone, and while the same worker stores the rest of the cache through its own store path
+    (`wait_for_save`: the gather on this thread, the writes on its store threads). Each (rep,
+    mode) on a cache directory of its own; `dirs_exist`: the stores' directories are there
+    already (the rest stored once and removed: a cache that has run a while), else they are made
+    during the load (a new cache). Latencies per rep; the modes alternate in order."""
+    per_chunk = sum(g.payload for g in kv.groups)
+    req = max(1, min(kv.chunks - 1, -(-REQUEST_BYTES // per_chunk)))
+    first = [(c, g) for c, g in kv.files() if c < req]
+    rest = [(c, g) for c, g in kv.files() if c >= req]
+    out: dict[str, list[float]] = {"alone_s": [], "under_stores_s": [], "store_gb_s": []}
+    modes = ["alone", "under_stores"]
+
+    def save(worker: WorkerSide, files: list, req_id: str) -> None:
+        worker.wait_for_save(OffloadMetadata(stores=[StoreJob(req_id, _ref(kv, c, g), tuple(g.ids[c]), (TierSlot(0),))
+                                                     for c, g in files]))
+    for r in range(reps):
+        for mode in modes[r % 2:] + modes[:r % 2]:  # alternated: drift falls on both
+            path = root / f"under{r}.{mode}"
+            data = FsData(FileStore.open(str(path), FP))
+            worker = load_worker(kv, data, threads)
+            try:
+                save(worker, first, "req")
+                if dirs_exist:
+                    save(worker, rest, "dirs")
+                wait(list(worker.stores.in_flight))
+                if dirs_exist:
+                    for c, g in rest:
+                        data.store.remove(data.store.file_path(g.index, kv.keys[c]))
+                drop_page_cache([str(data.store.file_path(g.index, kv.keys[c])) for c, g in first])
+                t0 = time.perf_counter()
+                if mode != "alone":
+                    save(worker, rest, mode)
+                    time.sleep(0.05)  # the store threads are writing
+                t1 = time.perf_counter()
+                worker.start_load_kv(OffloadMetadata(loads=[LoadJob("bench", tuple(
+                    LoadEntry(_ref(kv, c, g), tuple(enumerate(g.ids[c])), TierSlot(0)) for c, g in first))]))
+                wait(list(worker.loads.in_flight.values()))
+                out[f"{mode}_s"].append(time.perf_counter() - t1)
+                assert worker.get_transfer_results().finished_recving == {"bench"}
+                if mode != "alone":
+                    wait(list(worker.stores.in_flight))
+                    out["store_gb_s"].append(sum(g.payload for _, g in rest) / (time.perf_counter() - t0) / GB)
+            finally:
+                worker.shutdown()
+                shutil.rmtree(path, ignore_errors=True)
+    alone = median(out["alone_s"])
+    return {"request_bytes": req * per_chunk, "request_files": len(first),
+            "store_bytes": sum(g.payload for _, g in rest), "dirs_exist": dirs_exist, **out,
+            "slowdown_under_stores": median(out["under_stores_s"]) / alone}
+
+
 def hash_rates(nbytes: int = 64 << 20, reps: int = 3) -> dict[str, float]:
     """GB/s of one core for each candidate over one buffer in memory (best of `reps`)."""
     import blake3
@@ -625,6 +689,10 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
                     for k in med if k.startswith("ours load")}
     # MAC (deployment key) against CRC only, same run, same device limit.
     doc["hash_gb_s"] = hash_rates()
+    work.mkdir(exist_ok=True)
+    doc["load_under_stores"] = {k: load_under_stores(kv, work, threads, max(reps, 3), dirs_exist)
+                                for k, dirs_exist in (("cache_run_a_while", True), ("new_cache", False))}
+    shutil.rmtree(work, ignore_errors=True)
     doc["mac"] = {}
     for op, crc_row, mac_row, limit in (("store", "ours store", "ours store, MAC", raw_w),
                                         ("load", "ours load", "ours load, MAC", raw_r)):
@@ -658,6 +726,11 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
               f"({d['cpu_per_gb_ratio']:.2f}x; goal <= 1.25x), {d['mac_gb_s']:.2f} vs {d['crc_gb_s']:.2f} GB/s "
               f"= {d['mac_of_device']:.0%} vs {d['crc_of_device']:.0%} of the device limit "
               f"({d['device_gb_s']:.2f} GB/s)")
+    for k, u in doc["load_under_stores"].items():
+        print(f"one request's load ({u['request_bytes'] / 1e6:.0f} MB in {u['request_files']} files, cold), {k}: "
+              f"{median(u['alone_s']) * 1e3:.1f} ms alone, {median(u['under_stores_s']) * 1e3:.1f} ms while the "
+              f"worker stores {u['store_bytes'] / 1e9:.2f} GB ({u['slowdown_under_stores']:.2f}x; stores "
+              f"{median(u['store_gb_s']):.2f} GB/s)")
     print(f"wrote {write_results('fs_tier', doc, out_dir)}")
     return doc
 

@@ -1,6 +1,5 @@
-"""The transfers in flight that the store path and the load pipeline both
-need to know of: the writes on their way to the tiers below, by entry
-(`WritesInFlight`), and the loads reading now (`LoadsInFlight`).
+"""The writes on their way to the tiers below, by entry: what the store path
+and the load pipeline both need to know of them.
 
 The store path (stores.py) registers each write as it queues it and forgets
 it when it lands; the load pipeline (loads.py) and the tiers only ask. Made
@@ -26,32 +25,6 @@ from functools import partial
 from offload.connector.metadata import TierSlot
 from offload.store.base import HostChunk
 from offload.store.format import ChunkHeader
-
-
-class LoadsInFlight:
-    """The requests whose load is reading: the load pipeline counts them, and a store thread
-    yields to them before it starts a write (`wait_idle`), so a load shares the device with the
-    writes already under way but not with the ones queued behind them."""
-
-    def __init__(self) -> None:
-        self._idle = threading.Condition()
-        self._active = 0
-
-    def started(self) -> None:
-        with self._idle:
-            self._active += 1
-
-    def finished(self) -> None:
-        with self._idle:
-            self._active -= 1
-            if self._active == 0:
-                self._idle.notify_all()
-
-    def wait_idle(self, timeout: float) -> None:
-        """Return once no load is reading, or after `timeout` seconds (a store is delayed,
-        never starved)."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._active == 0, timeout)
 
 
 class WritesInFlight:

@@ -16,10 +16,9 @@ own pass over the bytes (`TierData.get_to_scatter`); a MAC is checked before.
 `results()` hands back the requests finished since the last call.
 
 Loads get their own pool (`io_threads` threads, made here): a load blocks a
-request, a store blocks nobody, so loads never queue behind stores; and while
-a request's load is under way (`LoadsInFlight`), the store threads start no
-new write to a tier below, so its reads share the device only with the writes
-already running (stores.py, `YIELD_TO_LOADS_S`). Every
+request, a store blocks nobody, so loads never queue behind stores (nor, at
+the device, behind their writes: the store threads run at SCHED_IDLE, which
+gives their I/O the idle class; bench.fs_tier measures a load during stores). Every
 event is counted in the tier's Recorder (offload/metrics.py).
 """
 
@@ -34,7 +33,7 @@ from dataclasses import dataclass, field
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
-from offload.connector.in_flight import LoadsInFlight, WritesInFlight
+from offload.connector.in_flight import WritesInFlight
 from offload.connector.metadata import LoadJob, TierSlot
 from offload.connector.registration import KVCache
 from offload.connector.warm import WarmReader
@@ -68,11 +67,10 @@ class _LoadRun:
 
 
 class LoadPipeline:
-    def __init__(self, cfg: OffloadConfig, kv: KVCache, writes: WritesInFlight, reading: LoadsInFlight,
+    def __init__(self, cfg: OffloadConfig, kv: KVCache, writes: WritesInFlight,
                  promote: Callable[[TierSlot, ChunkHeader, HostChunk], bool], recorders: list[Recorder]) -> None:
         self.kv = kv
         self.writes = writes  # a write still queued: its copy is read instead
-        self.reading = reading  # each request from `start` to its result: store threads yield to it
         # A promotion is a store: handed to the store path (`StorePath.promote`), True where it was put.
         self._promote = promote
         self.recorders = recorders
@@ -86,7 +84,6 @@ class LoadPipeline:
     def start(self, job: LoadJob) -> None:
         run = _LoadRun(job)
         self.in_flight[job.req_id] = run.result
-        self.reading.started()
         if job.fail_reason is not None or not job.entries:
             self._finish(run)
             return
@@ -223,5 +220,4 @@ class LoadPipeline:
         if failed is not None:
             tier, reason = failed
             self.recorders[tier].inc("kvoffload_failed_loads", reason=reason.value)
-        self.reading.finished()
         run.result.set_result(failed[1] if failed is not None else None)

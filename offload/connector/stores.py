@@ -45,7 +45,7 @@ import torch
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
-from offload.connector.in_flight import LoadsInFlight, WritesInFlight
+from offload.connector.in_flight import WritesInFlight
 from offload.connector.metadata import FileRef, StoreJob, TierSlot
 from offload.connector.registration import KVCache
 from offload.metrics import Recorder
@@ -60,10 +60,6 @@ _IDLE, _NORMAL = getattr(os, "SCHED_IDLE", 5), getattr(os, "SCHED_OTHER", 0)
 # Dropped stores remembered for their children: far more than a step stores. One forgotten
 # can leave a hole again, which costs one failed load (the recompute stores the chain again).
 _MAX_HOLES = 1 << 16
-# The longest a write to a tier below waits for the loads reading now before it starts anyway: a
-# restored request's files are read in tens of milliseconds, and under loads without a pause the
-# store threads still write (and their overflow is dropped by max_pending_store_bytes).
-YIELD_TO_LOADS_S = 0.05
 
 
 def _set_policy(tid: int, policy: int) -> None:
@@ -109,12 +105,10 @@ class _Direct(NamedTuple):
 
 
 class StorePath:
-    def __init__(self, cfg: OffloadConfig, kv: KVCache, writes: WritesInFlight, reading: LoadsInFlight,
-                 recorders: list[Recorder]) -> None:
+    def __init__(self, cfg: OffloadConfig, kv: KVCache, writes: WritesInFlight, recorders: list[Recorder]) -> None:
         self.cfg = cfg
         self.kv = kv
         self.writes = writes
-        self.reading = reading  # a write to a tier below waits (a while) for the loads reading now
         self.recorders = recorders
         # Reads before writes: loads have their own pool (loads.py); stores get
         # fewer threads (`store_threads`), at idle priority, and overflow is dropped by
@@ -308,8 +302,6 @@ class StorePath:
                 if self._behind_hole(t.tier, header):
                     self.drop_store(t.tier, header, "parent_dropped")
                     continue
-                # Reads first: a load blocks a request, a store nobody.
-                self.reading.wait_idle(YIELD_TO_LOADS_S)
                 try:
                     if self.kv.tiers[t.tier].put(header, chunk, Placement(t.slot, t.cold)):
                         self.stored(t.tier, header, nbytes, t0)

@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
-from offload.connector.in_flight import LoadsInFlight, WritesInFlight
+from offload.connector.in_flight import WritesInFlight
 from offload.connector.kv_gate import GatedPages
 from offload.connector.loads import LoadPipeline
 from offload.connector.metadata import OffloadMetadata, WorkerReport
@@ -88,9 +88,8 @@ class WorkerSide:
                     rec.declare(name, group_kind=kind)
         self.kv = KVCache(planner, fingerprint, make_data, layer_names, token_map)
         self.writes = WritesInFlight()
-        self.reading = LoadsInFlight()
-        self.stores = StorePath(cfg, self.kv, self.writes, self.reading, recorders)
-        self.loads = LoadPipeline(cfg, self.kv, self.writes, self.reading, self.stores.promote, recorders)
+        self.stores = StorePath(cfg, self.kv, self.writes, recorders)
+        self.loads = LoadPipeline(cfg, self.kv, self.writes, self.stores.promote, recorders)
         # Warm start's reads, behind every request's load (offload/connector/warm.py).
         self.warm = WarmReader(self.kv, lambda: self.loads.busy > 0, recorders[0])
         self.loads.warm = self.warm
