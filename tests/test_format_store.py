@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import shutil
-import stat
 import struct
 import subprocess
 import sys
@@ -719,25 +718,3 @@ def test_fsck_and_gc_take_attention_only_tail_entries_for_a_chain(tmp_path, caps
     assert store.write(bad, payload(9, 2 * PAGE))
     [fp] = scan(tmp_path).dirs
     assert [f.problem_kind for f in fp.files if f.key == key_of("x").hex()] == ["corrupt"]
-
-
-def test_a_groups_first_store_makes_all_its_subdirectories_and_makes_them_again_once_removed(tmp_path):
-    """The 256 `<key hex[:2]>` directories of a group come at its first store (a directory made
-    mid-serving is a journalled write among the loads' reads), with `dir_mode`; once empty ones
-    are removed (as `kvoffload gc` does), the next store into the group makes them all again."""
-    store = FileStore.open(str(tmp_path / "c"), FP)
-    key = key_of("first")
-    assert store.write(header(key=key), payload())
-    gdir = store.file_path(1, key).parent.parent
-    subdirs = sorted(p.name for p in gdir.iterdir())
-    assert subdirs == [f"{i:02x}" for i in range(256)]
-    assert {stat.S_IMODE(p.stat().st_mode) for p in gdir.iterdir()} == {0o750}
-    assert not (store.root / "g0").exists()  # only the group written to
-    for p in gdir.iterdir():
-        if not any(p.iterdir()):
-            p.rmdir()
-    assert len(list(gdir.iterdir())) == 1
-    other = key_of("second")
-    assert other[:1] != key[:1]
-    assert store.write(header(key=other), payload())
-    assert len(list(gdir.iterdir())) == 256 and store.file_path(1, other).exists()

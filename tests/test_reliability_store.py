@@ -277,9 +277,8 @@ for n, (umask, fm, dm) in enumerate({MODE_CASES!r}):
         c = tmp_path / f"c{n}"
         files = [p for p in c.rglob("*") if p.is_file()]
         dirs = [p for p in c.rglob("*") if p.is_dir()] + [c]
-        # A chunk file, layout.json and this process's ledger log; ledger-v1/ among the directories,
-        # and the chunk's group with all 256 of its subdirectories (made together at its first store).
-        assert len(files) == 3 and len(dirs) == 5 + 256 and (c / LAYOUT_DIR / "ledger-v1").is_dir()
+        # A chunk file, layout.json and this process's ledger log; ledger-v1/ among the directories.
+        assert len(files) == 3 and len(dirs) == 6 and (c / LAYOUT_DIR / "ledger-v1").is_dir()
         assert {stat.S_IMODE(p.stat().st_mode) for p in files} == {want_f}, (umask, file_mode)
         assert {stat.S_IMODE(p.stat().st_mode) for p in dirs} == {want_d}, (umask, dir_mode)
         assert all(stat.S_IMODE(p.stat().st_mode) & 0o007 == 0 for p in files + dirs)

@@ -44,7 +44,6 @@ from offload.store.cachedir.owners import CacheDirs, DirRef
 from offload.store.cachedir.paths import (
     LAYOUT_FILE,
     chunk_path,
-    fanout_siblings,
     fingerprint_dir,
     layout_tmp_path,
     quarantine_dir,
@@ -184,11 +183,7 @@ class FileStore:
         while not p.exists() and p != p.parent:
             missing.append(p)
             p = p.parent
-        # A group's first missing subdirectory brings all of them: making a directory is a
-        # journalled metadata write, and made one at a time as stores need them (a new cache,
-        # or after `gc` removed the empty ones) they land among the reads of loads.
-        siblings = fanout_siblings(self.root, d) if missing else []
-        for m in [*reversed(missing), *(s for s in siblings if s != d)]:
+        for m in reversed(missing):
             try:
                 os.mkdir(m, self.dir_mode)
             except FileExistsError:

@@ -105,15 +105,6 @@ def chunk_path(root: Path, group: int, key_hex: str) -> Path:
     return root / f"{GROUP_PREFIX}{group}" / key_hex[:2] / chunk_name(key_hex)
 
 
-def fanout_siblings(root: Path, d: Path) -> list[Path]:
-    """Where `d` is a directory chunk files land in (`<root>/g<group>/<2 hex>`): every such
-    directory of its group, `d` included; otherwise none."""
-    g = d.parent
-    if g.parent != root or not g.name.startswith(GROUP_PREFIX) or len(d.name) != 2:
-        return []
-    return [g / f"{i:02x}" for i in range(256)]
-
-
 def quarantined_path(root: Path, name: str) -> Path:
     """Where a bad file called `name` goes: a fresh name in quarantine/."""
     return quarantine_dir(root) / f"{name}.{uuid.uuid4().hex[:8]}"
