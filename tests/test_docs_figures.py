@@ -94,11 +94,11 @@ def test_readme_how_fast_figures_equal_their_json():
 
 def test_a_changed_figure_is_found():
     readme = (REPO / "README.md").read_text()
-    altered = readme.replace("| 0.12× |", "| 0.19× |", 1)
+    altered = readme.replace("| 0.10× |", "| 0.19× |", 1)
     assert altered != readme
     found = mismatches(altered)
     assert len(found) == 1 and "prints 0.19" in found[0]
-    dropped = "\n".join(line for line in readme.splitlines() if "| 93× |" not in line)
+    dropped = "\n".join(line for line in readme.splitlines() if "| 82× |" not in line)
     assert any(m.startswith("no README row") for m in mismatches(dropped))
 
 
@@ -106,7 +106,7 @@ def test_performance_doc_leads_with_the_readme_figures():
     """performance.md's opening tables hold the README's race figures and link the same JSON."""
     doc = (REPO / "docs" / "performance.md").read_text()
     lead = doc.split("\n## How close to the device\n", 1)[0]
-    for fig in ("**0.12×**", "**50×**", "**0.48×**", "**93×**", "**0.26×**"):
+    for fig in ("**0.10×**", "**52×**", "**0.49×**", "**82×**", "**0.26×**"):
         assert fig in lead, fig
     for row in how_fast_rows((REPO / "README.md").read_text()):
         assert f"../{row['json']}" in doc, row["json"]
