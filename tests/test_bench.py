@@ -277,6 +277,27 @@ def test_bench_peer_race_small(prefetched) -> None:
         assert fh["host_restored_tokens"] == fh["restart_restored_tokens"], (n, fh)
         assert all({t for t, v in by.items() if v > 0} == {"cpu"} for by in fh["host_restored_tokens_by_tier"]), fh
         assert fh["identical_first_token"] is True and fh["device_read_gb_s"] > 0, fh
+        # The device's own time for the same files, and the bound it gives, per round.
+        assert fh["device_request_read_s"] > 0 and len(fh["within_request_bound"]) == len(fh["restart_ttft_s"]), fh
+
+
+def test_a_restores_files_are_one_per_group_and_chunk_of_its_plan() -> None:
+    """bench.peer_race's request shape for the device's own read time: from a committed race's plan
+    and restored bytes (Qwen3-Next-80B geometry: three Mamba groups, one attention group), one file
+    of each attention group per restored chunk (a partial tail's too) and one state per Mamba group
+    (the one at the restore's end), whose payloads add up to the bytes the restore moved."""
+    from bench.peer_race import restored_file_sizes
+
+    doc = json.loads((Path(__file__).resolve().parents[1] / "bench/results/peer_race_hybrid_files.json").read_text())
+    m = doc["models"][0]
+    groups = m["plan"]["groups"]
+    for i, n in enumerate(m["prompt_tokens"]):
+        row = m["rounds"][0]["ours"]["ttft"][i]
+        sizes = restored_file_sizes(m["plan"], row)
+        chunks = -(-row["external_tokens"] // m["plan"]["hybrid_chunk_size"])  # a partial tail is one file too
+        attn = sum(g["kind"] != "mamba" for g in groups)
+        assert len(sizes) == chunks * attn + sum(g["kind"] == "mamba" for g in groups), (n, len(sizes))
+        assert sum(sizes) - HEADER_LEN * len(sizes) == sum(row["restored_bytes"].values()), n
 
 
 @pytest.mark.long  # `make test` stays within 12 minutes (docs/development.md)
