@@ -16,9 +16,9 @@ own pass over the bytes (`TierData.get_to_scatter`); a MAC is checked before.
 `results()` hands back the requests finished since the last call.
 
 Loads get their own pool (`io_threads` threads, made here): a load blocks a
-request, a store blocks nobody, so loads never queue behind stores (nor, at
-the device, behind their writes: the store threads run at SCHED_IDLE, which
-gives their I/O the idle class; bench.fs_tier measures a load during stores). Every
+request, a store blocks nobody, so loads never queue behind stores; at the
+device the stores' writes have the idle I/O class (the store threads run at
+SCHED_IDLE). bench.fs_tier measures a load during stores. Every
 event is counted in the tier's Recorder (offload/metrics.py).
 """
 
