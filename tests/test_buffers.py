@@ -114,3 +114,18 @@ def test_reserve_makes_touched_buffers_that_get_hands_out():
     assert pool.reused == 3 and pool.allocated == 0
     assert all(_resident_bytes(b) >= b.numel() for b in bufs)
     assert pool.reserve([30 << 20], 5) == 2  # max_free_bytes (64 MiB) bounds what is kept
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_host_copy_copies_every_byte_whatever_the_layout(layout):
+    """The tiers' copy between host buffers: the copier's memcpy for contiguous uint8 tensors,
+    torch's copy for anything else (a strided view here), the same bytes either way."""
+    from offload.store.base import host_copy
+
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=g)
+    dst = torch.zeros(3 << 20, dtype=torch.uint8)
+    if layout == "strided":
+        src, dst = src.view(1024, -1)[:, ::2], dst.view(1024, -1)[:, ::2]
+    host_copy(dst, src)
+    assert torch.equal(dst, src)

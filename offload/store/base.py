@@ -87,10 +87,13 @@ class Placement:
 
 
 def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy one host tensor's bytes into another of the same size (contiguous uint8): the tiers'
-    copy between host buffers, on the copier (torch's `copy_` costs twice the CPU, and starts an
-    OpenMP team on every I/O thread that calls it)."""
-    memcpy(dst, src)
+    """Copy `src`'s bytes into `dst` (the same size): the tiers' copy between host buffers, on the
+    copier where both are contiguous uint8 host tensors (torch's `copy_` costs twice the CPU, and
+    starts an OpenMP team on every I/O thread that calls it), torch's otherwise."""
+    if all(t.device.type == "cpu" and t.dtype == torch.uint8 and t.is_contiguous() for t in (dst, src)):
+        memcpy(dst, src)
+    else:
+        dst.copy_(src)
 
 
 @dataclass
