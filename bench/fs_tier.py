@@ -339,23 +339,25 @@ def load_worker(kv: HybridKV, data: FsData, threads: int) -> WorkerSide:
     return worker
 
 
+def _ref(kv: HybridKV, c: int, g) -> FileRef:
+    return FileRef(g.index, g.kind, kv.keys[c], c * CHUNK, (c + 1) * CHUNK, len(g.ids[c]))
+
+
+def _load_job(kv: HybridKV, files: list) -> LoadJob:
+    """One request ("bench") loading `files` ((chunk, group) pairs) from tier 0 into their own blocks."""
+    return LoadJob("bench", tuple(LoadEntry(_ref(kv, c, g), tuple(enumerate(g.ids[c])), TierSlot(0)) for c, g in files))
+
+
 def ours_load_parallel(kv: HybridKV, worker: WorkerSide) -> None:
     """The whole cache as ONE request's load job (every (chunk, group) file):
     its files are read, verified and scattered `io_threads` at a time."""
-    job = LoadJob("bench", tuple(LoadEntry(FileRef(g.index, g.kind, kv.keys[c], c * CHUNK, (c + 1) * CHUNK,
-                                                   len(g.ids[c])), tuple(enumerate(g.ids[c])), TierSlot(0))
-                                 for c, g in kv.files()))
-    worker.start_load_kv(OffloadMetadata(loads=[job]))
+    worker.start_load_kv(OffloadMetadata(loads=[_load_job(kv, kv.files())]))
     wait(list(worker.loads.in_flight.values()))  # blocks without polling: no CPU of ours counted
     r = worker.get_transfer_results()
     assert r.finished_recving == {"bench"} and not r.failed_recving, r
 
 
 REQUEST_BYTES = 40 << 20  # one request's restore: the 80B geometry's 16K-token prompt reads ~42 MB
-
-
-def _ref(kv: HybridKV, c: int, g) -> FileRef:
-    return FileRef(g.index, g.kind, kv.keys[c], c * CHUNK, (c + 1) * CHUNK, len(g.ids[c]))
 
 
 def load_under_stores(kv: HybridKV, root: Path, threads: int, reps: int, dirs_exist: bool = True) -> dict:
@@ -394,8 +396,7 @@ def load_under_stores(kv: HybridKV, root: Path, threads: int, reps: int, dirs_ex
                     save(worker, rest, mode)
                     time.sleep(0.05)  # the store threads are writing
                 t1 = time.perf_counter()
-                worker.start_load_kv(OffloadMetadata(loads=[LoadJob("bench", tuple(
-                    LoadEntry(_ref(kv, c, g), tuple(enumerate(g.ids[c])), TierSlot(0)) for c, g in first))]))
+                worker.start_load_kv(OffloadMetadata(loads=[_load_job(kv, first)]))
                 wait(list(worker.loads.in_flight.values()))
                 out[f"{mode}_s"].append(time.perf_counter() - t1)
                 assert worker.get_transfer_results().finished_recving == {"bench"}

@@ -30,7 +30,7 @@ from offload.keys import ChunkKey, Fingerprint
 from offload.planner import ChunkIndex, GroupIndex, GroupKind, HybridOffloadPlanner
 from offload.store.base import TierData
 from offload.store.buffers import BufferPool
-from offload.store.format import HEADER_LEN, ChunkHeader
+from offload.store.format import ChunkHeader, file_bytes
 from offload.tailmask import TokenMap
 
 logger = init_logger(__name__)
@@ -118,7 +118,7 @@ class KVCache:
         out = []
         for g, spec in enumerate(self.planner.groups):
             pages = len(self.planner.stored(GroupIndex(g), ChunkIndex(0)).blocks) or 1  # Mamba: one state page
-            out.append(HEADER_LEN + pages * spec.page_bytes)
+            out.append(file_bytes(pages * spec.page_bytes))
         return out
 
     def header(self, ref: FileRef) -> ChunkHeader:
