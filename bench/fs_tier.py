@@ -37,8 +37,10 @@ Per repetition, on the same filesystem:
   copier): KV cache -> file and back, like ours.
 - a load during stores: one request's files (about 40 MB, cold) loaded by the
   connector's worker alone and while the same worker stores the rest of the
-  cache through its own store path, in a cache whose directories exist and in
-  a new one (`load_under_stores`).
+  cache through its own store path, in a cache that has run a while and in a
+  new one (`load_under_stores`).
+Every cache directory is opened as the connector's registration opens it: its
+layout recorded and its directories made (`open_data`), before any store.
 Stores end with a sync, so every figure is bytes on the device.
 """
 
@@ -283,6 +285,15 @@ def _header_key_id(path: str) -> bytes:
         return f.read(HEADER_LEN)[124:132]
 
 
+def open_data(path: str | Path, kv: HybridKV, options: FsOptions | None = None, **data_kw) -> FsData:
+    """A file tier on `path` opened as the connector's registration opens it: the layout recorded,
+    and with it the directories of every group made (at start-up, before any store)."""
+    store = FileStore.open(str(path), FP, options=options)
+    data = FsData(store, **data_kw)
+    data.record_layout({"bench": "fs_tier", "groups": [{"kind": g.kind.value} for g in kv.groups], "tensors": {}})
+    return data
+
+
 def warm_buffers(kv: HybridKV, count: int) -> None:
     """`count` faulted-in buffers of each file size in `BUFFERS` (as a worker reserves them)."""
     BUFFERS.reserve([HEADER_LEN + g.payload for g in kv.groups], count)
@@ -360,13 +371,14 @@ def ours_load_parallel(kv: HybridKV, worker: WorkerSide) -> None:
 REQUEST_BYTES = 40 << 20  # one request's restore: the 80B geometry's 16K-token prompt reads ~42 MB
 
 
-def load_under_stores(kv: HybridKV, root: Path, threads: int, reps: int, dirs_exist: bool = True) -> dict:
+def load_under_stores(kv: HybridKV, root: Path, threads: int, reps: int, ran_a_while: bool = True) -> dict:
     """One request's load (its first chunks, about `REQUEST_BYTES`, cold) on the connector's worker
     alone, and while the same worker stores the rest of the cache through its own store path
     (`wait_for_save`: the gather on this thread, the writes on its store threads). Each (rep,
-    mode) on a cache directory of its own; `dirs_exist`: the stores' directories are there
-    already (the rest stored once and removed: a cache that has run a while), else they are made
-    during the load (a new cache). Latencies per rep; the modes alternate in order."""
+    mode) on a cache directory of its own, opened as registration opens one (its directories
+    made at start-up); `ran_a_while`: the rest was stored once and removed before (a cache that
+    has run a while: the stores write where files were deleted), else the cache is new.
+    Latencies per rep; the modes alternate in order."""
     per_chunk = sum(g.payload for g in kv.groups)
     req = max(1, min(kv.chunks - 1, -(-REQUEST_BYTES // per_chunk)))
     first = [(c, g) for c, g in kv.files() if c < req]
@@ -380,14 +392,14 @@ def load_under_stores(kv: HybridKV, root: Path, threads: int, reps: int, dirs_ex
     for r in range(reps):
         for mode in modes[r % 2:] + modes[:r % 2]:  # alternated: drift falls on both
             path = root / f"under{r}.{mode}"
-            data = FsData(FileStore.open(str(path), FP))
+            data = open_data(path, kv)
             worker = load_worker(kv, data, threads)
             try:
                 save(worker, first, "req")
-                if dirs_exist:
+                if ran_a_while:
                     save(worker, rest, "dirs")
                 wait(list(worker.stores.in_flight))
-                if dirs_exist:
+                if ran_a_while:
                     for c, g in rest:
                         data.store.remove(data.store.file_path(g.index, kv.keys[c]))
                 drop_page_cache([str(data.store.file_path(g.index, kv.keys[c])) for c, g in first])
@@ -408,7 +420,7 @@ def load_under_stores(kv: HybridKV, root: Path, threads: int, reps: int, dirs_ex
                 shutil.rmtree(path, ignore_errors=True)
     alone = median(out["alone_s"])
     return {"request_bytes": req * per_chunk, "request_files": len(first),
-            "store_bytes": sum(g.payload for _, g in rest), "dirs_exist": dirs_exist, **out,
+            "store_bytes": sum(g.payload for _, g in rest), "ran_a_while": ran_a_while, **out,
             "slowdown_under_stores": median(out["under_stores_s"]) / alone}
 
 
@@ -577,7 +589,7 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
                                                          ("ours, 16 I/O threads", None, 16))):
             if direct is False and not direct_ok:
                 continue
-            data = FsData(FileStore.open(str(work / f"ours{r}.{v}"), FP), direct=direct)
+            data = open_data(work / f"ours{r}.{v}", kv, direct=direct)
             timed(f"{variant} store", ours_store, kv, data, nthreads)
             shutil.rmtree(work / f"ours{r}.{v}")
         # ours: each load variant reads files stored (with the connector's
@@ -590,7 +602,7 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
         loads = loads[r % len(loads):] + loads[:r % len(loads)]
         for v, (name, fn, direct_reads, mac) in enumerate(loads):
             path = str(work / f"load{r}.{v}")
-            stored = FileStore.open(path, FP, options=FsOptions(path=path, auth=auth if mac else None))
+            stored = open_data(path, kv, FsOptions(path=path, auth=auth if mac else None)).store
             timed("ours store, MAC" if mac else "ours store", ours_store, kv, FsData(stored), store_threads)
             files = [str(stored.file_path(g.index, kv.keys[c])) for c, g in kv.files()]
             assert sum(os.path.getsize(f) for f in files) == total + HEADER_LEN * len(files)
@@ -691,8 +703,8 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
     # MAC (deployment key) against CRC only, same run, same device limit.
     doc["hash_gb_s"] = hash_rates()
     work.mkdir(exist_ok=True)
-    doc["load_under_stores"] = {k: load_under_stores(kv, work, threads, max(reps, 3), dirs_exist)
-                                for k, dirs_exist in (("cache_run_a_while", True), ("new_cache", False))}
+    doc["load_under_stores"] = {k: load_under_stores(kv, work, threads, max(reps, 3), ran)
+                                for k, ran in (("cache_run_a_while", True), ("new_cache", False))}
     shutil.rmtree(work, ignore_errors=True)
     doc["mac"] = {}
     for op, crc_row, mac_row, limit in (("store", "ours store", "ours store, MAC", raw_w),

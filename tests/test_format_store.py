@@ -678,6 +678,40 @@ def test_write_layout_shared_by_two_instances(tmp_path):
     assert c.root != a.root
 
 
+def test_registration_makes_every_directory_of_every_group_before_any_store(tmp_path):
+    """FsData.record_layout (the connector's registration) makes each group's fan-out
+    directories, with the cache's dir_mode, so that no store makes one while loads read."""
+    from offload.store.fs import FsData
+    from offload.store.options import FsOptions
+
+    opts = FsOptions(path=str(tmp_path), dir_mode=0o750)
+    data = FsData(FileStore.open(str(tmp_path), FP, options=opts))
+    data.record_layout({"groups": [{}, {}, {}], "tensors": [[1]]})
+    s = data.store
+    for g in range(3):
+        names = sorted(p.name for p in (s.root / f"g{g}").iterdir())
+        assert names == [f"{i:02x}" for i in range(256)], g
+        assert all((s.root / f"g{g}" / n).stat().st_mode & 0o777 == 0o750 for n in names)
+    assert not (s.root / "g3").exists()
+    # Every file goes into one of them: the store makes none.
+    h = header(key=key_of("lands"))
+    before = {p for p in s.root.rglob("*") if p.is_dir()}
+    assert s.write(h, payload(3))
+    assert {p for p in s.root.rglob("*") if p.is_dir()} == before
+    assert s.file_path(h.group, h.key).parent in before
+    # A restart finds them: nothing made again. One removed (`gc` removes empty ones) is made again.
+    again = FileStore.open(str(tmp_path), FP, options=opts)
+    assert again.make_dirs(3) == 0
+    (s.root / "g2" / "7f").rmdir()
+    assert again.make_dirs(3) == 1 and (s.root / "g2" / "7f").is_dir()
+    # A directory that cannot be made now is no start-up failure: its store makes it or fails alone.
+    other = FileStore.open(str(tmp_path / "other"), FP, options=FsOptions(path=str(tmp_path / "other")))
+    other.root.mkdir(parents=True)
+    (other.root / "g0").write_bytes(b"not a directory")
+    assert other.make_dirs(2) == 256, "group 1's are made, group 0's cannot be"
+    assert (other.root / "g1" / "ff").is_dir()
+
+
 # ================================================= attention-only tail entries in fsck and gc ==
 
 def test_fsck_and_gc_take_attention_only_tail_entries_for_a_chain(tmp_path, capsys):

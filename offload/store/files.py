@@ -44,6 +44,7 @@ from offload.store.cachedir.owners import CacheDirs, DirRef
 from offload.store.cachedir.paths import (
     LAYOUT_FILE,
     chunk_path,
+    fanout_dirs,
     fingerprint_dir,
     layout_tmp_path,
     quarantine_dir,
@@ -190,6 +191,25 @@ class FileStore:
                 continue
             if _UMASK is None or self.dir_mode & _UMASK:
                 os.chmod(m, self.dir_mode)
+
+    def make_dirs(self, groups: int) -> int:
+        """Make the directories files of groups 0..`groups`-1 go in (`fanout_dirs`) at start-up:
+        made by the first stores, their journalled mkdirs queue at the device among loads' reads.
+        One that cannot be made now is made by its first store. Returns how many were made."""
+        made = 0
+        for g in range(groups):
+            dirs = fanout_dirs(self.root, g)
+            try:
+                self.prepare_dir(dirs[0].parent / "x")
+                have = set(os.listdir(dirs[0].parent))
+                for d in dirs:
+                    if d.name not in have:
+                        self.prepare_dir(d / "x")
+                        made += 1
+            except OSError as e:  # a read-only or unreachable cache directory: the stores say so
+                logger.warning("kvoffload: cannot make the directories of group %d under %s now (%s); "
+                               "they are made at their first store", g, self.root, e)
+        return made
 
     def tmp_path(self, final: Path) -> Path:
         """`<final name>.tmp.<pid>.<8 hex>.<host tag>` (see offload/store/cachedir/hygiene.py)."""

@@ -124,6 +124,8 @@ class FsData(TierData):
 
     def record_layout(self, description: dict) -> None:
         self.store.write_layout(description)
+        # At start-up, not among the first stores (see FileStore.make_dirs).
+        self.store.make_dirs(len(description.get("groups", ())))
 
     def close(self) -> None:
         self.store.close()

@@ -105,6 +105,11 @@ def chunk_path(root: Path, group: int, key_hex: str) -> Path:
     return root / f"{GROUP_PREFIX}{group}" / key_hex[:2] / chunk_name(key_hex)
 
 
+def fanout_dirs(root: Path, group: int) -> list[Path]:
+    """Every directory `chunk_path` puts a file of `group` in: one per first byte of a key."""
+    return [root / f"{GROUP_PREFIX}{group}" / f"{i:02x}" for i in range(256)]
+
+
 def quarantined_path(root: Path, name: str) -> Path:
     """Where a bad file called `name` goes: a fresh name in quarantine/."""
     return quarantine_dir(root) / f"{name}.{uuid.uuid4().hex[:8]}"
