@@ -277,9 +277,13 @@ def _ledger_cache(tmp_path: Path):
 def test_gc_records_its_deletions_so_a_live_account_follows_without_a_walk(capsys, tmp_path):
     top, live, true_bytes = _ledger_cache(tmp_path)
     limit = true_bytes(top) // 2
+    dirs = {p for p in top.rglob("*") if p.is_dir()}
     rc, out = run_cli(capsys, "gc", str(tmp_path), "--max-bytes", str(limit))
     assert rc == 0 and "fits" in out, out
     assert true_bytes(top) <= limit
+    # The directories stay, emptied or not: the connector makes them at start-up, not while serving.
+    assert {p for p in top.rglob("*") if p.is_dir()} == dirs
+    assert any(not any(d.iterdir()) for d in dirs if d.parent.name.startswith("g")), "gc emptied none"
     live.sync()  # reads gc's log: no walk
     assert live.usage == true_bytes(top) and live.walks == 1
     rc, out = json_cli("stats", str(tmp_path), "--ledger", "--json")

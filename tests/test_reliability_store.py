@@ -25,7 +25,6 @@ import torch
 from conftest import REPO
 from faults.report import record
 from faults.store_writer import ATTN, FP, GDN, KvCache, expected_payload, key_of
-from offload.cli.cache import FpDir, remove_empty_dirs
 from offload.copier import crc32c
 from offload.store.base import ChunkMiss, OptionError
 from offload.store.cachedir import hygiene
@@ -215,14 +214,14 @@ def test_symlinked_group_dir_is_neither_written_nor_read_through(tmp_path):
            1, "1 write refused, 1 read refused, link moved aside at start-up", 0, "none")
 
 
-def test_a_directory_gc_removed_from_a_live_cache_is_made_again_by_the_next_write(tmp_path):
+def test_a_directory_removed_from_a_live_cache_is_made_again_by_the_next_write(tmp_path):
     store = FileStore.open(str(tmp_path / "cache"), FP)
     h = _header(6)
     assert store.write(h, _payload(h))
-    # What `kvoffload gc` does to a live cache: the file evicted, then its emptied directory removed.
+    # An operator's tidying of a live cache: the file evicted, then its emptied directory removed.
     path = store.file_path(h.group, h.key)
     os.unlink(path)
-    remove_empty_dirs(FpDir(store.root))
+    path.parent.rmdir()
     assert not path.parent.exists()
     assert store.write(h, _payload(h, seed=2)), "the write was dropped"
     out = torch.empty(h.payload_len, dtype=torch.uint8)

@@ -26,7 +26,6 @@ from offload.store.cachedir.paths import (
     CHUNK_FILE,
     CHUNK_TMP_FILE,
     GROUP_DIR,
-    GROUP_PREFIX,
     HEX64,
     LAYOUT_DIR,
     LAYOUT_DIR_GLOB,
@@ -361,15 +360,6 @@ def age(seconds: float) -> str:
         if s >= n:
             return f"{s / n:.1f}{unit}"
     return f"{s:.0f}s"
-
-
-def remove_empty_dirs(fp: FpDir) -> None:
-    for gdir in fp.path.glob(f"{GROUP_PREFIX}*"):
-        for sub in gdir.iterdir():
-            try:
-                sub.rmdir()  # only if empty
-            except OSError:
-                pass
 
 
 def unlink(p: Path) -> bool:

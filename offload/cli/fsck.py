@@ -55,7 +55,6 @@ from offload.cli.cache import (
     human,
     is_stale_tmp,
     ledger_view,
-    remove_empty_dirs,
     scan,
     unlink,
 )
@@ -176,9 +175,6 @@ def run(args: argparse.Namespace) -> int:
                       if fixed else (" -> left alone" if args.repair and kind == "foreign-key"
                                      else " -> NOT repaired" if args.repair else ""))
             print(f"{kind:<16}{path}: {detail}{action}")
-    if args.repair:
-        for fp in cache.dirs:
-            remove_empty_dirs(fp)
     kinds = ("corrupt", "unauthenticated", "foreign-key", "orphaned-tmp", "unknown-layout", "chain-hole")
     counts = {k: sum(1 for p in found if p[0] == k) for k in kinds}
     quarantined = sum(len(fp.quarantine) for fp in cache.dirs)

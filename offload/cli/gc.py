@@ -61,7 +61,6 @@ from offload.cli.cache import (
     human,
     is_stale_tmp,
     record_removal,
-    remove_empty_dirs,
     scan,
     unlink,
 )
@@ -240,9 +239,6 @@ def run(args: argparse.Namespace) -> int:
             back = queue.unlink(par)
             if back is not None and back in nodes:
                 queue.push(nodes[back][0], back)
-    if not args.dry_run:
-        for fp in cache.dirs:
-            remove_empty_dirs(fp)
     print(f"{verb} {evicted} least recently used chunks ({files} files); {human(total)} left "
           f"({'fits' if total <= args.max_bytes else 'does NOT fit: the rest is layout files or in flight'})")
     return 0 if total <= args.max_bytes else 1
