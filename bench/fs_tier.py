@@ -602,8 +602,9 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
         loads = loads[r % len(loads):] + loads[:r % len(loads)]
         for v, (name, fn, direct_reads, mac) in enumerate(loads):
             path = str(work / f"load{r}.{v}")
-            stored = open_data(path, kv, FsOptions(path=path, auth=auth if mac else None)).store
-            timed("ours store, MAC" if mac else "ours store", ours_store, kv, FsData(stored), store_threads)
+            writer = open_data(path, kv, FsOptions(path=path, auth=auth if mac else None))
+            stored = writer.store
+            timed("ours store, MAC" if mac else "ours store", ours_store, kv, writer, store_threads)
             files = [str(stored.file_path(g.index, kv.keys[c])) for c, g in kv.files()]
             assert sum(os.path.getsize(f) for f in files) == total + HEADER_LEN * len(files)
             if mac:

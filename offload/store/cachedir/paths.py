@@ -100,14 +100,18 @@ def chunk_rel(fp_hex: str, group: int, key_hex: str) -> str:
     return f"{fp_hex}/{GROUP_PREFIX}{group}/{key_hex[:2]}/{chunk_name(key_hex)}"
 
 
+def _fanout_dir(root: Path, group: int, first_byte_hex: str) -> Path:
+    return root / f"{GROUP_PREFIX}{group}" / first_byte_hex
+
+
 def chunk_path(root: Path, group: int, key_hex: str) -> Path:
     """A chunk file under fingerprint directory `root`."""
-    return root / f"{GROUP_PREFIX}{group}" / key_hex[:2] / chunk_name(key_hex)
+    return _fanout_dir(root, group, key_hex[:2]) / chunk_name(key_hex)
 
 
 def fanout_dirs(root: Path, group: int) -> list[Path]:
     """Every directory `chunk_path` puts a file of `group` in: one per first byte of a key."""
-    return [root / f"{GROUP_PREFIX}{group}" / f"{i:02x}" for i in range(256)]
+    return [_fanout_dir(root, group, f"{i:02x}") for i in range(256)]
 
 
 def quarantined_path(root: Path, name: str) -> Path:
