@@ -118,7 +118,7 @@ ext_modules = [
     Pybind11Extension(
         "offload._copier",
         ["csrc/copier.cpp"],
-        depends=_headers,
+        depends=[*_headers, "csrc/ghash.h"],
         cxx_std=17,
         extra_compile_args=["-O3"],
     )

@@ -31,6 +31,7 @@
 #include <nmmintrin.h>
 #endif
 
+#include "ghash.h"
 #include "page_layout.h"
 
 namespace py = pybind11;
@@ -459,7 +460,8 @@ void run_copies(const std::vector<Copy>& copies, int num_threads, bool allow_str
 // store fence (`copy_crc_fence`) once after its last piece.
 constexpr size_t kFusedPiece = size_t(16) << 10;
 
-uint32_t copy_crc_raw(uint8_t* dst, const uint8_t* src, size_t n, uint32_t raw, bool stream) {
+uint32_t copy_crc_raw(uint8_t* dst, const uint8_t* src, size_t n, uint32_t raw, bool stream,
+                      kvoffload::GhashState* gh = nullptr, bool with_crc = true) {
   for (size_t off = 0; off < n; off += kFusedPiece) {
     const size_t k = std::min(kFusedPiece, n - off);
 #if defined(__x86_64__)
@@ -468,7 +470,18 @@ uint32_t copy_crc_raw(uint8_t* dst, const uint8_t* src, size_t n, uint32_t raw, 
     else
 #endif
       std::memcpy(dst + off, src + off, k);
-    raw = crc_raw(raw, src + off, k);  // the piece just read: from L1/L2
+    if (with_crc) raw = crc_raw(raw, src + off, k);  // the piece just read: from L1/L2
+    if (gh != nullptr) kvoffload::ghash_update(*gh, src + off, k);
+  }
+  return raw;
+}
+
+// The CRC register and, with `gh`, the GHASH of `n` bytes in one pass, piece by piece from cache.
+uint32_t crc_ghash_raw(const uint8_t* p, size_t n, uint32_t raw, kvoffload::GhashState& gh) {
+  for (size_t off = 0; off < n; off += kFusedPiece) {
+    const size_t k = std::min(kFusedPiece, n - off);
+    raw = crc_raw(raw, p + off, k);
+    kvoffload::ghash_update(gh, p + off, k);
   }
   return raw;
 }
@@ -559,10 +572,20 @@ class PageTable {
     return ~raw;
   }
 
+  // The scatter, with the whole source buffer hashed into `gh` (GHASH, for the MAC) in the same
+  // pass under the same condition as scatter_crc's CRC.
+  void scatter_ghash(uint64_t src_ptr, int64_t src_bytes, int64_t n_src,
+                     const std::vector<std::pair<int64_t, int64_t>>& pairs, kvoffload::GhashState& gh) const {
+    kvoffload::check_scatter_args(src_bytes, n_src, pairs, page_bytes_);
+    py::gil_scoped_release nogil;
+    run_scatter(src_ptr, n_src, pairs, nullptr, static_cast<size_t>(src_bytes), &gh);
+  }
+
  private:
-  // `crc` non-null: the raw CRC register over the `src_bytes` of the source, updated (see scatter_crc).
+  // `crc` non-null: the raw CRC register over the `src_bytes` of the source, updated (see scatter_crc);
+  // `gh` non-null: the source's bytes are hashed into it too (see scatter_ghash).
   void run_scatter(uint64_t src_ptr, int64_t n_src, const std::vector<std::pair<int64_t, int64_t>>& pairs,
-                   uint32_t* crc, size_t src_bytes) const {
+                   uint32_t* crc, size_t src_bytes, kvoffload::GhashState* gh = nullptr) const {
     std::vector<Copy> copies;
     const auto* src = reinterpret_cast<const uint8_t*>(src_ptr);
     for (const Layer& L : layers_) {
@@ -597,7 +620,7 @@ class PageTable {
       std::sort(dsts.begin(), dsts.end());
       dup = std::adjacent_find(dsts.begin(), dsts.end()) != dsts.end();
     }
-    if (crc == nullptr) {
+    if (crc == nullptr && gh == nullptr) {
       run_copies(copies, dup ? 1 : num_threads_);
       return;
     }
@@ -608,12 +631,15 @@ class PageTable {
       next += c.len;
     }
     if (next != base + src_bytes || dup) {
-      *crc = crc_raw(*crc, base, src_bytes);
+      if (crc != nullptr) *crc = crc_raw(*crc, base, src_bytes);
+      if (gh != nullptr) kvoffload::ghash_update(*gh, base, src_bytes);
       run_copies(copies, dup ? 1 : num_threads_);
       return;
     }
     const bool stream = copy_crc_streams(src_bytes);
-    for (const Copy& c : copies) *crc = copy_crc_raw(c.dst, c.src, c.len, *crc, stream);
+    uint32_t raw = crc != nullptr ? *crc : 0u;
+    for (const Copy& c : copies) raw = copy_crc_raw(c.dst, c.src, c.len, raw, stream, gh, crc != nullptr);
+    if (crc != nullptr) *crc = raw;
     copy_crc_fence(stream);
   }
 
@@ -1141,7 +1167,61 @@ PYBIND11_MODULE(_copier, m) {
       .def("scatter_crc", &PageTable::scatter_crc, py::arg("src_ptr"), py::arg("src_bytes"),
            py::arg("n_src_blocks"), py::arg("pairs"), py::arg("seed") = 0,
            "scatter, returning the CRC-32C of the whole source buffer (computed in the copy's pass "
-           "where the copies read it front to back)");
+           "where the copies read it front to back)")
+      .def("scatter_ghash", &PageTable::scatter_ghash, py::arg("src_ptr"), py::arg("src_bytes"),
+           py::arg("n_src_blocks"), py::arg("pairs"), py::arg("ghash"),
+           "scatter, hashing the whole source buffer into `ghash` in the copy's pass (as scatter_crc)");
+
+  m.def("ghash_available", []() { return kvoffload::ghash_have_clmul(); },
+        "True where Ghash runs (x86-64 with PCLMULQDQ); elsewhere the MAC is cryptography's GMAC alone.");
+  py::class_<kvoffload::GhashState>(m, "Ghash",
+                                    "GCM's GHASH under a hash key H, everything hashed as associated data")
+      .def(py::init([](py::bytes h) {
+             std::string k = h;
+             if (k.size() != 16) throw py::value_error("the GHASH key H must be 16 bytes");
+             if (!kvoffload::ghash_have_clmul()) throw py::value_error("GHASH needs x86-64 with PCLMULQDQ");
+             auto* st = new kvoffload::GhashState();
+             kvoffload::ghash_init(*st, reinterpret_cast<const uint8_t*>(k.data()));
+             return st;
+           }),
+           py::arg("h"))
+      .def(
+          "update",
+          [](kvoffload::GhashState& st, uint64_t ptr, int64_t nbytes) {
+            if (nbytes < 0) throw py::value_error("nbytes must be >= 0");
+            py::gil_scoped_release nogil;
+            kvoffload::ghash_update(st, reinterpret_cast<const uint8_t*>(ptr), static_cast<size_t>(nbytes));
+          },
+          py::arg("ptr"), py::arg("nbytes"))
+      .def(
+          "update_buffer",
+          [](kvoffload::GhashState& st, py::buffer buf) {
+            Py_buffer view;
+            if (PyObject_GetBuffer(buf.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+            {
+              py::gil_scoped_release nogil;
+              kvoffload::ghash_update(st, static_cast<const uint8_t*>(view.buf), static_cast<size_t>(view.len));
+            }
+            PyBuffer_Release(&view);
+          },
+          py::arg("buf"))
+      .def("digest",
+           [](const kvoffload::GhashState& st) {
+             uint8_t out[16];
+             kvoffload::ghash_digest(st, out);
+             return py::bytes(reinterpret_cast<const char*>(out), 16);
+           })
+      .def_property_readonly("nbytes", [](const kvoffload::GhashState& st) { return st.total; });
+  m.def(
+      "crc32c_ghash",
+      [](uint64_t ptr, int64_t nbytes, kvoffload::GhashState& gh, int64_t seed) {
+        if (nbytes < 0) throw py::value_error("nbytes must be >= 0");
+        uint32_t s = check_seed(seed);
+        py::gil_scoped_release nogil;
+        return ~crc_ghash_raw(reinterpret_cast<const uint8_t*>(ptr), static_cast<size_t>(nbytes), ~s, gh);
+      },
+      py::arg("ptr"), py::arg("nbytes"), py::arg("ghash"), py::arg("seed") = 0,
+      "CRC-32C of nbytes at ptr, hashing them into `ghash` in the same pass.");
 
   m.def("write_file", &write_file, py::arg("tmp_path"), py::arg("final_path"),
         py::arg("header"), py::arg("payload_ptr"), py::arg("payload_len"), py::arg("fsync"),

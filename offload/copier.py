@@ -162,12 +162,13 @@ class GroupPages:
         return out
 
     def scatter(self, buf: torch.Tensor, n_buf_blocks: int, pairs: Sequence[tuple[int, int]],
-                crc: bool = False) -> int | None:
+                crc: bool = False, ghash: Ghash | None = None) -> int | None:
         """Copy page ``src`` of ``buf`` (layer-major, ``n_buf_blocks`` pages) into block ``dst``.
 
-        With ``crc``, also return the CRC-32C of the whole of ``buf`` (a CPU buffer): on CPU it is
-        taken in the copy's own pass over ``buf`` where the pairs read it front to back (every page
-        once, in order); elsewhere before the copy.
+        With ``crc``, also return the CRC-32C of the whole of ``buf`` (a CPU buffer); with
+        ``ghash``, hash the whole of ``buf`` into it (a MAC's hash). On CPU both are taken in the
+        copy's own pass over ``buf`` where the pairs read it front to back (every page once, in
+        order); elsewhere before the copy.
         """
         pairs = [(int(s), int(d)) for s, d in pairs]
         self._check_ids([d for _, d in pairs])
@@ -175,11 +176,19 @@ class GroupPages:
             raise ValueError("buf must be a contiguous uint8 tensor")
         if not self._cuda:
             _check_cpu_u8(buf, "buf")
+            if ghash is not None:
+                value = crc32c(buf) if crc else None  # a MAC's check does not need the CRC: not fused
+                self._table.scatter_ghash(buf.data_ptr(), buf.numel(), n_buf_blocks, pairs, ghash)
+                return value
             if crc:
                 return self._table.scatter_crc(buf.data_ptr(), buf.numel(), n_buf_blocks, pairs)
             self._table.scatter(buf.data_ptr(), buf.numel(), n_buf_blocks, pairs)
             return None
-        value = crc32c(buf) if crc else None  # a host buffer: its CRC on the CPU, before the copy
+        # A host buffer: its CRC and hash on the CPU, before the copy.
+        value = crc32c(buf) if crc else None
+        if ghash is not None:
+            _check_cpu_u8(buf, "buf")
+            ghash.update(buf.data_ptr(), buf.numel())
         self._scatter_device(buf, n_buf_blocks, pairs)
         return value
 
@@ -246,6 +255,21 @@ def crc32c(buf: torch.Tensor | bytes | bytearray | memoryview, seed: int = 0) ->
         _check_cpu_u8(buf, "buf")
         return _copier.crc32c(buf.data_ptr(), buf.numel(), seed)
     return _copier.crc32c_buffer(buf, seed)
+
+
+# GCM's GHASH for the chunk MAC (AES-256-GMAC), fed in the copier's own passes; see csrc/ghash.h.
+Ghash = _copier.Ghash
+
+
+def ghash_available() -> bool:
+    """Whether `Ghash` runs on this CPU (x86-64 with carry-less multiply)."""
+    return bool(_copier.ghash_available())
+
+
+def crc32c_ghash(buf: torch.Tensor, ghash: Ghash, seed: int = 0) -> int:
+    """CRC-32C of `buf`, hashing it into `ghash` in the same pass over the bytes."""
+    _check_cpu_u8(buf, "buf")
+    return _copier.crc32c_ghash(buf.data_ptr(), buf.numel(), ghash, seed)
 
 
 def write_file(tmp_path: str | os.PathLike, final_path: str | os.PathLike, header: bytes,

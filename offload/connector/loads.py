@@ -12,7 +12,7 @@ same read. A request is a hit only if every file was restored; all its files
 are read regardless, so every bad one is found (and quarantined) in the same
 pass, and a failed request is reported with the gravest of its reasons. A
 file tier's payload CRC (O_DIRECT reads, no key) is checked in the scatter's
-own pass over the bytes (`TierData.get_to_scatter`); a MAC is checked before.
+own pass over the bytes (`TierData.get_to_scatter`), and so is a MAC's hash where the copier hashes.
 `results()` hands back the requests finished since the last call.
 
 Loads get their own pool (`io_threads` threads, made here): a load blocks a
@@ -155,14 +155,15 @@ class LoadPipeline:
             # recomputed: its pages are not worth a copy, but every file is
             # still verified (each bad one is found in this pass), and the
             # verified bytes still fill the slots reserved for them in faster tiers.
-            # A CRC the tier left to us (`crc_due`) is taken in the scatter's own
-            # pass over the bytes: a mismatch fails the request, whose blocks
-            # vLLM then frees uncached and recomputes.
+            # A CRC or a MAC's hash the tier left to us (`crc_due`, `mac_due`) is
+            # taken in the scatter's own pass over the bytes: a mismatch fails the
+            # request, whose blocks vLLM then frees uncached and recomputes.
             if not run.failures:
                 t1 = time.perf_counter()
+                ghash = chunk.mac_due.ghash if chunk.mac_due is not None else None
                 crc = self.kv.pages[ref.group].scatter(chunk.payload, ref.num_pages, pairs,
-                                                       crc=chunk.crc_due is not None)
-                chunk.check(crc)
+                                                       crc=chunk.crc_due is not None, ghash=ghash)
+                chunk.check(crc, mac_fed=ghash is not None)
                 t2 = time.perf_counter()
                 # Where a restore's time goes, per group kind (read vs scatter; promotion is neither).
                 self.recorders[src.tier].inc("kvoffload_load_read_seconds", t1 - t0, group_kind=kind)

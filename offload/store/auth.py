@@ -45,6 +45,7 @@ GMAC_KEY_ID_CONTEXT = "kvoffload 2026-11-28 key id v2"
 NONCE_LEN = 16
 TAG_LEN = MAC_LEN - NONCE_LEN
 _GCM_IV = bytes(12)  # each entry key signs one entry, so a fixed IV never repeats under a key
+_J0_COUNTER = (1).to_bytes(4, "big")  # GCM's J0 for a 96-bit IV: IV || 0^31 || 1
 # Text, not raw bytes: a trailing CR/LF is stripped from a key file, so 32 raw random bytes
 # would come up short once in 128 keys.
 KEY_HINT = "e.g. 'openssl rand -base64 48 > FILE && chmod 600 FILE'"
@@ -69,7 +70,12 @@ class Unauthenticated(Exception):
 class Mac:
     """One entry's MAC in progress: `update` with the payload, then the
     header's MAC-covered bytes; then `field()` (a signer's MAC field) or
-    `verify(field)`. Large updates run without the GIL."""
+    `verify(field)`. Large updates run without the GIL. `ghash`, where not
+    None, is the hash state the copier may feed in its own pass over the
+    payload (`copier.crc32c_ghash`, `GroupPages.scatter(ghash=)`) in place of
+    `update`."""
+
+    ghash = None
 
     def update(self, data) -> None:
         raise NotImplementedError
@@ -98,19 +104,36 @@ class _GmacMac(Mac):
     """GMAC (GCM's tag with everything as associated data) under a key of this
     entry alone, BLAKE3-derived from the deployment's GMAC key and the
     entry's random nonce: no IV is ever reused under a key, so no bound on
-    the number of entries a key signs."""
+    the number of entries a key signs. Where the copier has GHASH (x86-64
+    with carry-less multiply) the hash runs there, fed in the pass that
+    moves or CRCs the bytes, and only the AES (the hash key H = AES_K(0) and
+    the tag mask AES_K(J0)) is cryptography's; the tag is GCM's either way."""
 
-    __slots__ = ("_enc", "_nonce")
+    __slots__ = ("_enc", "_mask", "_nonce", "ghash")
 
     def __init__(self, gmac_key: bytes, nonce: bytes) -> None:
+        from offload.copier import Ghash, ghash_available
+
         self._nonce = nonce
         entry_key = blake3.blake3(nonce, key=gmac_key).digest()
-        self._enc = Cipher(algorithms.AES(entry_key), modes.GCM(_GCM_IV)).encryptor()
+        if ghash_available():
+            aes = Cipher(algorithms.AES(entry_key), modes.ECB()).encryptor()
+            h_and_mask = aes.update(bytes(16) + _GCM_IV + _J0_COUNTER)
+            self.ghash, self._mask, self._enc = Ghash(h_and_mask[:16]), h_and_mask[16:], None
+        else:
+            self.ghash, self._mask = None, b""
+            self._enc = Cipher(algorithms.AES(entry_key), modes.GCM(_GCM_IV)).encryptor()
 
     def update(self, data) -> None:
-        self._enc.authenticate_additional_data(data)
+        if self.ghash is not None:
+            self.ghash.update_buffer(data)
+        else:
+            self._enc.authenticate_additional_data(data)
 
     def field(self) -> bytes:
+        if self.ghash is not None:
+            s = int.from_bytes(self.ghash.digest(), "big") ^ int.from_bytes(self._mask, "big")
+            return self._nonce + s.to_bytes(16, "big")
         self._enc.finalize()
         return self._nonce + self._enc.tag
 
@@ -150,11 +173,15 @@ def _as_buffer(payload):
 
 def _crc_and_feed(payload, mac: Mac, crc: int | None = None) -> int:
     """CRC-32C of `payload` (`crc` where the caller's copy took it), and `mac` fed the same
-    bytes: two calls that each run without the GIL over the whole payload (a walk in cache-sized
-    blocks cost as much CPU with GMAC, and held the GIL once per block, which slowed every other
-    store thread)."""
-    from offload.copier import crc32c
+    bytes, without the GIL: in one pass where the copier hashes for the MAC (each piece CRC'd
+    and hashed from cache), else two calls over the whole payload (a walk in cache-sized blocks
+    from here held the GIL once per block, which slowed every other store thread)."""
+    import torch
 
+    from offload.copier import crc32c, crc32c_ghash
+
+    if crc is None and mac.ghash is not None and isinstance(payload, torch.Tensor):
+        return crc32c_ghash(payload, mac.ghash)
     if crc is None:
         crc = crc32c(payload)
     mac.update(_as_buffer(payload))
@@ -241,23 +268,52 @@ def check_entry(raw: bytes, crc: int | None, expected: ChunkHeader, payload,
     MAC covers both, so the CRC is not computed then (a load with a key reads
     with `with_crc=False`). `crc_later` (no keyring only): everything but the payload CRC,
     which the caller compares with the returned header's `payload_crc` in its own pass."""
-    from offload.copier import crc32c
+    return begin_entry(raw, crc, expected, payload, keyring, crc_later and keyring is None)[0]
 
+
+def begin_entry(raw: bytes, crc: int | None, expected: ChunkHeader, payload, keyring: Keyring | None,
+                later: bool) -> tuple[ChunkHeader, Mac | None]:
+    """`check_entry`, except that with `later` what the caller's own pass
+    over the payload can take is left to it: without a keyring the CRC
+    (compared with the returned header's `payload_crc`), with one the MAC
+    where the copier hashes for it (the returned Mac: feed its `ghash` the
+    payload, then `close_entry`). Returns (header, that Mac or None)."""
+    header, mac = open_entry(raw, expected, keyring)
+    if later and (mac is None or mac.ghash is not None):
+        return header, mac
+    if mac is not None:
+        mac.update(_as_buffer(payload))
+    close_entry(raw, header, expected, payload, crc, mac)
+    return header, None
+
+
+def open_entry(raw: bytes, expected: ChunkHeader, keyring: Keyring | None) -> tuple[ChunkHeader, Mac | None]:
+    """The checks of `check_entry` that need no payload: the header, then
+    without a keyring its identity; with one, the key id. Returns the header
+    and, with a keyring, its MAC started: feed it the payload, then
+    `close_entry`."""
     header = ChunkHeader.unpack(raw)
     if keyring is None:
         header.check_matches(expected)
-        if crc_later:
-            return header
-        if header.payload_crc != (crc32c(payload) if crc is None else crc):
-            raise FormatError("payload checksum mismatch")
-        return header
+        return header, None
     if header.key_id == NO_KEY:
         raise Unauthenticated("no MAC (written without a deployment key)", quarantine=False)
     key = keyring.key(header.key_id)
     if key is None:
         raise Unauthenticated(f"key id {header.key_id.hex()} is not one of this deployment's keys", quarantine=False)
-    mac = key.start(header.mac)
-    mac.update(_as_buffer(payload))
+    return header, key.start(header.mac)
+
+
+def close_entry(raw: bytes, header: ChunkHeader, expected: ChunkHeader, payload, crc: int | None,
+                mac: Mac | None) -> None:
+    """The rest of `check_entry` once `mac` (from `open_entry`) has been fed
+    the payload: the MAC, then the identity; without a MAC, the CRC."""
+    from offload.copier import crc32c
+
+    if mac is None:
+        if header.payload_crc != (crc32c(payload) if crc is None else crc):
+            raise FormatError("payload checksum mismatch")
+        return
     mac.update(raw[:MAC_OFFSET])
     if not mac.verify(header.mac):
         if header.payload_crc != (crc32c(payload) if crc is None else crc):
@@ -267,7 +323,6 @@ def check_entry(raw: bytes, crc: int | None, expected: ChunkHeader, payload,
         header.check_matches(expected)
     except FormatError as e:
         raise Unauthenticated(f"valid MAC, but {e} (an entry copied under another name)", quarantine=True) from None
-    return header
 
 
 # ---- loading keys by reference -----------------------------------------------------------

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import ClassVar, Generic, NamedTuple, TypeVar
+from typing import ClassVar, Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -96,6 +96,15 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+class PayloadMac(Protocol):
+    """A MAC begun on an entry (`auth.Mac`), to be fed its payload: by `update`, or through
+    `ghash` (None where the copier does not hash for it) in the caller's own pass."""
+
+    ghash: object | None
+
+    def update(self, data) -> None: ...
+
+
 @dataclass
 class HostChunk:
     """One entry's payload in host memory.
@@ -115,6 +124,10 @@ class HostChunk:
     # to quarantine) and gives the miss to report.
     crc_due: int | None = None
     corrupt: Callable[[], ChunkMiss] | None = field(default=None, repr=False, compare=False)
+    # Or, with a key, the entry's MAC, begun (`auth.Mac`, whose `ghash` the caller's pass feeds
+    # with the payload), and the tier's check that settles it (raises the ChunkMiss to report).
+    mac_due: PayloadMac | None = field(default=None, repr=False, compare=False)
+    settle_mac: Callable[[PayloadMac], None] | None = field(default=None, repr=False, compare=False)
     # The payload's CRC-32C where the copy that filled the buffer took it in its pass (a writer
     # then frames it without reading the bytes again); None: the writer computes it.
     crc: int | None = None
@@ -131,16 +144,21 @@ class HostChunk:
         copy's own pass: a writer then frames it without reading the bytes back from memory."""
         self.crc = copy_crc(self.payload, src)
 
-    def check(self, crc: int | None = None) -> None:
-        """Settle a CRC left to the caller (`crc_due`; nothing to do without one): `crc` is the
-        payload's CRC-32C as the caller's pass computed it, or None to compute it here. Raises
-        the tier's ChunkMiss on a mismatch."""
+    def check(self, crc: int | None = None, mac_fed: bool = False) -> None:
+        """Settle what a tier left to the caller (`crc_due`, `mac_due`; nothing to do without
+        them): `crc` is the payload's CRC-32C as the caller's pass computed it, or None to compute
+        it here; `mac_fed`: that pass fed the payload to `mac_due.ghash`. Raises the tier's
+        ChunkMiss on a mismatch."""
         due, self.crc_due = self.crc_due, None
-        if due is None:
-            return
-        if (crc32c(self.payload) if crc is None else crc) != due:
+        if due is not None and (crc32c(self.payload) if crc is None else crc) != due:
             assert self.corrupt is not None
             raise self.corrupt()
+        mac, self.mac_due = self.mac_due, None
+        if mac is not None:
+            if not mac_fed:
+                mac.update(self.payload.numpy())
+            assert self.settle_mac is not None
+            self.settle_mac(mac)
 
     def hold(self) -> HostChunk:
         with self._refs_lock:
@@ -288,8 +306,9 @@ class TierData(ABC):
     def get_to_scatter(self, header: ChunkHeader, placement: Placement, pool: BufferPool) -> HostChunk:
         """As `get`, for a caller that copies the payload into pages it can give up (a load
         into blocks that vLLM frees, uncached, when the load fails): the tier may leave the
-        payload's CRC to that copy's pass (`HostChunk.crc_due`), which must settle it with
-        `HostChunk.check` before the load counts or the bytes go anywhere else."""
+        payload's CRC or its MAC's hash to that copy's pass (`HostChunk.crc_due`, `mac_due`),
+        which must settle it with `HostChunk.check` before the load counts or the bytes go
+        anywhere else."""
         return self.get(header, placement, pool)
 
     def close(self) -> None:

@@ -35,7 +35,7 @@ import torch
 from offload import copier
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind
-from offload.store.auth import Keyring, Unauthenticated, check_entry, frame, open_keyring
+from offload.store.auth import Keyring, Mac, Unauthenticated, begin_entry, close_entry, frame, open_keyring
 from offload.store.base import ChunkMiss, HostChunk, MissReason, OptionError
 from offload.store.buffers import BufferPool
 from offload.store.cachedir import hygiene, paths
@@ -302,8 +302,7 @@ class FileStore:
                                                     HEADER_LEN + n, self.fsync, self.file_mode, direct=direct)
                     break
                 except OSError as e:
-                    # The directory went after it was made or seen (`gc` removes empty ones from a live
-                    # cache): make it again.
+                    # The directory went after it was made or seen (removed from a live cache): make it again.
                     if e.errno not in DIR_RACE_ERRNOS or attempt == DIR_RACE_TRIES - 1:
                         raise
                     self._safe_dirs.discard(final.parent)
@@ -344,46 +343,47 @@ class FileStore:
             # good file is not reported corrupt and quarantined.
             raise ValueError(f"out must be a contiguous uint8 CPU tensor of {expected.payload_len} bytes, "
                              f"got {out.numel()} x {out.dtype} on {out.device}")
-        crc = self.keyring is None  # with a key the MAC is checked instead (check_entry)
+        crc = self.keyring is None  # with a key the MAC is checked instead (close_entry)
         self._read(expected, lambda path: copier.read_file(path, HEADER_LEN, out, crc), out)
 
     def read_framed(self, expected: ChunkHeader, chunk: HostChunk, crc_later: bool = False) -> bool:
         """Read the whole file into `chunk` (a pooled buffer: header room, then
         the payload), with O_DIRECT where the filesystem allows it, and verify
-        it as `read_into` does. Returns whether O_DIRECT was used. `crc_later`
-        (without a key): the payload CRC is not computed here but left on the
-        chunk (`HostChunk.crc_due`) for the caller's pass over the payload; a
-        mismatch found there quarantines the file as a failed check here does."""
+        it as `read_into` does. Returns whether O_DIRECT was used. `crc_later`:
+        the CRC (without a key) or the MAC (with one, where the copier hashes)
+        is left to the caller's pass over the payload (`HostChunk.crc_due`,
+        `mac_due`); a mismatch there quarantines the file as one here does."""
         buf = chunk.buf
         if buf is None or chunk.payload.numel() != expected.payload_len:
             raise ValueError(f"chunk must be a pooled buffer with a payload of {expected.payload_len} bytes")
         used = [False]
-        later = crc_later and self.keyring is None
-        with_crc = self.keyring is None and not later
+        with_crc = self.keyring is None and not crc_later
 
         def direct(path: str) -> tuple[bytes, int]:
             raw, crc, used[0] = copier.read_file_direct(path, HEADER_LEN, buf, expected.payload_len, with_crc)
             return raw, crc
-        header = self._read(expected, direct, chunk.payload, later)
-        if later:
+        header, mac, settle = self._read(expected, direct, chunk.payload, crc_later)
+        if crc_later and self.keyring is None:
             path = self.file_path(expected.group, expected.key)
             chunk.crc_due = header.payload_crc
-            chunk.corrupt = lambda: self._corrupt_after_read(path)
+            chunk.corrupt = lambda: self._refused(path, FormatError("payload checksum mismatch"))
+        chunk.mac_due, chunk.settle_mac = mac, settle
         return used[0]
 
-    def _corrupt_after_read(self, path: Path) -> ChunkMiss:
-        """A payload CRC mismatch found by the caller's pass after a `crc_later` read."""
-        self.quarantine(path)
-        return ChunkMiss(MissReason.CORRUPT, f"{path}: payload checksum mismatch")
+    def _refused(self, path: Path, e: Exception) -> ChunkMiss:
+        """The miss for a file that failed its checks; it goes to quarantine unless it is another
+        deployment's (an Unauthenticated that claims no key of ours)."""
+        if not isinstance(e, Unauthenticated) or e.quarantine:
+            self.quarantine(path)
+        return ChunkMiss(MissReason.UNAUTHENTICATED if isinstance(e, Unauthenticated) else MissReason.CORRUPT,
+                         f"{path}: {e}")
 
     def _read(self, expected: ChunkHeader, read: Callable[[str], tuple[bytes, int]], payload: torch.Tensor,
-              crc_later: bool = False) -> ChunkHeader:
-        """Run `read(path)` -> (header bytes, payload CRC) on the chunk's file
-        (the payload lands in `payload`) and verify the result; every way it
-        can fail is a ChunkMiss, and a file that is bad for good goes to
-        quarantine. Without a key the CRC is fused with the read (C++); with
-        one, the MAC is a second pass over the payload on this same I/O
-        thread, and the CRC is computed only if the MAC fails."""
+              later: bool = False) -> tuple[ChunkHeader, Mac | None, Callable[[Mac], None] | None]:
+        """Run `read(path)` -> (header bytes, payload CRC) on the chunk's file (the payload lands
+        in `payload`) and verify the result (`begin_entry`); every way it can fail is a ChunkMiss,
+        and a file bad for good goes to quarantine. What `later` leaves to the caller: the CRC,
+        or a MAC returned with the check that settles it once the caller's pass fed it."""
         path = self.file_path(expected.group, expected.key)
         if not self._dir_ok(path.parent):
             raise ChunkMiss(MissReason.UNSAFE, f"{path.parent} resolves outside the cache directory")
@@ -397,27 +397,28 @@ class FileStore:
         except OSError as e:
             if e.errno in TRANSIENT_ERRNOS:  # the file may be fine: a miss, but keep it
                 raise ChunkMiss(MissReason.IO_ERROR, f"{path}: {e}") from None
-            self.quarantine(path)  # unreadable for good (e.g. a directory in its place)
-            raise ChunkMiss(MissReason.CORRUPT, f"{path}: {e}") from None
+            raise self._refused(path, e) from None  # unreadable for good (e.g. a directory in its place)
         except ValueError as e:  # wrong size (truncated or extended)
-            self.quarantine(path)
-            raise ChunkMiss(MissReason.CORRUPT, f"{path}: {e}") from None
+            raise self._refused(path, e) from None
         try:
-            header = check_entry(raw, None if self.keyring is not None else crc, expected, payload, self.keyring,
-                                 crc_later)
-        except FormatError as e:
-            self.quarantine(path)
-            raise ChunkMiss(MissReason.CORRUPT, f"{path}: {e}") from None
-        except Unauthenticated as e:
-            if e.quarantine:  # claims our key: a forgery or a copy
-                self.quarantine(path)
-            raise ChunkMiss(MissReason.UNAUTHENTICATED, f"{path}: {e}") from None
+            header, mac = begin_entry(raw, None if self.keyring is not None else crc, expected, payload,
+                                      self.keyring, later)
+        except (FormatError, Unauthenticated) as e:
+            raise self._refused(path, e) from None
         if self.budget is not None:
             try:
                 os.utime(path)  # recency for LRU eviction, visible to every instance
             except OSError:
                 pass
-        return header
+        if mac is None:
+            return header, None, None
+
+        def settle(fed: Mac) -> None:
+            try:
+                close_entry(raw, header, expected, payload, None, fed)
+            except (FormatError, Unauthenticated) as e:
+                raise self._refused(path, e) from None
+        return header, mac, settle
 
     def remove(self, path: Path) -> None:
         """Delete a file this process wrote, and say so in the ledger."""
