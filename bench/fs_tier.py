@@ -21,12 +21,13 @@ Per repetition, on the same filesystem:
   `io_threads` load threads, O_DIRECT reads, the request's files read at
   once); "buffered" the same with `direct_reads: false` (through the page
   cache); "MAC" the same with a deployment key (`auth`: every
-  file signed with keyed BLAKE3 on store, verified before its scatter on
-  load; AES-256-GMAC, the MAC writers sign with), beside its own "ours store, MAC". Their order rotates between
+  file signed with AES-256-GMAC on store, its CRC and the MAC's hash in one
+  pass; verified on load, the hash in the scatter's pass where the copier
+  hashes), beside its own "ours store, MAC". Their order rotates between
   repetitions. The MAC and CRC-only rows side by side (CPU seconds per GB,
   GB/s against the device limit) are the `mac` section; `hash_gb_s` gives
-  one core's keyed BLAKE3, HMAC-SHA256 and CRC-32C on one buffer, the
-  measurement the MAC was chosen by.
+  one core's GMAC (ours, and cryptography's alone), keyed BLAKE3, HMAC-SHA256
+  and CRC-32C on one buffer, the measurement the MAC was chosen by.
 - vLLM: `vllm.v1.kv_offload.tiering.fs.io.batch_store_block` /
   `batch_load_block` (its C extension, O_DIRECT when its probe allows), one call
   per (chunk, group) file from / into a host buffer that holds the same pages
@@ -431,13 +432,22 @@ def hash_rates(nbytes: int = 64 << 20, reps: int = 3) -> dict[str, float]:
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     view = buf.numpy()
     key = os.urandom(32)
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
     from offload.store.auth import _GmacMac
 
-    def gmac() -> bytes:  # the v2 MAC as the store computes it: one entry key, then the whole buffer
+    def gmac() -> bytes:  # the v2 MAC as a store computes it: one entry key, then the whole buffer
         mac = _GmacMac(key, os.urandom(16))
         mac.update(view)
         return mac.field()
-    fns = {"AES-256-GMAC, MAC v2 (cryptography)": gmac,
+
+    def gmac_cryptography() -> bytes:  # the same MAC by cryptography's OpenSSL alone
+        enc = Cipher(algorithms.AES(key), modes.GCM(bytes(12))).encryptor()
+        enc.authenticate_additional_data(view)
+        enc.finalize()
+        return enc.tag
+    mac_v2 = "AES-256-GMAC, MAC v2 (" + ("the copier's GHASH" if copier.ghash_available() else "cryptography") + ")"
+    fns = {mac_v2: gmac, "AES-256-GMAC (cryptography alone)": gmac_cryptography,
            "keyed BLAKE3, MAC v1 (blake3)": lambda: blake3.blake3(view, key=key).digest(),
            "HMAC-SHA256 (OpenSSL)": lambda: hmac.new(key, memoryview(view), hashlib.sha256).digest(),
            "CRC-32C (ours)": lambda: copier.crc32c(buf)}

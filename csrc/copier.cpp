@@ -1172,19 +1172,22 @@ PYBIND11_MODULE(_copier, m) {
            py::arg("n_src_blocks"), py::arg("pairs"), py::arg("ghash"),
            "scatter, hashing the whole source buffer into `ghash` in the copy's pass (as scatter_crc)");
 
-  m.def("ghash_available", []() { return kvoffload::ghash_have_clmul(); },
-        "True where Ghash runs (x86-64 with PCLMULQDQ); elsewhere the MAC is cryptography's GMAC alone.");
+  m.def("ghash_supported", []() { return kvoffload::ghash_have_clmul(); },
+        "True where Ghash runs at all (x86-64 with PCLMULQDQ).");
+  m.def("ghash_wide", []() { return kvoffload::ghash_have_wide(); },
+        "True where Ghash takes its AVX-512 VPCLMULQDQ path (the speed of cryptography's GMAC or more).");
   py::class_<kvoffload::GhashState>(m, "Ghash",
                                     "GCM's GHASH under a hash key H, everything hashed as associated data")
-      .def(py::init([](py::bytes h) {
+      .def(py::init([](py::bytes h, bool wide) {
              std::string k = h;
              if (k.size() != 16) throw py::value_error("the GHASH key H must be 16 bytes");
              if (!kvoffload::ghash_have_clmul()) throw py::value_error("GHASH needs x86-64 with PCLMULQDQ");
              auto* st = new kvoffload::GhashState();
              kvoffload::ghash_init(*st, reinterpret_cast<const uint8_t*>(k.data()));
+             st->wide = st->wide && wide;
              return st;
            }),
-           py::arg("h"))
+           py::arg("h"), py::arg("wide") = true, "`wide` False: the PCLMULQDQ path even where AVX-512 runs (tests)")
       .def(
           "update",
           [](kvoffload::GhashState& st, uint64_t ptr, int64_t nbytes) {

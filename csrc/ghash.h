@@ -9,7 +9,9 @@
 // Computing the GCM Mode" (algorithm 5): a product is four carry-less multiplies, a shift left
 // by one and a reduction modulo x^128 + x^7 + x^2 + x + 1.  The shift and the reduction are
 // linear, so many products are summed first and reduced once (aggregation, with the powers
-// H^1..H^32): 32 blocks per reduction with AVX-512 VPCLMULQDQ, 4 with PCLMULQDQ.
+// H^1..H^32): 32 blocks per reduction with AVX-512 VPCLMULQDQ, 4 with PCLMULQDQ.  The MAC uses
+// this hash only where the AVX-512 path runs (offload/copier.py ghash_available): the 128-bit
+// one is slower than cryptography's own GMAC.
 #pragma once
 
 #include <cstddef>
@@ -207,7 +209,7 @@ KVO_CLMUL inline void ghash_digest(const GhashState& s, uint8_t out[16]) {
 #undef KVO_INLINE
 #undef KVO_WIDE
 
-#else  // not x86-64: no GHASH here; offload/store/auth.py uses cryptography's GMAC instead
+#else  // not x86-64: no GHASH here; the MAC is cryptography's GMAC (offload/copier.py ghash_available)
 
 inline bool ghash_have_clmul() { return false; }
 inline void ghash_init(GhashState&, const uint8_t*) {}
