@@ -7,9 +7,9 @@ Per repetition, on the same filesystem:
   and one O_DIRECT write (read) per file of the chunk files' sizes, 16 at a
   time. The device's limit is the fastest write (read) of any path that only
   moves bytes: these, and vLLM's file I/O below.
-- ours, stores: a gather of scattered block pages into a pooled buffer (on
-  the calling thread, as on the forward path), then `FsData.put` (CRC-32C,
-  O_DIRECT write, rename) on the connector's default store threads
+- ours, stores: a gather of scattered block pages into a pooled buffer, the
+  CRC-32C taken in its pass (on the calling thread, as on the forward path),
+  then `FsData.put` (framing, O_DIRECT write, rename) on the connector's default store threads
   (`OffloadConfig.store_threads`), with at most twice as many stores queued;
   also with buffered writes, and on 16 threads.
 - ours, loads, each cold (`drop_caches`) from files stored right before it
@@ -320,7 +320,7 @@ def ours_store(kv: HybridKV, data: FsData, threads: int) -> None:
             h = _header(kv, c, g)
             slots.acquire()
             staged = HostChunk.pooled(buffers, h.payload_len)
-            g.pages.gather(g.ids[c], out=staged.payload)  # forward path: the gather
+            staged.crc = g.pages.gather_crc(g.ids[c], staged.payload)  # forward path: the gather, CRC'd in its pass
             futs.append(pool.submit(commit, h, staged))
         for f in futs:
             assert f.result() is True

@@ -525,6 +525,25 @@ class PageTable {
   void gather(const std::vector<int64_t>& ids, uint64_t dst_ptr, int64_t dst_bytes) const {
     kvoffload::check_gather_args(ids, dst_bytes, page_bytes_);
     py::gil_scoped_release nogil;
+    run_copies(gather_copies(ids, dst_ptr), num_threads_);
+  }
+
+  // The gather, and the CRC-32C (seeded as crc32c's `seed`) of the whole destination, taken in the
+  // same pass: the copies fill it front to back, each 16 KiB piece CRC'd from cache right after it
+  // is copied (one thread: the order is the CRC's).
+  uint32_t gather_crc(const std::vector<int64_t>& ids, uint64_t dst_ptr, int64_t dst_bytes, uint32_t seed) const {
+    kvoffload::check_gather_args(ids, dst_bytes, page_bytes_);
+    py::gil_scoped_release nogil;
+    const bool stream = copy_crc_streams(static_cast<size_t>(dst_bytes));
+    uint32_t raw = ~seed;
+    for (const Copy& c : gather_copies(ids, dst_ptr)) raw = copy_crc_raw(c.dst, c.src, c.len, raw, stream);
+    copy_crc_fence(stream);
+    return ~raw;
+  }
+
+ private:
+  // The copies of a gather into `dst_ptr`, in destination order (layer-major, then block).
+  std::vector<Copy> gather_copies(const std::vector<int64_t>& ids, uint64_t dst_ptr) const {
     std::vector<Copy> copies;
     auto* dst = reinterpret_cast<uint8_t*>(dst_ptr);
     for (const Layer& L : layers_) {
@@ -549,9 +568,10 @@ class PageTable {
         i = j;
       }
     }
-    run_copies(copies, num_threads_);
+    return copies;
   }
 
+ public:
   void scatter(uint64_t src_ptr, int64_t src_bytes, int64_t n_src,
                const std::vector<std::pair<int64_t, int64_t>>& pairs) const {
     kvoffload::check_scatter_args(src_bytes, n_src, pairs, page_bytes_);
@@ -1162,6 +1182,8 @@ PYBIND11_MODULE(_copier, m) {
       .def_property_readonly("num_threads", &PageTable::num_threads)
       .def("gather", &PageTable::gather, py::arg("block_ids"), py::arg("dst_ptr"),
            py::arg("dst_bytes"))
+      .def("gather_crc", &PageTable::gather_crc, py::arg("block_ids"), py::arg("dst_ptr"), py::arg("dst_bytes"),
+           py::arg("seed") = 0, "gather, returning the CRC-32C of the destination (computed in the copy's pass)")
       .def("scatter", &PageTable::scatter, py::arg("src_ptr"), py::arg("src_bytes"),
            py::arg("n_src_blocks"), py::arg("pairs"))
       .def("scatter_crc", &PageTable::scatter_crc, py::arg("src_ptr"), py::arg("src_bytes"),

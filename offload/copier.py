@@ -161,6 +161,19 @@ class GroupPages:
             self._torch_gather(ids, out)
         return out
 
+    def gather_crc(self, block_ids: Sequence[int], out: torch.Tensor) -> int:
+        """`gather` into ``out``, returning the CRC-32C of what it wrote: on CPU taken in the copy's
+        own pass (each piece CRC'd from cache right after it is copied), so a writer frames the
+        buffer without reading it back from memory; elsewhere a pass over ``out`` after the copy."""
+        if self._cuda:
+            return crc32c(self.gather(block_ids, out=out))
+        ids = self._check_ids(block_ids)
+        n = len(ids) * self.page_bytes
+        _check_cpu_u8(out, "out")
+        if out.numel() != n:
+            raise ValueError(f"out must hold exactly {n} bytes")
+        return self._table.gather_crc(ids, out.data_ptr(), n)
+
     def scatter(self, buf: torch.Tensor, n_buf_blocks: int, pairs: Sequence[tuple[int, int]],
                 crc: bool = False, ghash: Ghash | None = None) -> int | None:
         """Copy page ``src`` of ``buf`` (layer-major, ``n_buf_blocks`` pages) into block ``dst``.

@@ -192,6 +192,18 @@ def test_gather_matches_torch(ids):
         assert torch.equal(alt, ref)
 
 
+@pytest.mark.parametrize("ids", [[3, 0, 5], [0, 1, 2, 3, 4, 5], [2, 2], []])
+def test_a_gather_with_its_crc_writes_what_gather_does_and_returns_its_crc(ids):
+    tensors, _ = _layers()
+    g = _group(tensors)
+    out = torch.full((len(ids) * g.page_bytes,), 7, dtype=torch.uint8)
+    crc = g.gather_crc(ids, out)
+    assert torch.equal(out, g.gather(ids))
+    assert crc == crc32c_ref(bytes(out.numpy()))
+    with pytest.raises(ValueError, match="exactly"):
+        g.gather_crc(ids, torch.empty(len(ids) * g.page_bytes + 1, dtype=torch.uint8))
+
+
 def test_gather_validates_ids():
     tensors, _ = _layers()
     g = _group(tensors)

@@ -172,14 +172,15 @@ class KVCache:
             self._token_maps[group] = maps
         return self._token_maps[group]
 
-    def mask_tail(self, ref: FileRef, payload: torch.Tensor) -> None:
+    def mask_tail(self, ref: FileRef, payload: torch.Tensor) -> bool:
         """A partial tail's attention entry: zero the last block's slots from
         its boundary on (stale or later KV), so the entry is a function of
-        its prefix alone. Raises where that cannot be done (the store is dropped)."""
+        its prefix alone; True where it did. Raises where that cannot be done
+        (the store is dropped)."""
         spec = self.planner.groups[ref.group]
         valid = ref.token_end % spec.block_size
         if spec.kind is not GroupKind.FULL_ATTENTION or valid == 0:
-            return
+            return False
         maps = self._maps(ref.group)
         if maps is None:
             raise RuntimeError(f"no token map for KV cache group {ref.group}: partial tail not stored")
@@ -188,3 +189,4 @@ class KVCache:
             last = offset + (ref.num_pages - 1) * lp.page_bytes
             tm.zero_from(payload[last:last + lp.page_bytes], valid)
             offset += ref.num_pages * lp.page_bytes
+        return True

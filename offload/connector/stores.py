@@ -201,25 +201,28 @@ class StorePath:
                 rest.append(t)
         return direct, rest
 
-    def _gather(self, job: StoreJob, out: torch.Tensor, shared: HostChunk | None) -> bool:
+    def _gather(self, job: StoreJob, out: torch.Tensor, shared: HostChunk | None) -> tuple[bool, int | None]:
         """The entry's bytes into `out`: a sibling connector's copy of this
         step where there is one, else one gather from the KV cache (a partial
-        tail masked). True where it gathered."""
+        tail masked). Returns whether it gathered, and the bytes' CRC-32C where
+        the copy took it in its own pass (a file tier then frames them without
+        reading them back from memory), else None."""
         if shared is not None:
             host_copy(out, shared.payload)
-            return False
-        self.kv.pages[job.file.group].gather(job.block_ids, out=out)
-        self.kv.mask_tail(job.file, out)
-        return True
+            return False, shared.crc
+        crc = self.kv.pages[job.file.group].gather_crc(job.block_ids, out)
+        return True, None if self.kv.mask_tail(job.file, out) else crc
 
     def _gather_direct(self, job: StoreJob, header: ChunkHeader, direct: _Direct, shared: HostChunk | None,
                        n: int, t0: float) -> None:
         """Gather into a host tier's slot: that tier's store is done."""
         self.writes.wait_reading(direct.slot, header.group)
-        if self._gather(job, direct.buffer, shared) and self.share is not None:
+        gathered, crc = self._gather(job, direct.buffer, shared)
+        if gathered and self.share is not None:
             # A pooled copy, not the slot: a later store or promotion may reuse the slot.
             copy = HostChunk.pooled(self.kv.buffers, n)
             host_copy(copy.payload, direct.buffer)
+            copy.crc = crc
             self.share.offer(header.group, header.key, copy)
             copy.release()
         self.kv.tiers[direct.slot.tier].gathered(header, Placement(direct.slot.slot))
@@ -229,7 +232,8 @@ class StorePath:
         """Gather into a pooled host buffer (no tier offered its memory)."""
         chunk = HostChunk.pooled(self.kv.buffers, n)
         try:
-            if self._gather(job, chunk.payload, shared) and self.share is not None:
+            gathered, chunk.crc = self._gather(job, chunk.payload, shared)
+            if gathered and self.share is not None:
                 self.share.offer(header.group, header.key, chunk)
         except BaseException:
             chunk.release()

@@ -29,7 +29,6 @@ from offload.store.base import (
     TierSpec,
     TierUsage,
     WarmCandidate,
-    host_copy,
 )
 from offload.store.buffers import BufferPool, probe_o_direct
 from offload.store.cachedir.housekeeper import Housekeeper
@@ -137,9 +136,9 @@ class FsData(TierData):
         return os.path.exists(self.store.file_path(header.group, header.key))  # an error: not held (write_framed)
 
     def put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
-        if chunk.buf is None:  # a host-memory slot: frame it first (a memcpy, off the forward path)
+        if chunk.buf is None:  # a host-memory slot: frame it first (a copy, off the forward path, CRC'd in its pass)
             framed = HostChunk.pooled(BufferPool(), chunk.payload.numel())
-            host_copy(framed.payload, chunk.payload)
+            framed.fill(chunk.payload)
             chunk = framed
         if self.direct is None:
             final = self.store.file_path(header.group, header.key)
