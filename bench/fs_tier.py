@@ -8,8 +8,9 @@ Per repetition, on the same filesystem:
   time. The device's limit is the fastest write (read) of any path that only
   moves bytes: these, and vLLM's file I/O below.
 - ours, stores: a gather of scattered block pages into a pooled buffer, the
-  CRC-32C taken in its pass (on the calling thread, as on the forward path),
-  then `FsData.put` (framing, O_DIRECT write, rename) on the connector's default store threads
+  CRC-32C (and with a key the MAC's hash) taken in its pass (on the calling
+  thread, as on the forward path: `HostChunk.gather`), then `FsData.put`
+  (framing, O_DIRECT write, rename) on the connector's default store threads
   (`OffloadConfig.store_threads`), with at most twice as many stores queued;
   also with buffered writes, and on 16 threads.
 - ours, loads, each cold (`drop_caches`) from files stored right before it
@@ -320,7 +321,7 @@ def ours_store(kv: HybridKV, data: FsData, threads: int) -> None:
             h = _header(kv, c, g)
             slots.acquire()
             staged = HostChunk.pooled(buffers, h.payload_len)
-            staged.crc = g.pages.gather_crc(g.ids[c], staged.payload)  # forward path: the gather, CRC'd in its pass
+            staged.gather(g.pages, g.ids[c], data.signer())  # forward path: the gather (CRC and MAC in its pass)
             futs.append(pool.submit(commit, h, staged))
         for f in futs:
             assert f.result() is True

@@ -64,16 +64,18 @@ class Counting:
     def __init__(self, kv: HybridKV) -> None:
         self.bytes = 0
         self.seconds = 0.0
-        for g in kv.groups:
-            orig = g.pages.gather
+        for g in kv.groups:  # both ways out of the KV cache: `gather`, and `gather_crc` (the CRC in its pass)
+            for name in ("gather", "gather_crc"):
+                setattr(g.pages, name, self._counted(getattr(g.pages, name), g.pages.page_bytes))
 
-            def gather(ids, out=None, _orig=orig, _pages=g.pages):
-                t0 = time.perf_counter()
-                r = _orig(ids, out=out)
-                self.seconds += time.perf_counter() - t0
-                self.bytes += len(ids) * _pages.page_bytes
-                return r
-            g.pages.gather = gather  # type: ignore[method-assign]
+    def _counted(self, fn, page_bytes: int):
+        def counted(ids, *args, **kwargs):
+            t0 = time.perf_counter()
+            r = fn(ids, *args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            self.bytes += len(ids) * page_bytes
+            return r
+        return counted
 
 
 def build(kv: HybridKV, tiers: list[dict], cache: Path) -> tuple[WorkerSide, list[TierIndex]]:

@@ -531,12 +531,14 @@ class PageTable {
   // The gather, and the CRC-32C (seeded as crc32c's `seed`) of the whole destination, taken in the
   // same pass: the copies fill it front to back, each 16 KiB piece CRC'd from cache right after it
   // is copied (one thread: the order is the CRC's).
-  uint32_t gather_crc(const std::vector<int64_t>& ids, uint64_t dst_ptr, int64_t dst_bytes, uint32_t seed) const {
+  // With `gh`, the destination is hashed into it (a MAC's GHASH) in the same pass.
+  uint32_t gather_crc(const std::vector<int64_t>& ids, uint64_t dst_ptr, int64_t dst_bytes, uint32_t seed,
+                      kvoffload::GhashState* gh) const {
     kvoffload::check_gather_args(ids, dst_bytes, page_bytes_);
     py::gil_scoped_release nogil;
     const bool stream = copy_crc_streams(static_cast<size_t>(dst_bytes));
     uint32_t raw = ~seed;
-    for (const Copy& c : gather_copies(ids, dst_ptr)) raw = copy_crc_raw(c.dst, c.src, c.len, raw, stream);
+    for (const Copy& c : gather_copies(ids, dst_ptr)) raw = copy_crc_raw(c.dst, c.src, c.len, raw, stream, gh);
     copy_crc_fence(stream);
     return ~raw;
   }
@@ -1183,7 +1185,9 @@ PYBIND11_MODULE(_copier, m) {
       .def("gather", &PageTable::gather, py::arg("block_ids"), py::arg("dst_ptr"),
            py::arg("dst_bytes"))
       .def("gather_crc", &PageTable::gather_crc, py::arg("block_ids"), py::arg("dst_ptr"), py::arg("dst_bytes"),
-           py::arg("seed") = 0, "gather, returning the CRC-32C of the destination (computed in the copy's pass)")
+           py::arg("seed") = 0, py::arg("ghash") = nullptr,
+           "gather, returning the CRC-32C of the destination (computed in the copy's pass) and hashing it "
+           "into `ghash` (None: no hash) in the same pass")
       .def("scatter", &PageTable::scatter, py::arg("src_ptr"), py::arg("src_bytes"),
            py::arg("n_src_blocks"), py::arg("pairs"))
       .def("scatter_crc", &PageTable::scatter_crc, py::arg("src_ptr"), py::arg("src_bytes"),
@@ -1270,18 +1274,19 @@ PYBIND11_MODULE(_copier, m) {
       "PageTable copies (a benchmark baseline).");
   m.def(
       "copy_crc",
-      [](uint64_t dst, uint64_t src, int64_t nbytes, int64_t seed) {
+      [](uint64_t dst, uint64_t src, int64_t nbytes, int64_t seed, kvoffload::GhashState* gh) {
         if (nbytes < 0) throw py::value_error("nbytes must be >= 0");
         uint32_t s = check_seed(seed);
         py::gil_scoped_release nogil;
         const bool stream = copy_crc_streams(static_cast<size_t>(nbytes));
         const uint32_t raw = copy_crc_raw(reinterpret_cast<uint8_t*>(dst), reinterpret_cast<const uint8_t*>(src),
-                                          static_cast<size_t>(nbytes), ~s, stream);
+                                          static_cast<size_t>(nbytes), ~s, stream, gh);
         copy_crc_fence(stream);
         return ~raw;
       },
-      py::arg("dst_ptr"), py::arg("src_ptr"), py::arg("nbytes"), py::arg("seed") = 0,
-      "Copy nbytes from src to dst and return their CRC-32C (seeded), taken in the copy's pass.");
+      py::arg("dst_ptr"), py::arg("src_ptr"), py::arg("nbytes"), py::arg("seed") = 0, py::arg("ghash") = nullptr,
+      "Copy nbytes from src to dst and return their CRC-32C (seeded), taken in the copy's pass; with "
+      "`ghash`, hash them into it in the same pass.");
   m.def("read_file", &read_file, py::arg("path"), py::arg("header_len"),
         py::arg("payload_ptr"), py::arg("payload_len"), py::arg("with_crc") = true);
   m.def("read_file_direct", &read_file_direct, py::arg("path"), py::arg("header_len"), py::arg("buf_ptr"),

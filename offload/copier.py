@@ -161,18 +161,21 @@ class GroupPages:
             self._torch_gather(ids, out)
         return out
 
-    def gather_crc(self, block_ids: Sequence[int], out: torch.Tensor) -> int:
-        """`gather` into ``out``, returning the CRC-32C of what it wrote: on CPU taken in the copy's
-        own pass (each piece CRC'd from cache right after it is copied), so a writer frames the
-        buffer without reading it back from memory; elsewhere a pass over ``out`` after the copy."""
+    def gather_crc(self, block_ids: Sequence[int], out: torch.Tensor, ghash: Ghash | None = None) -> int | None:
+        """`gather` into ``out``, returning the CRC-32C of what it wrote (and hashing it into
+        ``ghash``, a MAC's hash, where given), taken in the copy's own pass on CPU: each piece
+        CRC'd and hashed from cache right after it is copied, so a writer frames the buffer
+        without reading it back from memory. None on CUDA, where the device copies (and
+        ``ghash`` is not fed): a writer computes it, off the forward path."""
         if self._cuda:
-            return crc32c(self.gather(block_ids, out=out))
+            self.gather(block_ids, out=out)
+            return None
         ids = self._check_ids(block_ids)
         n = len(ids) * self.page_bytes
         _check_cpu_u8(out, "out")
         if out.numel() != n:
             raise ValueError(f"out must hold exactly {n} bytes")
-        return self._table.gather_crc(ids, out.data_ptr(), n)
+        return self._table.gather_crc(ids, out.data_ptr(), n, 0, ghash)
 
     def scatter(self, buf: torch.Tensor, n_buf_blocks: int, pairs: Sequence[tuple[int, int]],
                 crc: bool = False, ghash: Ghash | None = None) -> int | None:
@@ -356,14 +359,15 @@ def write_file_direct(tmp_path: str | os.PathLike, final_path: str | os.PathLike
                                      file_len, buf_len, bool(fsync), mode)
 
 
-def copy_crc(dst: torch.Tensor, src: torch.Tensor, seed: int = 0) -> int:
+def copy_crc(dst: torch.Tensor, src: torch.Tensor, seed: int = 0, ghash: Ghash | None = None) -> int:
     """Copy ``src`` into ``dst`` (contiguous uint8 CPU tensors of one size) and return the
-    CRC-32C of the bytes, taken piece by piece in the copy's own pass (one read of ``src``)."""
+    CRC-32C of the bytes, taken piece by piece in the copy's own pass (one read of ``src``);
+    with ``ghash``, the bytes are hashed into it in the same pass."""
     _check_cpu_u8(dst, "dst")
     _check_cpu_u8(src, "src")
     if dst.numel() != src.numel():
         raise ValueError(f"dst has {dst.numel()} bytes, src {src.numel()}")
-    return _copier.copy_crc(dst.data_ptr(), src.data_ptr(), src.numel(), seed)
+    return _copier.copy_crc(dst.data_ptr(), src.data_ptr(), src.numel(), seed, ghash)
 
 
 def memcpy(dst: torch.Tensor, src: torch.Tensor, num_threads: int = 1) -> None:

@@ -1287,15 +1287,22 @@ def tail_engine(models_dir, tmp_path):
         e.worker.connector.shutdown()
 
 
-@pytest.mark.parametrize("store", ["cpu", "fs"])
+@pytest.mark.parametrize("store", ["cpu", "fs", "fs with a key"])
 def test_partial_tail_restores_attention_to_the_unit_and_the_state_vllm_materialised(tail_engine, tmp_path, store):
     """A 250-token prompt on 128-token blocks with a 64-token unit: vLLM
     stops its prefill at 192 (the prompt's unit-aligned tail) and hands the
     GDN state there over. The connector stores chunk 0 and the tail (the
     attention block up to 192, zero past it, and that state); a repeat, the
     next turn and a prompt sharing 200 tokens all restore 192 tokens: the
-    exact bytes, in every group."""
-    eng = tail_engine(store)
+    exact bytes, in every group. With a key, every file's CRC and MAC are
+    taken in the gather's pass, but the tail's after its masking."""
+    extra = {}
+    if store == "fs with a key":
+        key = tmp_path / "key"
+        key.write_bytes(os.urandom(48).hex().encode())
+        key.chmod(0o600)
+        store, extra = "fs", {"auth": {"key_file": str(key)}}
+    eng = tail_engine(store, **extra)
     sched, worker = eng.scheduler, eng.worker
     assert sched.connector.planner.tail_unit == UNIT and sched.hash_block_size == UNIT
     # The attention group's token map is built when the KV cache is registered, before any step.

@@ -18,7 +18,8 @@ from offload import _copier, copier
 from offload.copier import GroupPages, LayerPages
 from offload.store.base import ChunkMiss, HostChunk, MissReason
 from offload.store.buffers import BufferPool
-from test_auth import K1, quarantined, rewrite, store
+from offload.store.format import HEADER_LEN, MAC_OFFSET
+from test_auth import K1, gmac_field, quarantined, rewrite, store
 from test_format_store import header, key_of, payload
 
 pytestmark = pytest.mark.skipif(not _copier.ghash_supported(), reason="the copier's GHASH needs x86-64 with PCLMULQDQ")
@@ -153,3 +154,33 @@ def test_entries_signed_with_either_hash_verify_with_the_other(tmp_path, monkeyp
     assert torch.equal(out, p1)
     monkeypatch.undo()
     assert torch.equal(_load_for_scatter(s, h2), p2)
+
+
+@fed_by_the_copier
+@pytest.mark.parametrize("copy", ["gather", "fill"])
+def test_a_copy_that_fed_the_mac_signs_the_documented_mac_and_no_store_thread_reads_it_again(tmp_path, copy):
+    """The forward path's gather (`HostChunk.gather`) or a store thread's copy out of a
+    host-memory slot (`HostChunk.fill`) feeds the MAC its key begins; the writer signs with
+    it (the MAC `gmac_field` builds from the documented construction), and the file loads."""
+    s = store(tmp_path, K1)
+    pages, kv = _pages(8, 30_000)
+    for t in kv:
+        t.random_(0, 256)
+    ids = [6, 1]
+    p = pages.gather(ids)
+    h = header(key=key_of(copy), num_pages=2, page_bytes=pages.page_bytes)
+    chunk = HostChunk.pooled(BufferPool(), h.payload_len)
+    if copy == "gather":
+        chunk.gather(pages, ids, s.keyring)
+    else:
+        chunk.fill(p, s.keyring)
+    assert chunk.crc == copier.crc32c(p)
+    assert chunk.signed is not None and chunk.signed[0] is s.keyring
+    assert chunk.fed_mac(object()) is None, "a MAC fed for one key is no other signer's"
+    assert s.write_framed(h, chunk, direct=False)[0]
+    assert chunk.signed is None, "the writer signed with the fed MAC"
+    raw = s.file_path(h.group, h.key).read_bytes()
+    nonce = raw[MAC_OFFSET:MAC_OFFSET + 16]
+    assert raw[MAC_OFFSET:MAC_OFFSET + 32] == gmac_field(K1, nonce, raw[HEADER_LEN:] + raw[:MAC_OFFSET])
+    assert torch.equal(_load_for_scatter(s, h), p)
+    chunk.release()

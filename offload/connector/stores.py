@@ -50,7 +50,7 @@ from offload.connector.metadata import FileRef, StoreJob, TierSlot
 from offload.connector.registration import KVCache
 from offload.metrics import Recorder
 from offload.planner import GroupKind
-from offload.store.base import HostChunk, ParentGone, Placement, host_copy
+from offload.store.base import HostChunk, ParentGone, Placement, Signer, host_copy
 from offload.store.format import ChunkHeader
 
 logger = init_logger(__name__)
@@ -182,7 +182,7 @@ class StorePath:
             self._dispatch_write_through(header, direct, rest, n, t0)
             return
         try:
-            chunk = self._gather_pooled(job, header, shared, n)
+            chunk = self._gather_pooled(job, header, shared, n, rest)
         except BaseException:
             self._release(n)
             raise
@@ -202,11 +202,10 @@ class StorePath:
         return direct, rest
 
     def _gather(self, job: StoreJob, out: torch.Tensor, shared: HostChunk | None) -> tuple[bool, int | None]:
-        """The entry's bytes into `out`: a sibling connector's copy of this
-        step where there is one, else one gather from the KV cache (a partial
-        tail masked). Returns whether it gathered, and the bytes' CRC-32C where
-        the copy took it in its own pass (a file tier then frames them without
-        reading them back from memory), else None."""
+        """The entry's bytes into `out` (a host tier's slot): a sibling
+        connector's copy of this step where there is one, else one gather from
+        the KV cache (a partial tail masked). Returns whether it gathered, and
+        the bytes' CRC-32C where the copy took it in its own pass, else None."""
         if shared is not None:
             host_copy(out, shared.payload)
             return False, shared.crc
@@ -228,13 +227,22 @@ class StorePath:
         self.kv.tiers[direct.slot.tier].gathered(header, Placement(direct.slot.slot))
         self.stored(direct.slot.tier, header, n, t0)
 
-    def _gather_pooled(self, job: StoreJob, header: ChunkHeader, shared: HostChunk | None, n: int) -> HostChunk:
-        """Gather into a pooled host buffer (no tier offered its memory)."""
+    def _gather_pooled(self, job: StoreJob, header: ChunkHeader, shared: HostChunk | None, n: int,
+                       targets: list[TierSlot]) -> HostChunk:
+        """Gather into a pooled host buffer (no tier offered its memory); where a
+        target signs, the gather's pass feeds its MAC too (no store thread reads
+        the bytes for it)."""
         chunk = HostChunk.pooled(self.kv.buffers, n)
         try:
-            gathered, chunk.crc = self._gather(job, chunk.payload, shared)
-            if gathered and self.share is not None:
-                self.share.offer(header.group, header.key, chunk)
+            signer = self._signer(targets)
+            if shared is not None:
+                chunk.fill(shared.payload, signer)
+            else:
+                chunk.gather(self.kv.pages[job.file.group], job.block_ids, signer)
+                if self.kv.mask_tail(job.file, chunk.payload):
+                    chunk.crc, chunk.signed = None, None  # the bytes changed after the pass: the writer's
+                if self.share is not None:
+                    self.share.offer(header.group, header.key, chunk)
         except BaseException:
             chunk.release()
             raise
@@ -291,11 +299,16 @@ class StorePath:
 
     def _write_through(self, header: ChunkHeader, slot: torch.Tensor, targets: list[TierSlot], nbytes: int,
                        t0: float) -> None:
-        """Frame the host tier's copy (a memcpy off the forward path) and
-        write it to the tiers below."""
+        """Frame the host tier's copy (a copy off the forward path, which
+        CRCs the bytes and feeds a signing target's MAC) and write it to the
+        tiers below."""
         chunk = HostChunk.pooled(self.kv.buffers, nbytes)
-        chunk.fill(slot)
+        chunk.fill(slot, self._signer(targets))
         self._write(header, chunk, targets, nbytes, t0)
+
+    def _signer(self, targets: list[TierSlot]) -> Signer | None:
+        """The first target's signer (its deployment key), whose MAC a copy for the targets feeds."""
+        return next((s for s in (self.kv.tiers[t.tier].signer() for t in targets) if s is not None), None)
 
     def _write(self, header: ChunkHeader, chunk: HostChunk, targets: list[TierSlot], nbytes: int,
                t0: float) -> None:

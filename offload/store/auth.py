@@ -224,11 +224,20 @@ class Keyring:
     def key(self, key_id: bytes) -> _Key | None:
         return self._by_id.get(key_id)
 
-    def sign(self, header: ChunkHeader, payload, crc: int | None = None) -> ChunkHeader:
+    def begin(self) -> Mac:
+        """A MAC to sign a new entry with (the current key), for a copy of the payload to feed in
+        its own pass (its `ghash`, where not None) before `sign(fed=)`."""
+        return self.current.start()
+
+    def sign(self, header: ChunkHeader, payload, crc: int | None = None, fed: Mac | None = None) -> ChunkHeader:
         """`header` with the payload's CRC (`crc` where the caller has it), this deployment's key
-        id and the MAC (one pass over the payload)."""
-        mac = self.current.start()
-        crc = _crc_and_feed(payload, mac, crc)
+        id and the MAC (one pass over the payload; none where `fed`, a MAC from `begin` whose hash
+        a copy fed the payload, comes with the copy's `crc`)."""
+        if fed is not None and crc is not None:
+            mac = fed
+        else:
+            mac = self.current.start()
+            crc = _crc_and_feed(payload, mac, crc)
         h = ChunkHeader(**{**header.__dict__, "payload_crc": crc, "key_id": self.current.key_id,
                            "mac": bytes(MAC_LEN)})
         mac.update(h.pack()[:MAC_OFFSET])
@@ -242,13 +251,15 @@ class Keyring:
         raise TypeError("a deployment key is not picklable")
 
 
-def frame(header: ChunkHeader, payload, keyring: Keyring | None, crc: int | None = None) -> bytes:
+def frame(header: ChunkHeader, payload, keyring: Keyring | None, crc: int | None = None,
+          fed: Mac | None = None) -> bytes:
     """The header bytes a writer puts in front of `payload`: its CRC-32C (`crc`
     where the copy that filled the buffer took it) and, with a keyring, the
-    current key's id and MAC. Without one, `header`'s own `key_id` and `mac`
-    are kept (zeros unless a caller set them)."""
+    current key's id and MAC (`fed`: begun by `keyring.begin` and fed the
+    payload by that copy). Without one, `header`'s own `key_id` and `mac` are
+    kept (zeros unless a caller set them)."""
     if keyring is not None:
-        return keyring.sign(header, payload, crc).pack()
+        return keyring.sign(header, payload, crc, fed).pack()
     from offload.copier import crc32c
 
     return ChunkHeader(**{**header.__dict__, "payload_crc": crc32c(payload) if crc is None else crc}).pack()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
@@ -28,7 +28,7 @@ from typing import ClassVar, Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
-from offload.copier import copy_crc, crc32c, memcpy
+from offload.copier import GroupPages, copy_crc, crc32c, ghash_available, memcpy
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import Admission, HybridOffloadPlanner, StateClass
 from offload.store.buffers import BufferPool
@@ -105,6 +105,13 @@ class PayloadMac(Protocol):
     def update(self, data) -> None: ...
 
 
+class Signer(Protocol):
+    """What a tier signs its entries with (`auth.Keyring`): `begin` starts an entry's MAC, for a
+    copy of the payload to feed (`PayloadMac.ghash`) before the tier's writer signs with it."""
+
+    def begin(self) -> PayloadMac: ...
+
+
 @dataclass
 class HostChunk:
     """One entry's payload in host memory.
@@ -129,8 +136,10 @@ class HostChunk:
     mac_due: PayloadMac | None = field(default=None, repr=False, compare=False)
     settle_mac: Callable[[PayloadMac], None] | None = field(default=None, repr=False, compare=False)
     # The payload's CRC-32C where the copy that filled the buffer took it in its pass (a writer
-    # then frames it without reading the bytes again); None: the writer computes it.
+    # then frames it without reading the bytes again); None: the writer computes it. `signed`: a
+    # MAC that copy fed, and the signer it was begun for (`fed_mac` hands it to that signer's writer).
     crc: int | None = None
+    signed: tuple[Signer, PayloadMac] | None = field(default=None, repr=False, compare=False)
     # Holders of one chunk release it on different threads (forward path, store threads).
     _refs_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -139,10 +148,38 @@ class HostChunk:
         buf = pool.get(HEADER_LEN + payload_len)
         return cls(buf[HEADER_LEN:HEADER_LEN + payload_len], buf, pool)
 
-    def fill(self, src: torch.Tensor) -> None:
+    def fill(self, src: torch.Tensor, signer: Signer | None = None) -> None:
         """Copy `src` (the payload's size) into the payload and keep its CRC-32C, taken in the
-        copy's own pass: a writer then frames it without reading the bytes back from memory."""
-        self.crc = copy_crc(self.payload, src)
+        copy's own pass: a writer then frames it without reading the bytes back from memory. With
+        `signer`, that pass feeds the entry's MAC too, where the copier hashes for it."""
+        mac = self.begin_mac(signer)
+        self.crc = copy_crc(self.payload, src, ghash=None if mac is None else mac.ghash)
+
+    def gather(self, pages: GroupPages, block_ids: Sequence[int], signer: Signer | None = None) -> None:
+        """Gather `block_ids`' pages into the payload, keeping its CRC-32C and feeding `signer`'s
+        MAC in the gather's own pass, as `fill` does for a copy (neither where the device copies)."""
+        mac = self.begin_mac(signer)
+        self.crc = pages.gather_crc(block_ids, self.payload, None if mac is None else mac.ghash)
+        if self.crc is None:
+            self.signed = None
+
+    def begin_mac(self, signer: Signer | None) -> PayloadMac | None:
+        """The MAC a copy into this chunk is to feed for `signer` (kept as `signed`), or None
+        where there is no signer or the copier does not hash for it."""
+        mac = signer.begin() if signer is not None and ghash_available() else None
+        if mac is None or mac.ghash is None:
+            return None
+        self.signed = (signer, mac)
+        return mac
+
+    def fed_mac(self, signer: object) -> PayloadMac | None:
+        """The MAC a copy fed for `signer`, once (a writer signing with it reads the bytes no
+        more); None for any other signer."""
+        with self._refs_lock:
+            if self.signed is None or self.signed[0] is not signer:
+                return None
+            mac, self.signed = self.signed[1], None
+        return mac
 
     def check(self, crc: int | None = None, mac_fed: bool = False) -> None:
         """Settle what a tier left to the caller (`crc_due`, `mac_due`; nothing to do without
@@ -301,6 +338,11 @@ class TierData(ABC):
     def header_of(self, group: int, key: ChunkKey) -> ChunkHeader | None:
         """The header an entry's bytes carry, read from the tier (warm start knows an entry by its
         key only); None where the tier cannot say. Checked again by `get` with the payload."""
+        return None
+
+    def signer(self) -> Signer | None:
+        """What this tier signs its entries with (a deployment key), so that a copy of the payload
+        made for it can feed the MAC in its own pass (`HostChunk.fill`); None: it signs nothing."""
         return None
 
     def get_to_scatter(self, header: ChunkHeader, placement: Placement, pool: BufferPool) -> HostChunk:

@@ -292,7 +292,7 @@ class FileStore:
         # its server) is "not there"; the write below then fails alone, as a dropped store
         if os.path.exists(final):
             return False, False  # another request or instance stored it
-        raw = frame(header, chunk.payload, self.keyring, chunk.crc)
+        raw = frame(header, chunk.payload, self.keyring, chunk.crc, chunk.fed_mac(self.keyring))
         chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         with self.account.reserving(HEADER_LEN + n) if self.account is not None else nullcontext():
             for attempt in range(DIR_RACE_TRIES):

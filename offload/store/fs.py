@@ -18,7 +18,7 @@ import torch
 
 from offload.keys import ChunkKey
 from offload.planner import Admission, StateClass, enters_cold, time_rank
-from offload.store.auth import open_keyring
+from offload.store.auth import Keyring, open_keyring
 from offload.store.base import (
     Backed,
     HostChunk,
@@ -135,10 +135,13 @@ class FsData(TierData):
     def holds(self, header: ChunkHeader, placement: Placement) -> bool:
         return os.path.exists(self.store.file_path(header.group, header.key))  # an error: not held (write_framed)
 
+    def signer(self) -> Keyring | None:
+        return self.store.keyring
+
     def put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
-        if chunk.buf is None:  # a host-memory slot: frame it first (a copy, off the forward path, CRC'd in its pass)
+        if chunk.buf is None:  # a host-memory slot: frame it first (a copy off the forward path that CRCs and MACs)
             framed = HostChunk.pooled(BufferPool(), chunk.payload.numel())
-            framed.fill(chunk.payload)
+            framed.fill(chunk.payload, self.store.keyring)
             chunk = framed
         if self.direct is None:
             final = self.store.file_path(header.group, header.key)

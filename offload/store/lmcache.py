@@ -52,7 +52,6 @@ from offload.store.base import (
     TierIndex,
     TierSpec,
     TierUsage,
-    host_copy,
 )
 from offload.store.buffers import BufferPool
 from offload.store.cachedir.owners import CacheDirs
@@ -203,6 +202,9 @@ class LMCacheData(TierData):
     def holds(self, header: ChunkHeader, placement: Placement) -> bool:
         return self.objects.contains(_name(header.fingerprint, header.group, header.key))
 
+    def signer(self) -> Keyring | None:
+        return self.keyring
+
     def put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
         n = chunk.payload.numel()
         if n != header.payload_len:
@@ -210,12 +212,12 @@ class LMCacheData(TierData):
         name = _name(header.fingerprint, header.group, header.key)
         if self.objects.contains(name):
             return False
-        if chunk.buf is None:  # a host-memory slot: frame it (a memcpy, off the forward path)
+        if chunk.buf is None:  # a host-memory slot: frame it (a copy off the forward path that CRCs and MACs)
             framed = HostChunk.pooled(BufferPool(), n)
-            host_copy(framed.payload, chunk.payload)
+            framed.fill(chunk.payload, self.keyring)
             chunk = framed
         assert chunk.buf is not None
-        raw = frame(header, chunk.payload, self.keyring)
+        raw = frame(header, chunk.payload, self.keyring, chunk.crc, chunk.fed_mac(self.keyring))
         chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
         if not self.objects.put(name, chunk.buf[:HEADER_LEN + n]):
             raise OSError(f"LMCache local pool took no object of {HEADER_LEN + n} bytes (full, or an engine error)")
