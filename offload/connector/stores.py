@@ -240,7 +240,7 @@ class StorePath:
             else:
                 chunk.gather(self.kv.pages[job.file.group], job.block_ids, signer)
                 if self.kv.mask_tail(job.file, chunk.payload):
-                    chunk.crc, chunk.signed = None, None  # the bytes changed after the pass: the writer's
+                    chunk.crc, chunk.signed = None, None  # masked after the pass: the writer takes both
                 if self.share is not None:
                     self.share.offer(header.group, header.key, chunk)
         except BaseException:

@@ -104,10 +104,11 @@ class _GmacMac(Mac):
     """GMAC (GCM's tag with everything as associated data) under a key of this
     entry alone, BLAKE3-derived from the deployment's GMAC key and the
     entry's random nonce: no IV is ever reused under a key, so no bound on
-    the number of entries a key signs. Where the copier has GHASH (x86-64
-    with carry-less multiply) the hash runs there, fed in the pass that
-    moves or CRCs the bytes, and only the AES (the hash key H = AES_K(0) and
-    the tag mask AES_K(J0)) is cryptography's; the tag is GCM's either way."""
+    the number of entries a key signs. Where the copier hashes
+    (`copier.ghash_available`: AVX-512 VPCLMULQDQ) the GHASH runs there, fed
+    in the pass that moves or CRCs the bytes, and only the AES (the hash key
+    H = AES_K(0) and the tag mask AES_K(J0)) is cryptography's; the tag is
+    GCM's either way."""
 
     __slots__ = ("_enc", "_mask", "_nonce", "ghash")
 
