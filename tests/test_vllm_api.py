@@ -208,6 +208,8 @@ def test_sleep_and_wake_keep_the_tiers_and_restore_after_wake(eng):
     with pytest.raises(KVCacheReleased):
         pages.gather([0])
     with pytest.raises(KVCacheReleased):
+        pages.gather_crc([0], torch.empty(pages.page_bytes, dtype=torch.uint8))
+    with pytest.raises(KVCacheReleased):
         pages.scatter(torch.zeros(pages.page_bytes, dtype=torch.uint8), 1, [(0, 0)])
 
     conn.restore_kv_caches()

@@ -80,6 +80,10 @@ class GatedPages:
         with self._gate.hold():  # open: the pages are there
             return cast(GroupPages, self._pages).gather(*args, **kwargs)
 
+    def gather_crc(self, *args: Any, **kwargs: Any) -> int | None:
+        with self._gate.hold():
+            return cast(GroupPages, self._pages).gather_crc(*args, **kwargs)
+
     def scatter(self, *args: Any, **kwargs: Any) -> int | None:
         with self._gate.hold():
             return cast(GroupPages, self._pages).scatter(*args, **kwargs)

@@ -31,7 +31,8 @@ import stat
 import blake3
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from offload.store.base import OptionError
+from offload.copier import Ghash
+from offload.store.base import OptionError, PayloadMac
 from offload.store.format import MAC_LEN, MAC_OFFSET, NO_KEY, ChunkHeader, FormatError
 from offload.store.options import AuthRef  # the tier option lives with the others; imported from here too
 
@@ -75,7 +76,7 @@ class Mac:
     payload (`copier.crc32c_ghash`, `GroupPages.scatter(ghash=)`) in place of
     `update`."""
 
-    ghash = None
+    ghash: Ghash | None = None
 
     def update(self, data) -> None:
         raise NotImplementedError
@@ -129,12 +130,14 @@ class _GmacMac(Mac):
         if self.ghash is not None:
             self.ghash.update_buffer(data)
         else:
+            assert self._enc is not None
             self._enc.authenticate_additional_data(data)
 
     def field(self) -> bytes:
         if self.ghash is not None:
             s = int.from_bytes(self.ghash.digest(), "big") ^ int.from_bytes(self._mask, "big")
             return self._nonce + s.to_bytes(16, "big")
+        assert self._enc is not None
         self._enc.finalize()
         return self._nonce + self._enc.tag
 
@@ -230,10 +233,12 @@ class Keyring:
         its own pass (its `ghash`, where not None) before `sign(fed=)`."""
         return self.current.start()
 
-    def sign(self, header: ChunkHeader, payload, crc: int | None = None, fed: Mac | None = None) -> ChunkHeader:
+    def sign(self, header: ChunkHeader, payload, crc: int | None = None,
+             fed: PayloadMac | None = None) -> ChunkHeader:
         """`header` with the payload's CRC (`crc` where the caller has it), this deployment's key
         id and the MAC (one pass over the payload; none where `fed`, a MAC from `begin` whose hash
         a copy fed the payload, comes with the copy's `crc`)."""
+        mac: PayloadMac
         if fed is not None and crc is not None:
             mac = fed
         else:
@@ -253,7 +258,7 @@ class Keyring:
 
 
 def frame(header: ChunkHeader, payload, keyring: Keyring | None, crc: int | None = None,
-          fed: Mac | None = None) -> bytes:
+          fed: PayloadMac | None = None) -> bytes:
     """The header bytes a writer puts in front of `payload`: its CRC-32C (`crc`
     where the copy that filled the buffer took it) and, with a keyring, the
     current key's id and MAC (`fed`: begun by `keyring.begin` and fed the
@@ -317,7 +322,7 @@ def open_entry(raw: bytes, expected: ChunkHeader, keyring: Keyring | None) -> tu
 
 
 def close_entry(raw: bytes, header: ChunkHeader, expected: ChunkHeader, payload, crc: int | None,
-                mac: Mac | None) -> None:
+                mac: PayloadMac | None) -> None:
     """The rest of `check_entry` once `mac` (from `open_entry`) has been fed
     the payload: the MAC, then the identity; without a MAC, the CRC."""
     from offload.copier import crc32c

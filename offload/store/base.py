@@ -28,7 +28,7 @@ from typing import ClassVar, Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
-from offload.copier import GroupPages, copy_crc, crc32c, ghash_available, memcpy
+from offload.copier import Ghash, copy_crc, crc32c, ghash_available, memcpy
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import Admission, HybridOffloadPlanner, StateClass
 from offload.store.buffers import BufferPool
@@ -100,9 +100,20 @@ class PayloadMac(Protocol):
     """A MAC begun on an entry (`auth.Mac`), to be fed its payload: by `update`, or through
     `ghash` (None where the copier does not hash for it) in the caller's own pass."""
 
-    ghash: object | None
+    @property
+    def ghash(self) -> Ghash | None: ...
 
     def update(self, data) -> None: ...
+
+    def field(self) -> bytes: ...
+
+    def verify(self, field: bytes) -> bool: ...
+
+
+class Gathers(Protocol):
+    """Pages a store gathers from (`copier.GroupPages`, or the connector's gated view of them)."""
+
+    def gather_crc(self, block_ids: Sequence[int], out: torch.Tensor, ghash: Ghash | None = None) -> int | None: ...
 
 
 class Signer(Protocol):
@@ -155,7 +166,7 @@ class HostChunk:
         mac = self.begin_mac(signer)
         self.crc = copy_crc(self.payload, src, ghash=None if mac is None else mac.ghash)
 
-    def gather(self, pages: GroupPages, block_ids: Sequence[int], signer: Signer | None = None) -> None:
+    def gather(self, pages: Gathers, block_ids: Sequence[int], signer: Signer | None = None) -> None:
         """Gather `block_ids`' pages into the payload, keeping its CRC-32C and feeding `signer`'s
         MAC in the gather's own pass, as `fill` does for a copy (neither where the device copies)."""
         mac = self.begin_mac(signer)
@@ -166,8 +177,10 @@ class HostChunk:
     def begin_mac(self, signer: Signer | None) -> PayloadMac | None:
         """The MAC a copy into this chunk is to feed for `signer` (kept as `signed`), or None
         where there is no signer or the copier does not hash for it."""
-        mac = signer.begin() if signer is not None and ghash_available() else None
-        if mac is None or mac.ghash is None:
+        if signer is None or not ghash_available():
+            return None
+        mac = signer.begin()
+        if mac.ghash is None:
             return None
         self.signed = (signer, mac)
         return mac

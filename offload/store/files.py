@@ -35,8 +35,8 @@ import torch
 from offload import copier
 from offload.keys import ChunkKey, Fingerprint
 from offload.planner import GroupKind
-from offload.store.auth import Keyring, Mac, Unauthenticated, begin_entry, close_entry, frame, open_keyring
-from offload.store.base import ChunkMiss, HostChunk, MissReason, OptionError
+from offload.store.auth import Keyring, Unauthenticated, begin_entry, close_entry, frame, open_keyring
+from offload.store.base import ChunkMiss, HostChunk, MissReason, OptionError, PayloadMac
 from offload.store.buffers import BufferPool
 from offload.store.cachedir import hygiene, paths
 from offload.store.cachedir.budget import DirBudget
@@ -379,7 +379,7 @@ class FileStore:
                          f"{path}: {e}")
 
     def _read(self, expected: ChunkHeader, read: Callable[[str], tuple[bytes, int]], payload: torch.Tensor,
-              later: bool = False) -> tuple[ChunkHeader, Mac | None, Callable[[Mac], None] | None]:
+              later: bool = False) -> tuple[ChunkHeader, PayloadMac | None, Callable[[PayloadMac], None] | None]:
         """Run `read(path)` -> (header bytes, payload CRC) on the chunk's file (the payload lands
         in `payload`) and verify the result (`begin_entry`); every way it can fail is a ChunkMiss,
         and a file bad for good goes to quarantine. What `later` leaves to the caller: the CRC,
@@ -413,7 +413,7 @@ class FileStore:
         if mac is None:
             return header, None, None
 
-        def settle(fed: Mac) -> None:
+        def settle(fed: PayloadMac) -> None:
             try:
                 close_entry(raw, header, expected, payload, None, fed)
             except (FormatError, Unauthenticated) as e:
