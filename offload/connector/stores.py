@@ -201,27 +201,27 @@ class StorePath:
                 rest.append(t)
         return direct, rest
 
-    def _gather(self, job: StoreJob, out: torch.Tensor, shared: HostChunk | None) -> tuple[bool, int | None]:
+    def _gather(self, job: StoreJob, out: torch.Tensor, shared: HostChunk | None) -> bool:
         """The entry's bytes into `out` (a host tier's slot): a sibling
         connector's copy of this step where there is one, else one gather from
-        the KV cache (a partial tail masked). Returns whether it gathered, and
-        the bytes' CRC-32C where the copy took it in its own pass, else None."""
+        the KV cache (a partial tail masked). True where it gathered. No CRC:
+        the slot's bytes are framed for a file by the copy that writes them
+        through (`_write_through`), which takes it in its own pass."""
         if shared is not None:
             host_copy(out, shared.payload)
-            return False, shared.crc
-        crc = self.kv.pages[job.file.group].gather_crc(job.block_ids, out)
-        return True, None if self.kv.mask_tail(job.file, out) else crc
+            return False
+        self.kv.pages[job.file.group].gather(job.block_ids, out=out)
+        self.kv.mask_tail(job.file, out)
+        return True
 
     def _gather_direct(self, job: StoreJob, header: ChunkHeader, direct: _Direct, shared: HostChunk | None,
                        n: int, t0: float) -> None:
         """Gather into a host tier's slot: that tier's store is done."""
         self.writes.wait_reading(direct.slot, header.group)
-        gathered, crc = self._gather(job, direct.buffer, shared)
-        if gathered and self.share is not None:
+        if self._gather(job, direct.buffer, shared) and self.share is not None:
             # A pooled copy, not the slot: a later store or promotion may reuse the slot.
             copy = HostChunk.pooled(self.kv.buffers, n)
-            host_copy(copy.payload, direct.buffer)
-            copy.crc = crc
+            copy.fill(direct.buffer)
             self.share.offer(header.group, header.key, copy)
             copy.release()
         self.kv.tiers[direct.slot.tier].gathered(header, Placement(direct.slot.slot))
