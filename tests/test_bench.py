@@ -115,6 +115,7 @@ def test_memcpy() -> None:
     assert torch.equal(a, b)
 
 
+@pytest.mark.long  # 45–80 s: `make test` stays within 12 minutes on the slower CPU kind (docs/development.md)
 def test_bench_fs_tier_small(tmp_path: Path) -> None:
     from bench import fs_tier
 

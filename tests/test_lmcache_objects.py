@@ -178,6 +178,7 @@ def timed(fn, *args):
     return value, time.monotonic() - t0
 
 
+@pytest.mark.long  # 45–80 s: `make test` stays within 12 minutes on the slower CPU kind (docs/development.md)
 def test_remote_shared_killed_and_restarted(redis_server):
     first = [(f"A/{i}", 10 + i, size) for i, size in enumerate((1, 4096, 100_003, (2 << 20) + 1))]
     second = [(f"A2/{i}", 20 + i, size) for i, size in enumerate((33, 5000, 70_000))]
