@@ -345,8 +345,8 @@ def write_file_direct(tmp_path: str | os.PathLike, final_path: str | os.PathLike
     in place) to a fresh ``tmp_path``, then rename to ``final_path``.
 
     With O_DIRECT when ``buf`` starts on a ``DIRECT_ALIGN`` boundary, holds
-    ``file_len`` rounded up to it, and the filesystem accepts O_DIRECT; the file
-    is then truncated to ``file_len``. Otherwise a buffered write, same bytes.
+    ``file_len`` rounded up to it, and the filesystem accepts O_DIRECT (a last
+    partial block is written buffered). Otherwise a buffered write, same bytes.
     ``direct=False`` forces the buffered write (a filesystem probed to refuse
     O_DIRECT). Returns whether O_DIRECT was used. Errors as in :func:`write_file`.
     """

@@ -273,6 +273,26 @@ def test_write_then_read_round_trip(tmp_path, fsync):
     assert stray_tmp(tmp_path) == []
 
 
+def test_slots_are_framed_in_the_tiers_reused_buffers(tmp_path):
+    """A host-memory slot (no header room) is copied into a frame of the tier's own pool, which
+    gets it back after the write: one frame for stores one after another, each file exact."""
+    from offload.store.base import Placement
+    from offload.store.fs import FsData
+    data = FsData(FileStore.open(str(tmp_path), FP))
+    for i in range(3):
+        h, p = header(key=key_of(f"slot{i}")), payload(i)
+        assert data.put(h, HostChunk(p), Placement()) is True
+        blob = data.store.file_path(h.group, h.key).read_bytes()
+        assert blob[HEADER_LEN:] == bytes(p.tolist())
+        fields = dict(zip(FIELD_OFFSETS, LAYOUT.unpack(blob[:HEADER_LEN])))
+        assert fields["payload_crc"] == crc32c_ref(blob[HEADER_LEN:])
+    assert (data.frames.allocated, data.frames.reused) == (1, 2)
+    pool = BufferPool()
+    framed = HostChunk.pooled(pool, NPAGES * PAGE)
+    with framed.framing(BufferPool(), None) as same:
+        assert same is framed, "a chunk with header room is written as it is"
+
+
 def test_groups_are_separate_files(store):
     k = key_of("A")
     a, b = payload(1), payload(2)

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import ClassVar, Generic, NamedTuple, Protocol, TypeVar
@@ -165,6 +166,20 @@ class HostChunk:
         `signer`, that pass feeds the entry's MAC too, where the copier hashes for it."""
         mac = self.begin_mac(signer)
         self.crc = copy_crc(self.payload, src, ghash=None if mac is None else mac.ghash)
+
+    @contextmanager
+    def framing(self, pool: BufferPool, signer: Signer | None) -> Iterator[HostChunk]:
+        """This chunk where it has its header's room in front (a pooled buffer), else a copy of it
+        into a buffer of `pool` (`fill`: CRC and MAC in the copy's pass), released on exit."""
+        if self.buf is not None:
+            yield self
+            return
+        framed = HostChunk.pooled(pool, self.payload.numel())
+        try:
+            framed.fill(self.payload, signer)
+            yield framed
+        finally:
+            framed.release()
 
     def gather(self, pages: Gathers, block_ids: Sequence[int], signer: Signer | None = None) -> None:
         """Gather `block_ids`' pages into the payload, keeping its CRC-32C and feeding `signer`'s

@@ -120,6 +120,9 @@ class FsData(TierData):
         self.direct_reads = direct_reads
         self.direct_read_count = 0
         self.buffered_read_count = 0
+        # Buffers to frame host-memory slots in, reused: fresh memory costs a store its page faults
+        # (2.6x the CPU of the framing copy itself).
+        self.frames = BufferPool()
 
     def record_layout(self, description: dict) -> None:
         self.store.write_layout(description)
@@ -139,10 +142,11 @@ class FsData(TierData):
         return self.store.keyring
 
     def put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
-        if chunk.buf is None:  # a host-memory slot: frame it first (a copy off the forward path that CRCs and MACs)
-            framed = HostChunk.pooled(BufferPool(), chunk.payload.numel())
-            framed.fill(chunk.payload, self.store.keyring)
-            chunk = framed
+        # A host-memory slot is framed first: a copy off the forward path that CRCs and MACs.
+        with chunk.framing(self.frames, self.store.keyring) as framed:
+            return self._put(header, framed, placement)
+
+    def _put(self, header: ChunkHeader, chunk: HostChunk, placement: Placement) -> bool:
         if self.direct is None:
             final = self.store.file_path(header.group, header.key)
             self.store.prepare_dir(final)

@@ -198,6 +198,7 @@ class LMCacheData(TierData):
         self.keyring = keyring
         self._dirs = dirs
         self._closed = False
+        self.frames = BufferPool()  # reused, as FsData's
 
     def holds(self, header: ChunkHeader, placement: Placement) -> bool:
         return self.objects.contains(_name(header.fingerprint, header.group, header.key))
@@ -212,15 +213,13 @@ class LMCacheData(TierData):
         name = _name(header.fingerprint, header.group, header.key)
         if self.objects.contains(name):
             return False
-        if chunk.buf is None:  # a host-memory slot: frame it (a copy off the forward path that CRCs and MACs)
-            framed = HostChunk.pooled(BufferPool(), n)
-            framed.fill(chunk.payload, self.keyring)
-            chunk = framed
-        assert chunk.buf is not None
-        raw = frame(header, chunk.payload, self.keyring, chunk.crc, chunk.fed_mac(self.keyring))
-        chunk.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        if not self.objects.put(name, chunk.buf[:HEADER_LEN + n]):
-            raise OSError(f"LMCache local pool took no object of {HEADER_LEN + n} bytes (full, or an engine error)")
+        # A host-memory slot is framed first: a copy off the forward path that CRCs and MACs.
+        with chunk.framing(self.frames, self.keyring) as framed:
+            assert framed.buf is not None
+            raw = frame(header, framed.payload, self.keyring, framed.crc, framed.fed_mac(self.keyring))
+            framed.buf[:HEADER_LEN].copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+            if not self.objects.put(name, framed.buf[:HEADER_LEN + n]):
+                raise OSError(f"LMCache local pool took no object of {HEADER_LEN + n} bytes (full, or an engine error)")
         return True
 
     def get(self, header: ChunkHeader, placement: Placement, pool: BufferPool) -> HostChunk:
