@@ -272,6 +272,7 @@ def test_promotion_fills_the_reserved_slots_of_every_verified_file(kv, tmp_path)
             promote.append((TierSlot(0, slot.slot),))
         kv.zero()
         assert not load(kv, worker, job_from(kv, 1, promote))
+        assert worker.stores.drain(30) == 0  # promotions are writes of the store threads
         host = worker.tiers[0]
         for i, ((c, g), (up,)) in enumerate(zip(entries, promote)):
             held = host.holds(worker.kv.header(kv.ref(c, g)), Placement(up.slot))
@@ -289,6 +290,47 @@ def test_promotion_fills_the_reserved_slots_of_every_verified_file(kv, tmp_path)
             offset = sum(kv.pages[g].page_bytes * len(kv.ids[g][cc]) for cc in range(c))
             assert got[g][offset:offset + n].equal(want[g][offset:offset + n]), f"file {i}"
     finally:
+        worker.shutdown()
+
+
+def test_a_load_does_not_wait_for_its_promotion_and_a_load_meanwhile_reads_the_queued_copy(
+        kv, tmp_path, monkeypatch):
+    """With the host tier's writes held, a load from files that promotes every entry into host
+    memory still finishes; a second load, planned from the host slots while those promotions are
+    queued, restores the exact bytes from the queued copies; once released, the slots hold them."""
+    import threading
+
+    from offload.store.cpu import CpuData
+
+    worker, indices = build(kv, [{"store": "cpu", "cpu_bytes": 8 << 20},
+                                 {"store": "fs", "path": str(tmp_path / "c")}], 4)
+    release, real_put = threading.Event(), CpuData.put
+
+    def held_put(self, *a, **k):
+        assert release.wait(30), "promotion held past the test's deadline"
+        return real_put(self, *a, **k)
+    try:
+        store(kv, worker, 1)
+        want = kv.snapshot()
+        entries = kv.entries()
+        promote = [(TierSlot(0, indices[0].reserve(g, kv.keys[c], kv.keys[c - 1] if c else None).slot),)
+                   for c, g in entries]
+        monkeypatch.setattr(CpuData, "put", held_put)
+        kv.zero()
+        assert load(kv, worker, job_from(kv, 1, promote)), "the load waited for its promotions"
+        assert all(not f.done() for f in worker.stores.in_flight) and len(worker.stores.in_flight) == FILES
+        kv.zero()
+        host_job = LoadJob("h", tuple(LoadEntry(kv.ref(c, g), tuple(enumerate(kv.ids[g][c])), up)
+                                      for (c, g), (up,) in zip(entries, promote)))
+        assert load(kv, worker, host_job)
+        assert all(a.equal(b) for a, b in zip(kv.snapshot(), want))
+        release.set()
+        assert worker.stores.drain(30) == 0
+        host = worker.tiers[0]
+        assert all(host.holds(worker.kv.header(kv.ref(c, g)), Placement(up.slot))
+                   for (c, g), (up,) in zip(entries, promote))
+    finally:
+        release.set()
         worker.shutdown()
 
 

@@ -8,8 +8,9 @@ copy of a write still queued to its tier, which `WritesInFlight` holds,
 else from the tier), verified by the tier, and scattered into the KV cache;
 the bytes read from a slower tier are handed to the store path, which puts
 them into the faster tiers the scheduler reserved (promotion), from the
-same read. A request is a hit only if every file was restored; all its files
-are read regardless, so every bad one is found (and quarantined) in the same
+same read, on its store threads: the request's load does not wait for it.
+A request is a hit only if every file was restored; all its files are read
+regardless, so every bad one is found (and quarantined) in the same
 pass, and a failed request is reported with the gravest of its reasons. A
 file tier's payload CRC (O_DIRECT reads, no key) is checked in the scatter's
 own pass over the bytes (`TierData.get_to_scatter`), and so is a MAC's hash where the copier hashes.
@@ -68,10 +69,11 @@ class _LoadRun:
 
 class LoadPipeline:
     def __init__(self, cfg: OffloadConfig, kv: KVCache, writes: WritesInFlight,
-                 promote: Callable[[TierSlot, ChunkHeader, HostChunk], bool], recorders: list[Recorder]) -> None:
+                 promote: Callable[[TierSlot, ChunkHeader, HostChunk, bool], bool], recorders: list[Recorder]) -> None:
         self.kv = kv
         self.writes = writes  # a write still queued: its copy is read instead
-        # A promotion is a store: handed to the store path (`StorePath.promote`), True where it was put.
+        # A promotion is a store: handed to the store path (`StorePath.promote`), True where it was put
+        # or queued; `now`: put before it returns (warm start's slot, whose outcome it reports).
         self._promote = promote
         self.recorders = recorders
         self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvoffload-load")
@@ -173,9 +175,9 @@ class LoadPipeline:
             else:
                 chunk.check()
             for up in entry.promote:
-                self._promote(up, header, chunk)
+                self._promote(up, header, chunk, False)
             if fill is not None and self.warm is not None:
-                self.warm.filled(header, None if self._promote(fill, header, chunk) else "no_room")
+                self.warm.filled(header, None if self._promote(fill, header, chunk, True) else "no_room")
                 fill = None
         except ChunkMiss as e:
             if fill is not None and self.warm is not None:

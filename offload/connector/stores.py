@@ -23,7 +23,8 @@ What it keeps so the tiers stay prefix-closed and loads stay right:
 
 A load's promotion (the bytes it read from a slower tier, into the faster
 tiers the scheduler reserved) is a store too: the load pipeline hands it
-over whole (`promote`).
+over whole (`promote`), and it is queued to the store threads like any
+write, so a request's load does not wait for it.
 
 The store pool is made here, with its threads' priority: store threads run
 SCHED_IDLE (Linux) so they yield the CPU to the model, and `drain` lifts
@@ -263,11 +264,13 @@ class StorePath:
             self._pending_bytes -= nbytes
 
     def _dispatch_write(self, header: ChunkHeader, chunk: HostChunk, targets: list[TierSlot], n: int,
-                        t0: float) -> None:
+                        t0: float) -> Future[None]:
         """Write a pooled host copy to `targets` on the store threads; a load
         planned meanwhile reads the queued copy (`WritesInFlight.queued_copy`)."""
         self.writes.copy_queued(header, chunk, targets)
-        self.writes.track(self.pool.submit(self._write, header, chunk, targets, n, t0), header, targets)
+        fut = self.pool.submit(self._write, header, chunk, targets, n, t0)
+        self.writes.track(fut, header, targets)
+        return fut
 
     def _dispatch_write_through(self, header: ChunkHeader, direct: _Direct, targets: list[TierSlot], n: int,
                                 t0: float) -> None:
@@ -279,14 +282,22 @@ class StorePath:
 
     # ---- a load's promotion -------------------------------------------------------------
 
-    def promote(self, up: TierSlot, header: ChunkHeader, chunk: HostChunk) -> bool:
-        """Put a loaded entry into a faster tier (on the load thread that read
-        it); a failure costs only the promotion, reported like a dropped store."""
+    def promote(self, up: TierSlot, header: ChunkHeader, chunk: HostChunk, now: bool = False) -> bool:
+        """Put a loaded entry into a faster tier; a failure costs only the promotion, reported like
+        a dropped store. Queued to the store threads (the chunk held) where the pending bytes allow
+        it, so that the load does not wait for the copy and the copy yields the CPU to the model: a
+        load planned meanwhile reads the queued copy, a gather into the slot waits for it. Else, or
+        `now` (the caller needs the outcome), on the load thread. True where it was put or queued."""
+        self.writes.wait_reading(up, header.group)
+        n = chunk.payload.numel()
+        if not now and not self.closed and self._admit(n):
+            fut = self._dispatch_write(header, chunk.hold(), [up], n, time.perf_counter())
+            self.writes.slot_read(up, header.group, fut)
+            return True
         t0 = time.perf_counter()
         try:
-            self.writes.wait_reading(up, header.group)
             if self.kv.tiers[up.tier].put(header, chunk, Placement(up.slot)):
-                self.stored(up.tier, header, chunk.payload.numel(), t0)
+                self.stored(up.tier, header, n, t0)
             return True
         except Exception as e:
             logger.warning("kvoffload: promotion of %s dropped: %s", header.key.hex()[:16], e)
