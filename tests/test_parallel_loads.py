@@ -334,6 +334,28 @@ def test_a_load_does_not_wait_for_its_promotion_and_a_load_meanwhile_reads_the_q
         worker.shutdown()
 
 
+def test_a_promotion_the_store_pool_no_longer_takes_is_dropped_and_leaves_nothing_held(kv, tmp_path):
+    """The store threads gone under a load's promotion (shutdown racing it): the promotion is a
+    reported drop, the chunk is back to its one holder, and no pending bytes or queued copy remain."""
+    from offload.store.base import HostChunk
+    from offload.store.buffers import BufferPool
+
+    worker, indices = build(kv, [{"store": "cpu", "cpu_bytes": 8 << 20},
+                                 {"store": "fs", "path": str(tmp_path / "c")}], 4)
+    try:
+        c, g = kv.entries()[0]
+        header = worker.kv.header(kv.ref(c, g))
+        up = TierSlot(0, indices[0].reserve(g, kv.keys[c], None).slot)
+        chunk = HostChunk.pooled(BufferPool(), header.payload_len)
+        worker.stores.pool.shutdown(wait=True)
+        assert worker.stores.promote(up, header, chunk) is False
+        assert chunk.refs == 1 and worker.stores.pending_bytes == 0
+        assert worker.writes.queued_copy(0, header) is None
+        assert (0, header.group, bytes(header.key)) in worker.stores.take_dropped()
+    finally:
+        worker.shutdown()
+
+
 def _ramfs(path: Path) -> str | None:
     """Mount a ramfs (a filesystem that refuses O_DIRECT) at `path`; why not, where it cannot be."""
     import subprocess

@@ -288,14 +288,20 @@ class StorePath:
         it, so that the load does not wait for the copy and the copy yields the CPU to the model: a
         load planned meanwhile reads the queued copy, a gather into the slot waits for it. Else, or
         `now` (the caller needs the outcome), on the load thread. True where it was put or queued."""
-        self.writes.wait_reading(up, header.group)
         n = chunk.payload.numel()
-        if not now and not self.closed and self._admit(n):
-            fut = self._dispatch_write(header, chunk.hold(), [up], n, time.perf_counter())
-            self.writes.slot_read(up, header.group, fut)
-            return True
         t0 = time.perf_counter()
         try:
+            self.writes.wait_reading(up, header.group)
+            if not now and not self.closed and self._admit(n):
+                try:
+                    fut = self._dispatch_write(header, chunk.hold(), [up], n, t0)
+                except BaseException:  # not queued (the pool shut down meanwhile): undo what _write would
+                    self.writes.copy_written(header, chunk, [up])
+                    chunk.release()
+                    self._release(n)
+                    raise
+                self.writes.slot_read(up, header.group, fut)
+                return True
             if self.kv.tiers[up.tier].put(header, chunk, Placement(up.slot)):
                 self.stored(up.tier, header, n, t0)
             return True
