@@ -274,7 +274,6 @@ def _ledger_cache(tmp_path: Path):
     return top, live, true_bytes
 
 
-@pytest.mark.long  # `make test` stays within 12 minutes (docs/development.md)
 def test_gc_records_its_deletions_so_a_live_account_follows_without_a_walk(capsys, tmp_path):
     top, live, true_bytes = _ledger_cache(tmp_path)
     limit = true_bytes(top) // 2

@@ -193,7 +193,6 @@ def _run_nodes(tmp_path: Path, caches: list[Path], prompts: int, max_bytes: int)
                 p.wait()
 
 
-@pytest.mark.long  # `make test` stays within 12 minutes (docs/development.md)
 def test_two_nodes_under_one_budget_keep_the_directory_under_it_and_their_accounts_agree(shared, tmp_path, capsys):
     a, b = shared
     budget = 1 << 20  # ~2.5 MB written in all
