@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from pathlib import Path
@@ -141,10 +142,16 @@ class Lane:
     def __init__(self, models_dir: Path, tmp_path_factory) -> None:
         self.models_dir, self.tmp_path_factory = models_dir, tmp_path_factory
         self.futures: dict = {}
+        self.seconds: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def _run(self, fn):
-        return fn(self.models_dir, self.tmp_path_factory.mktemp(fn.__name__.strip("_")))
+        t0 = time.perf_counter()
+        try:
+            return fn(self.models_dir, self.tmp_path_factory.mktemp(fn.__name__.strip("_")))
+        finally:  # which engine runs set the suite's wall time (the terminal summary lists them)
+            with self._lock:
+                self.seconds[f"{fn.__module__}.{fn.__name__}"] = time.perf_counter() - t0
 
     def start(self, fns: list) -> None:
         with self._lock:
@@ -321,3 +328,11 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_configure(config):
     config.addinivalue_line("markers", "stops_fs_server: the test stops the session's shared server (fs_server)")
     config.addinivalue_line("markers", "prefetch(fn): the session's background lane runs fn for the test (conftest.py)")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    lane = getattr(config, "_kvoffload_lane", None)
+    if lane is not None and lane.seconds:
+        terminalreporter.write_sep("=", "background lane runs (seconds)")
+        for name, secs in sorted(lane.seconds.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{secs:8.1f}s  {name}")
