@@ -186,7 +186,6 @@ def _llama_runs(models_dir, tmp_path):
             "prompts": prompts}
 
 
-@pytest.mark.long  # 133 s of a background lane: `make test` stays within 12 minutes (docs/development.md)
 @pytest.mark.prefetch.with_args(_llama_runs)
 def test_attention_only_restart_restores_every_block_vllms_own_cache_hits(prefetched):
     """After a restart (new process, new PYTHONHASHSEED), restored == vLLM's
