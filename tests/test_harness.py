@@ -1,14 +1,20 @@
 """The client harness tests/ and bench/ share (harness/client.py): Prometheus text through
-prometheus_client's parser, sums of samples, medians, polling with a deadline, a free port."""
+prometheus_client's parser, sums of samples, medians, polling with a deadline, a free port; and the
+OpenMP layout the session gives the engines it starts (conftest.py)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 import socket
+import subprocess
+import sys
 
 import pytest
 
+from conftest import SESSION_CORES
 from harness.client import free_port, median, metric_by_label, metric_sum, parse_metrics, wait_until
 
 # The shapes vLLM's /metrics has: a colon in the name, a counter's _total and _created, a histogram,
@@ -92,3 +98,19 @@ def test_free_port_can_be_bound():
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_the_session_and_the_processes_it_starts_keep_every_core():
+    """OpenMP binds the thread that loads it to its first place, and whatever that thread starts
+    inherits the binding. Under the session's engine settings, this process, a process that loads
+    both OpenMP runtimes of the environment (torch's, sentencepiece's) and one that process starts
+    may all run on every core the session was given: engines in parallel use them all."""
+    child = ("import os, subprocess, sys, json, sentencepiece, torch\n"
+             "torch.ones(64, 64) @ torch.ones(64, 64)\n"
+             "grand = subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'],"
+             " capture_output=True, text=True, check=True).stdout\n"
+             "print(json.dumps([sorted(os.sched_getaffinity(0)), json.loads(grand)]))\n")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True, timeout=120)
+    own, grand = json.loads(out.stdout.splitlines()[-1])
+    assert os.sched_getaffinity(0) == SESSION_CORES
+    assert set(own) == set(grand) == SESSION_CORES, (own, grand, sorted(SESSION_CORES))
