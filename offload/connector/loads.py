@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
+from offload.connector.cpus import run_on
 from offload.connector.in_flight import WritesInFlight
 from offload.connector.metadata import LoadJob, TierSlot
 from offload.connector.registration import KVCache
@@ -69,14 +70,17 @@ class _LoadRun:
 
 class LoadPipeline:
     def __init__(self, cfg: OffloadConfig, kv: KVCache, writes: WritesInFlight,
-                 promote: Callable[[TierSlot, ChunkHeader, HostChunk, bool], bool], recorders: list[Recorder]) -> None:
+                 promote: Callable[[TierSlot, ChunkHeader, HostChunk, bool], bool], recorders: list[Recorder],
+                 cpus: frozenset[int] | None = None) -> None:
         self.kv = kv
         self.writes = writes  # a write still queued: its copy is read instead
         # A promotion is a store: handed to the store path (`StorePath.promote`), True where it was put
         # or queued; `now`: put before it returns (warm start's slot, whose outcome it reports).
         self._promote = promote
         self.recorders = recorders
-        self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvoffload-load")
+        # `cpus`: where the load threads run (offload/connector/cpus.py; None: where they are started).
+        self.pool = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="kvoffload-load", initializer=run_on,
+                                       initargs=(cpus,))
         # Requests whose load is in flight or finished and not yet reported, by id.
         self.in_flight: dict[str, Future[MissReason | None]] = {}
         self.busy = 0  # files being read now (warm start waits while any is)

@@ -46,6 +46,7 @@ import torch
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
+from offload.connector.cpus import run_on
 from offload.connector.in_flight import WritesInFlight
 from offload.connector.metadata import FileRef, StoreJob, TierSlot
 from offload.connector.registration import KVCache
@@ -70,13 +71,15 @@ def _set_policy(tid: int, policy: int) -> None:
         pass
 
 
-def _background_priority(tids: list[int]) -> None:
+def _background_priority(tids: list[int], cpus: frozenset[int] | None) -> None:
     """Store threads yield the CPU to the model: on a small CPU machine an
     I/O thread that preempts one of vLLM's OpenMP threads stalls the whole
     step. SCHED_IDLE (Linux) runs them only on otherwise idle cores; they
     still finish between steps, and overflow is dropped by policy. Each
-    thread records its id so a drain can lift it (`StorePath.drain`)."""
+    thread records its id so a drain can lift it (`StorePath.drain`). `cpus`: where
+    they may run (offload/connector/cpus.py)."""
     tids.append(threading.get_native_id())
+    run_on(cpus)
     _set_policy(0, _IDLE)
 
 
@@ -106,7 +109,8 @@ class _Direct(NamedTuple):
 
 
 class StorePath:
-    def __init__(self, cfg: OffloadConfig, kv: KVCache, writes: WritesInFlight, recorders: list[Recorder]) -> None:
+    def __init__(self, cfg: OffloadConfig, kv: KVCache, writes: WritesInFlight, recorders: list[Recorder],
+                 cpus: frozenset[int] | None = None) -> None:
         self.cfg = cfg
         self.kv = kv
         self.writes = writes
@@ -116,7 +120,7 @@ class StorePath:
         # policy (max_pending_store_bytes) rather than queued without bound.
         self.store_tids: list[int] = []
         self.pool = ThreadPoolExecutor(cfg.store_threads, thread_name_prefix="kvoffload-store",
-                                       initializer=_background_priority, initargs=(self.store_tids,))
+                                       initializer=_background_priority, initargs=(self.store_tids, cpus))
         self._lock = threading.Lock()
         self._pending_bytes = 0
         # Chunks whose attention store to a tier was dropped: (tier, key[:8])

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 
 from vllm.logger import init_logger
 
+from offload.connector.cpus import run_on
 from offload.connector.metadata import TierSlot, WarmEntry
 from offload.connector.registration import KVCache
 from offload.keys import ChunkKey
@@ -166,8 +167,10 @@ class _Warm:
 class WarmReader:
     """Worker half (module doc)."""
 
-    def __init__(self, kv: KVCache, loads_busy: Callable[[], bool], recorder: Recorder) -> None:
+    def __init__(self, kv: KVCache, loads_busy: Callable[[], bool], recorder: Recorder,
+                 cpus: frozenset[int] | None = None) -> None:
         self.kv = kv
+        self._cpus = cpus  # where its thread runs (offload/connector/cpus.py)
         self.loads_busy = loads_busy
         self.rec = recorder
         self._lock = threading.Lock()
@@ -226,6 +229,7 @@ class WarmReader:
     # ---- the thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        run_on(self._cpus)
         while not self._stop.is_set():
             while self.loads_busy() and not self._stop.is_set():
                 self._stop.wait(0.002)  # a request's load goes first

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
+from offload.connector.cpus import io_cpus
 from offload.connector.in_flight import WritesInFlight
 from offload.connector.kv_gate import GatedPages
 from offload.connector.loads import LoadPipeline
@@ -88,10 +89,11 @@ class WorkerSide:
                     rec.declare(name, group_kind=kind)
         self.kv = KVCache(planner, fingerprint, make_data, layer_names, token_map)
         self.writes = WritesInFlight()
-        self.stores = StorePath(cfg, self.kv, self.writes, recorders)
-        self.loads = LoadPipeline(cfg, self.kv, self.writes, self.stores.promote, recorders)
+        cpus = io_cpus()  # this is vLLM's thread: its binding says where the I/O threads may run
+        self.stores = StorePath(cfg, self.kv, self.writes, recorders, cpus=cpus)
+        self.loads = LoadPipeline(cfg, self.kv, self.writes, self.stores.promote, recorders, cpus=cpus)
         # Warm start's reads, behind every request's load (offload/connector/warm.py).
-        self.warm = WarmReader(self.kv, lambda: self.loads.busy > 0, recorders[0])
+        self.warm = WarmReader(self.kv, lambda: self.loads.busy > 0, recorders[0], cpus=cpus)
         self.loads.warm = self.warm
         self._closed = False
 

@@ -1,0 +1,92 @@
+"""Where the connector's I/O threads run in a worker that vLLM-CPU bound to the model's cores
+(offload/connector/cpus.py): a process started as vLLM-CPU starts its worker (its cores as one
+OpenMP place, `OMP_PROC_BIND=true`), from a process with more CPUs, runs a real worker's load
+and store threads; their CPUs are read back from the kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs: the model's and one more")
+
+CHILD = """
+import json, os, sys
+sys.path[:0] = [{repo!r}]
+import torch  # OpenMP binds this thread to its place, as in vLLM-CPU's worker
+from bench.fs_tier import TINY, HybridKV, load_worker, open_data, ours_load_parallel, ours_store, warm_buffers
+
+kv = HybridKV(1 << 20, TINY)
+warm_buffers(kv, 4)
+data = open_data(sys.argv[1], kv)
+ours_store(kv, data, 2)
+worker = load_worker(kv, data, 2)  # built on this thread, as vLLM builds the connector on its own
+ours_load_parallel(kv, worker)
+worker.stores.pool.submit(lambda: None).result()
+cpus = lambda tid: sorted(os.sched_getaffinity(tid))
+print(json.dumps({{"main": cpus(0), "load": [cpus(t.native_id) for t in worker.loads.pool._threads],
+                  "store": [cpus(t) for t in worker.stores.store_tids]}}))
+worker.shutdown()
+"""
+
+
+def _threads(tmp_path, env: dict[str, str], cpus: set[int] | None = None) -> dict:
+    full = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")} | env
+    out = subprocess.run([sys.executable, "-c", CHILD.format(repo=str(REPO)), str(tmp_path)], env=full,
+                         capture_output=True, text=True, timeout=300, check=True,
+                         preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@two_cpus
+@pytest.mark.parametrize("form", ["OMP_PLACES", "GOMP_CPU_AFFINITY"])
+def test_io_threads_leave_the_models_cores_for_every_cpu_of_the_process_that_started_the_worker(tmp_path, form):
+    """The worker's own thread stays on the model's core; its load and store threads may run on
+    every CPU this process has (vLLM's engine core, which vLLM does not bind). Both ways vLLM-CPU
+    binds a worker whose OpenMP is GNU's: the standard variables, or GNU's own (with libgomp
+    preloaded, its default here)."""
+    mine = sorted(os.sched_getaffinity(0))
+    env = ({"OMP_PLACES": f"{{{mine[0]}}}", "OMP_PROC_BIND": "true"} if form == "OMP_PLACES"
+           else {"GOMP_CPU_AFFINITY": str(mine[0]), "OMP_NUM_THREADS": "1"})
+    got = _threads(tmp_path, env)
+    assert got["main"] == [mine[0]], got  # bound as vLLM binds its worker
+    assert got["load"] and got["store"], got
+    assert all(c == mine for c in got["load"] + got["store"]), got
+
+
+@two_cpus
+def test_io_threads_keep_the_cpus_of_a_process_openmp_did_not_bind(tmp_path):
+    """A process given fewer CPUs by its operator (`taskset`), not by OpenMP's binding, keeps them
+    for its I/O threads too."""
+    first = min(os.sched_getaffinity(0))
+    got = _threads(tmp_path, {}, cpus={first})
+    assert got["main"] == [first] and got["load"] and got["store"], got
+    assert all(c == [first] for c in got["load"] + got["store"]), got
+
+
+@pytest.mark.parametrize("env,cpus", [
+    ({"OMP_PLACES": "{0,2,3}", "OMP_PROC_BIND": "true"}, {0, 2, 3}),
+    ({"OMP_PLACES": "{0-3}", "OMP_PROC_BIND": "close"}, {0, 1, 2, 3}),
+    ({"OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "false"}, None),  # not bound
+    ({"OMP_PLACES": "{0},{1}", "OMP_PROC_BIND": "true"}, None),  # a place per core: not vLLM's form
+    ({"OMP_PLACES": "cores", "OMP_PROC_BIND": "true"}, None),
+    ({"GOMP_CPU_AFFINITY": "0 1 2"}, {0, 1, 2}),
+    ({"GOMP_CPU_AFFINITY": "0-6:2"}, {0, 2, 4, 6}),
+    ({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[4,5,6]"}, {4, 5, 6}),
+    ({"KMP_AFFINITY": "compact"}, None),
+    ({}, None),
+])
+def test_the_binding_is_read_from_the_openmp_variables_vllm_cpu_sets(monkeypatch, env, cpus):
+    from offload.connector.cpus import _openmp_cpus
+
+    for k in ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert _openmp_cpus() == (None if cpus is None else frozenset(cpus))
