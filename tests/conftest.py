@@ -28,12 +28,11 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 # Engines the tests start run vLLM's engine core and worker in one process (vLLM's uniproc executor,
 # the layout of a single-GPU server): an engine start then imports torch and vLLM once instead of
 # three times (measured here: 32 s instead of 65 s for a 20-prompt run). vLLM-CPU binds its worker's
-# OpenMP threads to its cores (one place of them all) only in its own worker processes; in one
-# process OMP_PROC_BIND and OMP_PLACES do the same. The place must hold every core: OpenMP binds the
-# thread that loads it (torch's import, sentencepiece's) to the first place, and every process and
-# thread started from it inherits that, so with a place per core (OMP_PROC_BIND alone) this session
-# and all its engines ran on one core of two (partial-tail module: 152 s, 91 s with the one place).
-# Same thread count, so the same sums and tokens. Servers
+# OpenMP threads to the worker's cores only in its own worker processes; in one process
+# OMP_PROC_BIND and OMP_PLACES do it. The one place holds every core: OpenMP binds the thread that
+# loads it (torch's import, sentencepiece's) to the first place, and every process and thread
+# started from it inherits that, so with a place per core (OMP_PROC_BIND alone) this session and
+# all its engines would run on one core. Same thread count, so the same sums and tokens. Servers
 # keep their API process (AsyncLLM always runs its engine core apart). vLLM-CPU's own
 # three-process layout stays covered where the process boundary is the point: the session's
 # shared server (`fs_server`) and the LMCache tier's scheduler-side ledger
