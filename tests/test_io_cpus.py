@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, side_by_side
 
 two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs: the model's and one more")
 
@@ -37,6 +37,7 @@ worker.shutdown()
 
 
 def _threads(tmp_path, env: dict[str, str], cpus: set[int] | None = None) -> dict:
+    tmp_path.mkdir()
     full = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")} | env
     out = subprocess.run([sys.executable, "-c", CHILD.format(repo=str(REPO)), str(tmp_path)], env=full,
                          capture_output=True, text=True, timeout=300, check=True,
@@ -45,29 +46,24 @@ def _threads(tmp_path, env: dict[str, str], cpus: set[int] | None = None) -> dic
 
 
 @two_cpus
-@pytest.mark.parametrize("form", ["OMP_PLACES", "GOMP_CPU_AFFINITY"])
-def test_io_threads_leave_the_models_cores_for_every_cpu_of_the_process_that_started_the_worker(tmp_path, form):
-    """The worker's own thread stays on the model's core; its load and store threads may run on
-    every CPU this process has (vLLM's engine core, which vLLM does not bind). Both ways vLLM-CPU
-    binds a worker whose OpenMP is GNU's: the standard variables, or GNU's own (with libgomp
-    preloaded, its default here)."""
+def test_io_threads_leave_the_models_cores_where_openmp_bound_the_worker_and_only_there(tmp_path):
+    """Three workers at once. Bound both ways vLLM-CPU binds a worker whose OpenMP is GNU's (the
+    standard variables; GNU's own, with libgomp preloaded, its default here): the worker's own
+    thread stays on the model's core, its load and store threads may run on every CPU this process
+    has (vLLM's engine core, which vLLM does not bind). Given fewer CPUs by its operator (`taskset`),
+    not by OpenMP: its I/O threads keep them."""
     mine = sorted(os.sched_getaffinity(0))
-    env = ({"OMP_PLACES": f"{{{mine[0]}}}", "OMP_PROC_BIND": "true"} if form == "OMP_PLACES"
-           else {"GOMP_CPU_AFFINITY": str(mine[0]), "OMP_NUM_THREADS": "1"})
-    got = _threads(tmp_path, env)
-    assert got["main"] == [mine[0]], got  # bound as vLLM binds its worker
-    assert got["load"] and got["store"], got
-    assert all(c == mine for c in got["load"] + got["store"]), got
-
-
-@two_cpus
-def test_io_threads_keep_the_cpus_of_a_process_openmp_did_not_bind(tmp_path):
-    """A process given fewer CPUs by its operator (`taskset`), not by OpenMP's binding, keeps them
-    for its I/O threads too."""
-    first = min(os.sched_getaffinity(0))
-    got = _threads(tmp_path, {}, cpus={first})
-    assert got["main"] == [first] and got["load"] and got["store"], got
-    assert all(c == [first] for c in got["load"] + got["store"]), got
+    first = mine[0]
+    places, gomp, operator = side_by_side(
+        lambda: _threads(tmp_path / "places", {"OMP_PLACES": f"{{{first}}}", "OMP_PROC_BIND": "true"}),
+        lambda: _threads(tmp_path / "gomp", {"GOMP_CPU_AFFINITY": str(first), "OMP_NUM_THREADS": "1"}),
+        lambda: _threads(tmp_path / "operator", {}, cpus={first}))
+    for got in (places, gomp):
+        assert got["main"] == [first], got  # bound as vLLM binds its worker
+        assert got["load"] and got["store"], got
+        assert all(c == mine for c in got["load"] + got["store"]), got
+    assert operator["main"] == [first] and operator["load"] and operator["store"], operator
+    assert all(c == [first] for c in operator["load"] + operator["store"]), operator
 
 
 @pytest.mark.parametrize("env,cpus", [
