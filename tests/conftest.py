@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -144,7 +145,10 @@ LANES = int(os.environ.get("KVOFFLOAD_TEST_LANES", "2"))
 
 class Lane:
     def __init__(self, models_dir: Path, tmp_path_factory) -> None:
-        self.models_dir, self.tmp_path_factory = models_dir, tmp_path_factory
+        # pytest's mktemp is not thread-safe (a lane's once raised "not a normalized and relative
+        # path"): the lanes make their directories with mkdtemp under the session's base directory,
+        # which is taken here, on the main thread.
+        self.models_dir, self.basetemp = models_dir, tmp_path_factory.getbasetemp()
         self.futures: dict = {}
         self.seconds: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -152,7 +156,8 @@ class Lane:
     def _run(self, fn):
         t0 = time.perf_counter()
         try:
-            return fn(self.models_dir, self.tmp_path_factory.mktemp(fn.__name__.strip("_")))
+            d = Path(tempfile.mkdtemp(prefix=f"{fn.__module__}.{fn.__name__.strip('_')}-", dir=self.basetemp))
+            return fn(self.models_dir, d)
         finally:  # which engine runs set the suite's wall time (the terminal summary lists them)
             with self._lock:
                 self.seconds[f"{fn.__module__}.{fn.__name__}"] = time.perf_counter() - t0
