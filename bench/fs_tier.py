@@ -42,13 +42,16 @@ Per repetition, on the same filesystem:
   cache through its own store path, in a cache that has run a while and in a
   new one (`load_under_stores`).
 Every cache directory is opened as the connector's registration opens it: its
-layout recorded and its directories made (`open_data`), before any store.
+layout recorded and its directories made (`open_data`), before any store; and
+the process's heap is frozen once it is set up, as the worker's registration
+freezes it (offload/connector/heap.py), for every row alike.
 Stores end with a sync, so every figure is bytes on the device.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import hmac
 import mmap
@@ -69,6 +72,7 @@ from bench.kvsynth import CHUNK, TINY, HybridKV, Shape
 from bench.tier_stack import planner_for
 from offload import _copier, copier
 from offload.config import parse_config
+from offload.connector import heap
 from offload.connector.metadata import FileRef, LoadEntry, LoadJob, OffloadMetadata, StoreJob, TierSlot
 from offload.connector.worker import WorkerSide
 from offload.keys import Fingerprint
@@ -564,6 +568,8 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
         have_vllm = False
     vp = VllmPages(kv) if have_vllm else None
     warm_buffers(kv, 2 * 16 + 2)  # the most staged at once: 16 store threads, 2 x threads queued
+    heap.freeze()  # as a worker's registration does: set-up done
+    heap_frozen = gc.get_freeze_count()
     rows: dict[str, list[tuple[float, float]]] = {}
     io_rows: dict[str, list[dict]] = {}
     disk = _block_device(fs_desc)
@@ -676,7 +682,8 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
            "file_bytes": {g.kind.value: g.payload + HEADER_LEN for g in kv.groups}, "filesystem": fs_desc,
            "o_direct": direct_ok, "o_direct_reads_used": direct_read_files == 2 * kv.chunks,
            "cold_cache_method": cache_method, "io_threads": threads, "crc32c": _copier.crc32c_implementation(),
-           "raw_write_gb_s": raw_w, "raw_read_gb_s": raw_r, "baseline_rows": doc_base, "results": med}
+           "raw_write_gb_s": raw_w, "raw_read_gb_s": raw_r, "baseline_rows": doc_base,
+           "heap_frozen_objects": heap_frozen, "results": med}
 
     def is_write(k: str) -> bool:
         return "store" in k or (k.startswith("raw") and "write" in k)

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
+from offload.connector import heap
 from offload.connector.cpus import io_cpus
 from offload.connector.in_flight import WritesInFlight
 from offload.connector.kv_gate import GatedPages
@@ -96,6 +97,7 @@ class WorkerSide:
         self.warm = WarmReader(self.kv, lambda: self.loads.busy > 0, recorders[0], cpus=cpus)
         self.loads.warm = self.warm
         self._closed = False
+        self._froze_heap = False  # registration froze the heap (offload/connector/heap.py): shutdown undoes it
 
     # The registered cache, its tiers and buffers (tests and benches set them on a worker never registered).
 
@@ -137,6 +139,9 @@ class WorkerSide:
         # One touched load buffer per load thread and group: a restart's first loads would
         # otherwise read into memory faulted in under them (see Prefault).
         self.kv.buffers.reserve(self.kv.file_bytes(), self.cfg.io_threads)
+        # The heap built so far (model, torch, vLLM, our tables and buffers) out of the garbage
+        # collector's full scans, which hold the GIL while every load waits (offload/connector/heap.py).
+        self._froze_heap = heap.freeze()
 
     @property
     def token_mapped_groups(self) -> list[int]:
@@ -213,5 +218,8 @@ class WorkerSide:
         self.stores.shutdown()
         for tier in self.tiers:
             tier.close()
+        if self._froze_heap:
+            heap.unfreeze()
+            self._froze_heap = False
         for rec in self.recorders:
             logger.info("%s [%s]: %s", SHUTDOWN_LINE, rec.tier, json.dumps(worker_figures(rec), sort_keys=True))
