@@ -112,6 +112,27 @@ def _raw_done(buf: np.ndarray) -> None:
     _RAW_BUFS.setdefault(buf.size, []).append(buf)
 
 
+class FullCollections:
+    """The full (oldest-generation) garbage collections of this process and the seconds each held
+    the GIL, from `gc.callbacks`: what stops every thread of a load at once."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._t0 = 0.0
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds.append(time.perf_counter() - self._t0)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._note)
+
+
 def _timed(fn, *args) -> tuple[float, float]:
     """Wall and CPU seconds of ``fn(*args)``; the arguments are passed, not captured, so a
     loop's current values are the ones measured."""
@@ -548,7 +569,7 @@ def vllm_full_load(kv: HybridKV, vp: VllmPages, root: Path, threads: int, direct
 
 # ------------------------------------------------------------------ driver
 def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threads: int | None = None,
-        vllm_threads: tuple[int, ...] = (4, 16), out_dir: Path | None = None) -> dict:
+        vllm_threads: tuple[int, ...] = (4, 16), out_dir: Path | None = None, freeze_heap: bool = True) -> dict:
     defaults = parse_config({"store": "fs", "path": "/unused"})
     threads = threads or defaults.io_threads  # loads: the connector's default
     store_threads = parse_config({"store": "fs", "path": "/unused", "io_threads": threads}).store_threads
@@ -568,8 +589,11 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
         have_vllm = False
     vp = VllmPages(kv) if have_vllm else None
     warm_buffers(kv, 2 * 16 + 2)  # the most staged at once: 16 store threads, 2 x threads queued
-    heap.freeze()  # as a worker's registration does: set-up done
+    if freeze_heap:
+        heap.freeze()  # as a worker's registration does: set-up done
     heap_frozen = gc.get_freeze_count()
+    full_gcs = FullCollections()
+    gc_rows: dict[str, list[list[float]]] = {}
     rows: dict[str, list[tuple[float, float]]] = {}
     io_rows: dict[str, list[dict]] = {}
     disk = _block_device(fs_desc)
@@ -578,8 +602,9 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
     direct_read_files = 0
     for r in range(reps):
         def timed(name, fn, *args):
-            before = _disk_counts(disk)
+            before, seen = _disk_counts(disk), len(full_gcs.seconds)
             rows.setdefault(name, []).append(_timed(fn, *args))
+            gc_rows.setdefault(name, []).append(full_gcs.seconds[seen:])
             after = _disk_counts(disk)
             if before and after:  # KiB per device request: what a request was split into
                 d = [b - a for a, b in zip(before, after)]
@@ -663,11 +688,13 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
                 vllm_full_load, kv, vp, root, t, direct_ok)
             shutil.rmtree(root)
     shutil.rmtree(work, ignore_errors=True)
+    full_gcs.close()
 
     med = {k: {"wall_s": median(w for w, _ in v), "cpu_s": median(c for _, c in v),
                "gb_s": total / median(w for w, _ in v) / GB, "runs_wall_s": [w for w, _ in v],
                "runs_cpu_s": [c for _, c in v], "runs_gb_s": [total / w / GB for w, _ in v],
-               "cpu_s_per_gb": median(c for _, c in v) / (total / GB), "runs_device_requests": io_rows.get(k)}
+               "cpu_s_per_gb": median(c for _, c in v) / (total / GB), "runs_device_requests": io_rows.get(k),
+               "runs_full_gc_s": gc_rows[k]}
            for k, v in rows.items()}
     # The device's limit, as measured in this run: the fastest path that only moves bytes
     # (our raw writers/readers, and vLLM's file I/O, which does nothing else).
@@ -763,6 +790,9 @@ def run(gib: float, reps: int, tiny: bool = False, dir: str | None = None, threa
               f"{median(u['alone_s']) * 1e3:.1f} ms alone, {median(u['under_stores_s']) * 1e3:.1f} ms while the "
               f"worker stores {u['store_bytes'] / 1e9:.2f} GB ({u['slowdown_under_stores']:.2f}x; stores "
               f"{median(u['store_gb_s']):.2f} GB/s)")
+    paused = {k: v["runs_full_gc_s"] for k, v in med.items() if any(v["runs_full_gc_s"])}
+    print(f"heap frozen: {heap_frozen} objects; full garbage collections inside a timed path: "
+          + (", ".join(f"{k} {[round(sum(r), 3) for r in v]} s" for k, v in paused.items()) or "none"))
     print(f"wrote {write_results('fs_tier', doc, out_dir)}")
     return doc
 
@@ -774,8 +804,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="small page shapes (tests)")
     ap.add_argument("--dir", default=None, help="directory on the filesystem to test (default: $TMPDIR)")
     ap.add_argument("--out-dir", type=Path, default=None)
+    ap.add_argument("--no-heap-freeze", action="store_true",
+                    help="leave the heap unfrozen, as a worker before the connector froze it (a comparison)")
     a = ap.parse_args(argv)
-    run(a.gib, a.reps, a.tiny, a.dir, vllm_threads=(4,) if a.tiny else (4, 16), out_dir=a.out_dir)
+    run(a.gib, a.reps, a.tiny, a.dir, vllm_threads=(4,) if a.tiny else (4, 16), out_dir=a.out_dir,
+        freeze_heap=not a.no_heap_freeze)
     return 0
 
 

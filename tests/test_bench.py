@@ -137,6 +137,9 @@ def test_bench_fs_tier_small(tmp_path: Path) -> None:
         assert len(u["alone_s"]) == len(u["under_stores_s"]) >= 3 and u["slowdown_under_stores"] > 0
     assert {u["ran_a_while"] for u in doc["load_under_stores"].values()} == {True, False}
     assert json.loads((tmp_path / "fs_tier.json").read_text())["bytes"] == doc["bytes"]
+    # The heap frozen as the worker's registration freezes it; every row says its full collections.
+    assert doc["heap_frozen_objects"] > 0
+    assert all(len(r["runs_full_gc_s"]) == len(r["runs_gb_s"]) for r in doc["results"].values())
 
 
 def test_bench_cpu_tier_small(tmp_path: Path) -> None:
