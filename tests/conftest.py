@@ -146,9 +146,8 @@ LANES = int(os.environ.get("KVOFFLOAD_TEST_LANES", "2"))
 
 class Lane:
     def __init__(self, models_dir: Path, tmp_path_factory) -> None:
-        # pytest's mktemp is not thread-safe (a lane's once raised "not a normalized and relative
-        # path"): the lanes make their directories with mkdtemp under the session's base directory,
-        # which is taken here, on the main thread.
+        # pytest's mktemp is not thread-safe: the lanes make their directories with mkdtemp under
+        # the session's base directory, which is taken here, on the main thread.
         self.models_dir, self.basetemp = models_dir, tmp_path_factory.getbasetemp()
         self.futures: dict = {}
         self.seconds: dict[str, float] = {}
@@ -338,7 +337,7 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_sessionstart(session):
     # The session's heap (torch, vLLM, the imports) frozen once, as a long-lived vLLM process freezes
     # its own: a worker the tests register then finds it frozen and leaves it (offload/connector/heap.py),
-    # instead of a full collection of this session's heap at every registration (0.4 s each).
+    # instead of a full collection of this session's heap at every registration.
     gc.collect()
     gc.freeze()
 
