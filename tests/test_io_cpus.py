@@ -66,6 +66,51 @@ def test_io_threads_leave_the_models_cores_where_openmp_bound_the_worker_and_onl
     assert all(c == [first] for c in operator["load"] + operator["store"]), operator
 
 
+TIER_CHILD = """
+import json, os, sys, time
+sys.path[:0] = [{repo!r}, {tests!r}]
+import torch  # OpenMP binds this thread to its place, as in vLLM-CPU's worker
+from offload.store import buffers
+seen = []
+real_run = buffers.Prefault._run
+
+def recorded(self):  # the CPUs host memory's prefault thread was started with, then its work
+    seen.append(sorted(os.sched_getaffinity(0)))
+    real_run(self)
+
+buffers.Prefault._run = recorded
+from vllm_unit_utils import WorkerStep, attention_kv_cache_config, create_scheduler, create_vllm_config, set_connector
+
+cfg = create_vllm_config({model!r}, block_size=16, max_num_batched_tokens=256)
+set_connector(cfg, {{"store": "cpu", "cpu_bytes": 4 << 20}})
+kcc = attention_kv_cache_config(["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"],
+                                block_size=16, num_kv_heads=2, head_size=32, num_blocks=64)
+step = WorkerStep(cfg, kcc, create_scheduler(cfg, kcc))  # registers the KV cache: host memory's tier
+deadline = time.monotonic() + 60
+while not seen and time.monotonic() < deadline:
+    time.sleep(0.01)
+print(json.dumps({{"main": sorted(os.sched_getaffinity(0)), "prefault": seen}}))
+step.connector.shutdown()
+"""
+
+
+@two_cpus
+def test_threads_a_tier_starts_at_registration_leave_the_models_cores_too(tmp_path, models_dir):
+    """Host memory's prefault thread, which the tier starts itself when the worker registers the KV
+    cache, runs on every CPU of the process that started the worker; the worker's thread is back on
+    the model's core after the registration."""
+    mine = sorted(os.sched_getaffinity(0))
+    first = mine[0]
+    full = {k: v for k, v in os.environ.items() if not k.startswith("OMP_")}
+    full |= {"OMP_PLACES": f"{{{first}}}", "OMP_PROC_BIND": "true"}
+    child = TIER_CHILD.format(repo=str(REPO), tests=str(REPO / "tests"), model=str(models_dir / "llama-tiny"))
+    out = subprocess.run([sys.executable, "-c", child], env=full, capture_output=True, text=True, timeout=300,
+                         check=True, cwd=tmp_path)
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["main"] == [first], got
+    assert got["prefault"] == [mine], got
+
+
 @pytest.mark.parametrize("env,cpus", [
     ({"OMP_PLACES": "{0,2,3}", "OMP_PROC_BIND": "true"}, {0, 2, 3}),
     ({"OMP_PLACES": "{0-3}", "OMP_PROC_BIND": "close"}, {0, 1, 2, 3}),

@@ -7,13 +7,16 @@ keeps from the model (`VLLM_CPU_NUM_OF_RESERVED_CPU`: its API server, its engine
 connector's threads); on 2 cores with one reserved, every thread of the worker, ours too, ran on
 core 0. So each I/O thread takes the CPUs of the process that started the worker (vLLM's engine
 core, which it does not bind) where that process has more, and the kernel puts it where there is
-room; the store threads run at SCHED_IDLE, so on the model's cores only while those are idle. A
-thread that OpenMP did not bind (a GPU worker, a process under `taskset` alone) keeps its CPUs.
+room, and so do the threads a tier starts at registration (`threads_started_on`); the store
+threads run at SCHED_IDLE, so on the model's cores only while those are idle. A thread that OpenMP
+did not bind (a GPU worker, a process under `taskset` alone) keeps its CPUs.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def _cpu_list(text: str) -> set[int]:
@@ -65,4 +68,23 @@ def run_on(cpus: frozenset[int] | None) -> None:
         try:
             os.sched_setaffinity(0, cpus)
         except OSError:  # a CPU gone offline since: the inherited ones still work
+            pass
+
+
+@contextmanager
+def threads_started_on(cpus: frozenset[int] | None) -> Iterator[None]:
+    """Threads this thread starts inside take `cpus` (`io_cpus`), where given: the threads a tier
+    starts itself (host memory's prefault), which no initializer of ours reaches. The calling thread
+    runs there meanwhile, and on its own CPUs again after."""
+    if cpus is None:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    run_on(cpus)
+    try:
+        yield
+    finally:
+        try:
+            os.sched_setaffinity(0, own)
+        except OSError:  # a CPU gone offline since: what is left of its own
             pass

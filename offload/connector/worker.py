@@ -32,7 +32,7 @@ from vllm.logger import init_logger
 
 from offload.config import OffloadConfig
 from offload.connector import heap
-from offload.connector.cpus import io_cpus
+from offload.connector.cpus import io_cpus, threads_started_on
 from offload.connector.in_flight import WritesInFlight
 from offload.connector.kv_gate import GatedPages
 from offload.connector.loads import LoadPipeline
@@ -90,7 +90,8 @@ class WorkerSide:
                     rec.declare(name, group_kind=kind)
         self.kv = KVCache(planner, fingerprint, make_data, layer_names, token_map)
         self.writes = WritesInFlight()
-        cpus = io_cpus()  # this is vLLM's thread: its binding says where the I/O threads may run
+        # This is vLLM's thread: its binding says where the I/O threads may run.
+        self.cpus = cpus = io_cpus()
         self.stores = StorePath(cfg, self.kv, self.writes, recorders, cpus=cpus)
         self.loads = LoadPipeline(cfg, self.kv, self.writes, self.stores.promote, recorders, cpus=cpus)
         # Warm start's reads, behind every request's load (offload/connector/warm.py).
@@ -135,7 +136,8 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                            layout: dict) -> None:
-        self.kv.register(kv_caches, num_blocks, layout, self.writes.queued_write)
+        with threads_started_on(self.cpus):  # the tiers' own threads (made here) off the model's cores
+            self.kv.register(kv_caches, num_blocks, layout, self.writes.queued_write)
         # One touched load buffer per load thread and group: a restart's first loads would
         # otherwise read into memory faulted in under them (see Prefault).
         self.kv.buffers.reserve(self.kv.file_bytes(), self.cfg.io_threads)
